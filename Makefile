@@ -1,0 +1,39 @@
+# Bootstrap a .venv on Python >= 3.12 and run the two README commands.
+#   make train   set up if needed, then train the tiny model on the embedded corpus
+#   make test    set up if needed, then run the test suite
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= workdir/tiny
+CONFIG ?= configs/tiny.py
+ARGS ?=
+
+# First interpreter that actually runs as Python >= 3.12: python3.12 / python3.13 on PATH
+# (pyenv shims on PATH may not resolve, so each candidate is executed), then pyenv's versions.
+PYENV_ROOT := $(shell pyenv root 2>/dev/null || echo $$HOME/.pyenv)
+CANDIDATES := $(shell command -v python3.12 python3.13 2>/dev/null) \
+              $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12 $(PYENV_ROOT)/versions/3.13*/bin/python3.13)
+FOUND_PY := $(firstword $(foreach p,$(CANDIDATES),$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 12); print("$(p)")' 2>/dev/null)))
+
+.PHONY: setup train test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py
+	@if [ -z "$(FOUND_PY)" ]; then \
+	  echo "error: no working Python >= 3.12. Looked for python3.12 / python3.13 on PATH and" \
+	       "$(PYENV_ROOT)/versions/3.1[23]*/bin/python3.1[23]. Install Python 3.12+ and retry." >&2; exit 1; fi
+	@echo "Using $(FOUND_PY)"
+	test -x $(PY) || $(FOUND_PY) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+train: setup
+	$(PY) scripts/train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) workdir *.egg-info

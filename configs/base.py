@@ -1,0 +1,86 @@
+"""Base config: every field a run reads, with defaults sized for a real (GPU/TPU) run.
+
+  python scripts/train.py --config=configs/base.py --workdir=/tmp/base \
+      --config.model.d_model=1024 --config.data.seq_len=4096
+
+Dimension letters used in code: B batch, T sequence, D d_model, H heads,
+K key head dim, V value head dim, F FFN hidden, E experts, C chunk.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  del arg
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  m = c.model = ml_collections.ConfigDict()
+  m.vocab_size = 259            # byte tokenizer: 256 bytes + BOS/EOS/PAD
+  m.d_model = 1024
+  m.n_layers = 16
+  m.layer_pattern = "KKKA"      # K = KDA, A = gated MLA; applied cyclically over layers
+  m.n_heads = 16
+  m.dtype = "bfloat16"          # compute dtype; params and optimiser state stay fp32
+  m.tie_embeddings = False
+  m.norm_eps = 1e-6
+  m.remat = False
+  # KDA (linear attention) mixer.
+  m.kda_head_dim = 64           # K = V per head; n_heads * kda_head_dim need not equal d_model
+  m.kda_lower_bound = -5.0      # bounded gate g in [lower_bound, 0); None = legacy unbounded gate
+  m.kda_conv_size = 4
+  m.kda_chunk_size = 64
+  m.kda_implementation = ""     # "" = best for platform; or xla | recurrent | pallas_gpu | pallas_tpu
+  # Gated MLA (NoPE) mixer.
+  m.mla_q_lora_rank = 384       # 0 = full-rank query projection
+  m.mla_kv_lora_rank = 256      # the latent an inference cache stores
+  m.mla_qk_head_dim = 64
+  m.mla_v_head_dim = 64
+  # FFN.
+  m.ffn_hidden = 2816
+
+  d = c.data = ml_collections.ConfigDict()
+  d.source = "stdlib"           # stdlib (embedded default) | files | mqar
+  d.paths = ""                  # glob of text files, used when source == "files"
+  d.seq_len = 2048
+  d.batch_size = 32
+  d.val_percent = 5             # share of documents (by path hash) held out for validation
+  d.shuffle_seed = 0
+  d.mqar_num_pairs = 16         # MQAR: key-value pairs per sequence
+  d.mqar_vocab = 256            # MQAR: keys and values drawn from disjoint halves of this range
+
+  o = c.optim = ml_collections.ConfigDict()
+  o.learning_rate = 3e-4
+  o.b1 = 0.9
+  o.b2 = 0.95
+  o.eps = 1e-8
+  o.weight_decay = 0.1
+  o.grad_clip_norm = 1.0
+
+  s = c.schedule = ml_collections.ConfigDict()
+  s.kind = "cosine"             # cosine | wsd (warmup-stable-decay)
+  s.total_steps = 10_000
+  s.warmup_steps = 500
+  s.decay_fraction = 0.2        # wsd: final share of steps spent decaying
+  s.final_lr_fraction = 0.1
+
+  e = c.eval = ml_collections.ConfigDict()
+  e.every_steps = 500
+  e.num_batches = 16
+
+  k = c.checkpoint = ml_collections.ConfigDict()
+  k.every_steps = 1000
+  k.max_to_keep = 3
+  k.async_save = True
+
+  lg = c.log = ml_collections.ConfigDict()
+  lg.every_steps = 10
+
+  mesh = c.mesh = ml_collections.ConfigDict()
+  # Sizes of ("data", "fsdp", "expert", "sequence", "tensor"); -1 = all remaining devices.
+  mesh.data = -1
+  mesh.fsdp = 1
+  mesh.expert = 1
+  mesh.sequence = 1
+  mesh.tensor = 1
+  return c

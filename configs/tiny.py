@@ -1,0 +1,43 @@
+"""Tiny hybrid KDA/MLA model on the embedded stdlib corpus: the CPU default (minutes).
+
+  python scripts/train.py --config=configs/tiny.py --workdir=workdir/tiny
+  python scripts/train.py --config=configs/tiny.py:mqar --workdir=workdir/mqar
+"""
+
+from configs import base
+
+
+def get_config(arg=None):
+  c = base.get_config()
+  m = c.model
+  m.d_model = 128
+  m.n_layers = 4
+  m.layer_pattern = "KKKA"
+  m.n_heads = 4
+  m.dtype = "float32"           # CPU: bf16 matmuls are emulated and slower than fp32
+  m.tie_embeddings = True
+  m.kda_head_dim = 32
+  m.kda_chunk_size = 16          # CPU: the XLA chunked path is cheapest at 16
+  m.mla_q_lora_rank = 64
+  m.mla_kv_lora_rank = 64
+  m.mla_qk_head_dim = 32
+  m.mla_v_head_dim = 32
+  m.ffn_hidden = 384
+
+  c.data.seq_len = 256
+  c.data.batch_size = 16
+  c.optim.learning_rate = 3e-3
+  c.optim.weight_decay = 0.01
+  c.schedule.total_steps = 300
+  c.schedule.warmup_steps = 20
+  c.eval.every_steps = 100
+  c.eval.num_batches = 16
+  c.checkpoint.every_steps = 100
+  c.log.every_steps = 20
+
+  if arg == "mqar":
+    c.data.source = "mqar"
+    c.data.seq_len = 128
+  elif arg not in (None, ""):
+    raise ValueError(f"configs/tiny.py arg must be one of '', 'mqar'; got {arg!r}")
+  return c

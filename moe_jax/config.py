@@ -1,0 +1,88 @@
+"""Config validation: every bad field fails here, before any tracing or compile."""
+
+import ml_collections
+
+MIXERS = {"K": "KDA linear attention", "A": "gated MLA full attention"}
+DTYPES = ("float32", "bfloat16")
+SOURCES = ("stdlib", "files", "mqar")
+SCHEDULES = ("cosine", "wsd")
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
+
+
+def _fail(field, value, accepted):
+  raise ValueError(f"{field} must be {accepted}, got {value!r}")
+
+
+def _positive_int(field, value):
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    _fail(field, value, "a positive integer")
+
+
+def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Raises ValueError naming the field, its value and what is accepted."""
+  m = c.model
+  for f in ("vocab_size", "d_model", "n_layers", "n_heads", "kda_head_dim", "kda_conv_size",
+            "mla_kv_lora_rank", "mla_qk_head_dim", "mla_v_head_dim", "ffn_hidden"):
+    _positive_int(f"model.{f}", m[f])
+  if m.vocab_size < MIN_VOCAB:
+    _fail("model.vocab_size", m.vocab_size, f">= {MIN_VOCAB} (byte tokenizer size)")
+  if m.d_model % m.n_heads:
+    _fail("model.n_heads", m.n_heads, f"a divisor of model.d_model={m.d_model}")
+  pattern = m.layer_pattern
+  if not isinstance(pattern, str) or not pattern or any(ch not in MIXERS for ch in pattern):
+    _fail("model.layer_pattern", pattern,
+          "a non-empty string of letters " + ", ".join(f"{k} ({v})" for k, v in MIXERS.items()))
+  if m.dtype not in DTYPES:
+    _fail("model.dtype", m.dtype, f"one of {DTYPES}")
+  if m.mla_q_lora_rank < 0:
+    _fail("model.mla_q_lora_rank", m.mla_q_lora_rank, "0 (full rank) or a positive integer")
+  lb = m.kda_lower_bound
+  if lb is not None and not -5.0 <= lb < 0.0:
+    _fail("model.kda_lower_bound", lb, "in [-5, 0), or None for the legacy unbounded gate")
+  chunk = m.kda_chunk_size
+  if chunk not in (16, 32, 64, 128):
+    _fail("model.kda_chunk_size", chunk, "one of (16, 32, 64, 128)")
+  impls = ("", "xla", "recurrent", "pallas_gpu", "pallas_tpu")
+  if m.kda_implementation not in impls:
+    _fail("model.kda_implementation", m.kda_implementation, f"one of {impls}")
+
+  d = c.data
+  if d.source not in SOURCES:
+    _fail("data.source", d.source, f"one of {SOURCES}")
+  if d.source == "files" and not d.paths:
+    _fail("data.paths", d.paths, "a glob of text files when data.source='files'")
+  _positive_int("data.seq_len", d.seq_len)
+  _positive_int("data.batch_size", d.batch_size)
+  if not 0 < d.val_percent < 100:
+    _fail("data.val_percent", d.val_percent, "in (0, 100)")
+  if "K" in pattern and d.seq_len % (chunk * max(c.mesh.sequence, 1)):
+    _fail("data.seq_len", d.seq_len,
+          f"a multiple of model.kda_chunk_size * mesh.sequence = {chunk * max(c.mesh.sequence, 1)}"
+          " (each sequence shard holds whole KDA chunks)")
+  if d.source == "mqar" and 4 * d.mqar_num_pairs + 1 > d.seq_len:
+    _fail("data.mqar_num_pairs", d.mqar_num_pairs,
+          f"at most (data.seq_len - 1) // 4 = {(d.seq_len - 1) // 4}")
+
+  s = c.schedule
+  if s.kind not in SCHEDULES:
+    _fail("schedule.kind", s.kind, f"one of {SCHEDULES}")
+  _positive_int("schedule.total_steps", s.total_steps)
+  if not 0 <= s.warmup_steps < s.total_steps:
+    _fail("schedule.warmup_steps", s.warmup_steps,
+          f"in [0, schedule.total_steps={s.total_steps})")
+  if not 0.0 < s.decay_fraction <= 1.0:
+    _fail("schedule.decay_fraction", s.decay_fraction, "in (0, 1]")
+  if c.optim.learning_rate <= 0:
+    _fail("optim.learning_rate", c.optim.learning_rate, "> 0")
+  for f in ("every_steps", "num_batches"):
+    _positive_int(f"eval.{f}", c.eval[f])
+  _positive_int("checkpoint.every_steps", c.checkpoint.every_steps)
+  _positive_int("checkpoint.max_to_keep", c.checkpoint.max_to_keep)
+  for axis in MESH_AXES:
+    size = c.mesh[axis]
+    if not isinstance(size, int) or (size <= 0 and size != -1):
+      _fail(f"mesh.{axis}", size, "a positive integer or -1 (all remaining devices)")
+  if sum(c.mesh[a] == -1 for a in MESH_AXES) > 1:
+    _fail("mesh", {a: c.mesh[a] for a in MESH_AXES}, "at most one axis set to -1")
+  return c

@@ -1,0 +1,51 @@
+"""Pack token streams into fixed-length rows with segment ids, positions and masked labels.
+
+A row holds consecutive pieces of documents; a document that does not fit is
+continued as a new segment in the next row. Segment ids number the pieces in a
+row from 1; 0 marks padding (only at the end of the last row). A label is the
+next token of the *same* segment, so no label crosses a document (or row) edge.
+"""
+
+import numpy as np
+
+from moe_jax.data import tokenizer
+
+
+class PackedRows:
+  """Random-access rows of a packed corpus (a grain data source)."""
+
+  def __init__(self, docs: list[np.ndarray], seq_len: int):
+    stream_N = np.concatenate(docs) if docs else np.zeros((0,), np.int32)
+    starts_N = np.zeros(len(stream_N), bool)
+    starts_N[np.cumsum([0] + [len(d) for d in docs[:-1]])] = len(stream_N) > 0
+    n_rows = max(1, -(-len(stream_N) // seq_len))
+    pad = n_rows * seq_len - len(stream_N)
+    self.tokens_NxL = np.pad(stream_N, (0, pad), constant_values=tokenizer.PAD).astype(
+        np.uint16).reshape(n_rows, seq_len)
+    self.starts_NxL = np.pad(starts_N, (0, pad)).reshape(n_rows, seq_len)
+    self.starts_NxL[:, 0] = True  # a row always opens a segment (continued documents too)
+
+  def __len__(self):
+    return len(self.tokens_NxL)
+
+  def __getitem__(self, i):
+    return row_example(self.tokens_NxL[i].astype(np.int32), self.starts_NxL[i])
+
+
+def row_example(tokens_L: np.ndarray, starts_L: np.ndarray) -> dict[str, np.ndarray]:
+  """Model inputs for one row: tokens, targets, segment_ids, positions, loss_mask."""
+  is_pad_L = tokens_L == tokenizer.PAD
+  segment_ids_L = np.where(is_pad_L, 0, np.cumsum(starts_L)).astype(np.int32)
+  idx_L = np.arange(len(tokens_L))
+  seg_start_L = np.maximum.accumulate(np.where(starts_L, idx_L, 0))
+  positions_L = np.where(is_pad_L, 0, idx_L - seg_start_L).astype(np.int32)
+  same_next_L = np.zeros(len(tokens_L), bool)
+  same_next_L[:-1] = (segment_ids_L[1:] == segment_ids_L[:-1]) & (segment_ids_L[:-1] > 0)
+  targets_L = np.where(same_next_L, np.roll(tokens_L, -1), tokenizer.PAD).astype(np.int32)
+  return {
+      "tokens": tokens_L,
+      "targets": targets_L,
+      "segment_ids": segment_ids_L,
+      "positions": positions_L,
+      "loss_mask": same_next_L.astype(np.float32),
+  }

@@ -1,0 +1,60 @@
+"""KDA mixer: projections, short conv, L2-normed q/k, bounded gate, delta-rule scan, gated norm."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from moe_jax.model.layers import ShortConv, dense, l2_normalize, lp, out_scale, rms_norm
+from pallas_kernels.kda import kda, kda_gate
+
+
+def _A_log_init(key, shape, dtype=jnp.float32):
+  """Per-head decay rate A ~ U(1, 16), stored as log A (as in fla's KDA)."""
+  return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def _dt_bias_init(key, shape, dtype=jnp.float32):
+  """Inverse softplus of dt ~ logU(1e-3, 1e-1): slow decay (long memory) at init."""
+  u = jax.random.uniform(key, shape, dtype)
+  dt = jnp.maximum(jnp.exp(u * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)), 1e-4)
+  return dt + jnp.log(-jnp.expm1(-dt))
+
+
+class KDAMixer(nn.Module):
+  cfg: object
+
+  @nn.compact
+  def __call__(self, x_BxTxD, segment_ids_BxT):
+    cfg = self.cfg
+    B, T, D = x_BxTxD.shape
+    H, K = cfg.n_heads, cfg.kda_head_dim
+
+    def conv_proj(name):
+      y_BxTxHK = dense(cfg, H * K, ("embed", "kda_channels"), f"{name}_proj")(x_BxTxD)
+      y_BxTxHK = ShortConv(cfg, cfg.kda_conv_size, name=f"{name}_conv")(y_BxTxHK, segment_ids_BxT)
+      return y_BxTxHK.reshape(B, T, H, K)
+
+    q_BxTxHxK = l2_normalize(conv_proj("q"))
+    k_BxTxHxK = l2_normalize(conv_proj("k"))
+    v_BxTxHxV = conv_proj("v")
+
+    # Low-rank gate input, then the bounded per-channel log-decay g ∈ [lower_bound, 0).
+    f_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "f_a")(x_BxTxD)
+    f_BxTxHxK = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "f_b")(f_BxTxK)
+    A_log_H = self.param("A_log", lp(_A_log_init, ("heads",)), (H,))
+    dt_bias_HK = self.param("dt_bias", lp(_dt_bias_init, ("kda_channels",)), (H * K,))
+    g_BxTxHxK = kda_gate(f_BxTxHxK, A_log_H, dt_bias_HK, lower_bound=cfg.kda_lower_bound)
+    beta_BxTxH = nn.sigmoid(dense(cfg, H, ("embed", "heads"), "b_proj")(x_BxTxD).astype(jnp.float32))
+
+    o_BxTxHxV, _ = kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH,
+                       segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
+                       implementation=cfg.kda_implementation or None)
+
+    # Gated RMSNorm per head: norm(o) * sigmoid(low-rank gate(x)).
+    gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)
+    gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b", use_bias=True)(gate_BxTxK)
+    o_BxTxHxV = rms_norm(cfg, "o_norm", "kv")(o_BxTxHxV) * nn.sigmoid(gate_BxTxHxV)
+    return dense(cfg, D, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
+                 scale=out_scale(cfg))(o_BxTxHxV)

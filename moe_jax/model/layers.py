@@ -1,0 +1,78 @@
+"""Shared building blocks: partitioned dense/norm factories, SwiGLU, segment-aware short conv."""
+
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+lp = nn.with_logical_partitioning
+
+
+def dtype_of(cfg):
+  return jnp.dtype(cfg.dtype)
+
+
+def dense(cfg, features, axes, name, *, axis=-1, scale=1.0, use_bias=False):
+  """DenseGeneral contracting `axis`; `axes` are the kernel's logical names (*in, *out)."""
+  n_in = len(axis) if isinstance(axis, tuple) else 1
+  # DenseGeneral hands the initializer the kernel flattened to 2-D (in, out): fans are right.
+  init = nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal")
+  return nn.DenseGeneral(features, axis=axis, use_bias=use_bias, dtype=dtype_of(cfg),
+                         param_dtype=jnp.float32, kernel_init=lp(init, axes), name=name,
+                         bias_init=lp(nn.initializers.zeros, axes[n_in:]))
+
+
+def rms_norm(cfg, name, axis_name="norm"):
+  return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=dtype_of(cfg), param_dtype=jnp.float32,
+                    scale_init=lp(nn.initializers.ones, (axis_name,)), name=name)
+
+
+def out_scale(cfg):
+  """Residual-branch output projections shrink with depth (GPT-2 style)."""
+  return 1.0 / (2 * cfg.n_layers)
+
+
+class SwiGLU(nn.Module):
+  """Dense gated FFN: down(silu(gate(x)) * up(x))."""
+  cfg: object
+  hidden: int
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    D = x_BxTxD.shape[-1]
+    gate_BxTxF = dense(self.cfg, self.hidden, ("embed", "mlp"), "gate")(x_BxTxD)
+    up_BxTxF = dense(self.cfg, self.hidden, ("embed", "mlp"), "up")(x_BxTxD)
+    h_BxTxF = nn.silu(gate_BxTxF) * up_BxTxF
+    return dense(self.cfg, D, ("mlp", "embed"), "down", scale=out_scale(self.cfg))(h_BxTxF)
+
+
+def segment_shift(x_BxTxC, segment_ids_BxT, shift):
+  """x[t - shift] where it lies in the same segment as t, else 0 (causal, no cross-document leak)."""
+  if shift == 0:
+    return x_BxTxC
+  x_prev = jnp.pad(x_BxTxC, ((0, 0), (shift, 0), (0, 0)))[:, :-shift]
+  seg_prev = jnp.pad(segment_ids_BxT, ((0, 0), (shift, 0)), constant_values=-1)[:, :-shift]
+  return jnp.where((seg_prev == segment_ids_BxT)[..., None], x_prev, 0)
+
+
+class ShortConv(nn.Module):
+  """Depthwise causal convolution over time followed by SiLU (KDA's q/k/v pre-mixing)."""
+  cfg: object
+  width: int
+
+  @nn.compact
+  def __call__(self, x_BxTxC, segment_ids_BxT):
+    C = x_BxTxC.shape[-1]
+    init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0,
+                                            out_axis=1)
+    w_WxC = self.param("kernel", lp(init, ("conv", "kda_channels")), (self.width, C), jnp.float32)
+    w_WxC = w_WxC.astype(x_BxTxC.dtype)
+    y_BxTxC = sum(segment_shift(x_BxTxC, segment_ids_BxT, j) * w_WxC[j] for j in range(self.width))
+    return nn.silu(y_BxTxC)
+
+
+def l2_normalize(x, eps=1e-6):
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+

@@ -1,0 +1,49 @@
+"""Device mesh from config, and the logical-axis → mesh-axis rules every param and batch uses."""
+
+import math
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from moe_jax.config import MESH_AXES
+
+# Logical names used by the model (see nn.with_logical_partitioning calls) → mesh axes.
+LOGICAL_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("sequence", "sequence"),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kda_channels", "tensor"),
+    ("expert", "expert"),
+    ("kv", None),
+    ("kda_rank", None),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("conv", None),
+    ("norm", None),
+)
+
+
+def axis_sizes(mesh_cfg: ml_collections.ConfigDict, n_devices: int) -> tuple[int, ...]:
+  """Resolve the one -1 axis to the remaining devices; the product must equal n_devices."""
+  sizes = [mesh_cfg[a] for a in MESH_AXES]
+  fixed = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if n_devices % fixed:
+      raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))}: fixed axes ({fixed}) must divide "
+                       f"the device count {n_devices}")
+    sizes[sizes.index(-1)] = n_devices // fixed
+  if math.prod(sizes) != n_devices:
+    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices, "
+                     f"but {n_devices} are available")
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
+  devices = jax.devices() if devices is None else devices
+  sizes = axis_sizes(mesh_cfg, len(devices))
+  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)

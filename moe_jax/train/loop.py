@@ -1,0 +1,115 @@
+"""train_and_evaluate: config → data → model → jitted steps → eval / metrics / checkpoints."""
+
+import json
+import os
+import time
+
+import jax
+import ml_collections
+from absl import logging
+from tqdm import tqdm
+
+from moe_jax import config as config_lib
+from moe_jax.data import pipeline
+from moe_jax.model.transformer import HybridMoE
+from moe_jax.parallel.mesh import make_mesh
+from moe_jax.train import checkpoint, metrics, optim, state as state_lib, step as step_lib
+
+
+def evaluate(eval_step, params, eval_ds, sharding) -> dict[str, float]:
+  sums = None
+  for batch in eval_ds:
+    out = eval_step(params, jax.device_put(batch, sharding))
+    sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
+  return step_lib.summarize_eval(sums)
+
+
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
+  """Trains to schedule.total_steps, resuming from the latest checkpoint in `workdir`.
+
+  Returns a summary dict: final validation metrics, the validation split's byte-unigram
+  entropy (text sources), the step resumed from (or None) and the train-loss history.
+  """
+  config_lib.validate(c)
+  mesh = make_mesh(c.mesh)
+  data_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  if c.data.batch_size % data_shards:
+    raise ValueError(f"data.batch_size={c.data.batch_size} must be a multiple of the data × fsdp "
+                     f"mesh size {data_shards}")
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+
+  # Data.
+  sources = pipeline.sources(c)
+  train_iter = iter(pipeline.train_dataset(sources["train"], c))
+  eval_ds = pipeline.eval_dataset(sources["validation"], c)
+  unigram = (None if c.data.source == "mqar"
+             else pipeline.unigram_entropy_bits(sources["validation"]))
+
+  # Model, optimizer, state.
+  model = HybridMoE(state_lib.frozen_model_config(c))
+  tx = optim.make_optimizer(c)
+  example = next(iter(eval_ds))
+  state, state_sh = state_lib.create_train_state(model, tx, example, mesh,
+                                                 jax.random.key(c.seed))
+  batch_sh = state_lib.batch_sharding(mesh)
+  manager = checkpoint.make_manager(os.path.abspath(os.path.join(workdir, "checkpoints")), c)
+  state, resumed = checkpoint.restore_latest(manager, state, train_iter)
+  start = int(state.step)
+  logging.info("params: %d; %s", state_lib.param_count(state.params),
+               f"resumed from step {resumed}" if resumed is not None else "starting fresh")
+  print(f"moe_jax: {state_lib.param_count(state.params):,} params; "
+        + (f"resumed from checkpoint at step {resumed}" if resumed is not None
+           else "no checkpoint, starting from step 0"), flush=True)
+
+  train_step = step_lib.jit_train_step(c, state_sh, batch_sh)
+  eval_step = step_lib.jit_eval_step(model.apply, state_sh.params, batch_sh)
+  train_log = metrics.MetricWriter(workdir, "train")
+  eval_log = metrics.MetricWriter(workdir, "eval")
+  tokens_per_step = c.data.batch_size * c.data.seq_len
+  history, eval_metrics = [], None
+
+  bar = tqdm(total=c.schedule.total_steps, initial=start, disable=not progress, unit="step",
+             dynamic_ncols=True)
+  last_time, last_step = time.perf_counter(), start
+  for step in range(start, c.schedule.total_steps):
+    batch = jax.device_put(next(train_iter), batch_sh)
+    state, m = train_step(state, batch)
+    done = step + 1
+    bar.update(1)
+    if done % c.log.every_steps == 0 or done == c.schedule.total_steps:
+      m = jax.device_get(m)
+      now = time.perf_counter()
+      m["tokens_per_sec"] = tokens_per_step * (done - last_step) / (now - last_time)
+      last_time, last_step = now, done
+      train_log.write(done, m)
+      history.append((done, float(m["loss"])))
+      bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_sec']:.0f}",
+                      skipped=int(m["skipped_updates"]))
+    if done % c.eval.every_steps == 0 or done == c.schedule.total_steps:
+      eval_metrics = evaluate(eval_step, state.params, eval_ds, batch_sh)
+      eval_log.write(done, eval_metrics)
+      bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in eval_metrics.items()))
+    checkpoint.save(manager, done, state, train_iter, force=done == c.schedule.total_steps)
+  bar.close()
+  if eval_metrics is None:  # nothing left to train: report the restored model
+    eval_metrics = evaluate(eval_step, state.params, eval_ds, batch_sh)
+  manager.wait_until_finished()
+  manager.close()
+  train_log.close()
+  eval_log.close()
+
+  summary = {"step": int(state.step), "resumed_from": resumed, "unigram_entropy_bits": unigram,
+             **{f"val_{k}": v for k, v in eval_metrics.items()}}
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  if unigram is not None:
+    drop = 1.0 - eval_metrics["bits_per_byte"] / unigram
+    print(f"final validation bits/byte {eval_metrics['bits_per_byte']:.4f} vs byte-unigram "
+          f"entropy of the validation split {unigram:.4f} bits/byte ({100 * drop:.1f}% lower)",
+          flush=True)
+  else:
+    print(f"final validation accuracy {eval_metrics['accuracy']:.4f}, loss "
+          f"{eval_metrics['loss']:.4f}", flush=True)
+  return {**summary, "state": state, "history": history}

@@ -1,0 +1,38 @@
+"""Train state (fp32 params + optax state + step), created sharded over the mesh."""
+
+import flax.linen as nn
+import jax
+import ml_collections
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from moe_jax.parallel.mesh import LOGICAL_RULES
+
+TrainState = train_state.TrainState
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batch rows over data × fsdp, time over the sequence axis."""
+  return NamedSharding(mesh, P(("data", "fsdp"), "sequence"))
+
+
+def create_train_state(model: nn.Module, tx, example_batch, mesh: Mesh, rng):
+  """Returns (state, state_shardings). Params are fp32, laid out by their logical axes."""
+
+  def boxed_state(rng):
+    variables = model.init(rng, example_batch)
+    return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+
+  abstract = jax.eval_shape(boxed_state, rng)
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, LOGICAL_RULES)
+  init = jax.jit(lambda r: nn.meta.unbox(boxed_state(r)), out_shardings=shardings)
+  return init(rng), shardings
+
+
+def param_count(params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))
+
+
+def frozen_model_config(c: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+  """Modules take an immutable, hashable model config."""
+  return ml_collections.FrozenConfigDict(c.model)

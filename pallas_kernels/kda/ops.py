@@ -1,0 +1,65 @@
+"""Public KDA entry point: validates inputs and dispatches to an implementation."""
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import reference
+
+IMPLEMENTATIONS = ("xla", "recurrent", "pallas_gpu", "pallas_tpu")
+CHUNK_SIZES = (16, 32, 64, 128)
+
+
+def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B,T,H,K], got shape {q.shape}")
+  B, T, H, K = q.shape
+  if k.shape != q.shape:
+    raise ValueError(f"k must match q's shape {q.shape}, got {k.shape}")
+  if g.shape != q.shape:
+    raise ValueError(f"g must match q's shape {q.shape}, got {g.shape}")
+  if v.ndim != 4 or v.shape[:3] != (B, T, H):
+    raise ValueError(f"v must be [B,T,H,V] with B,T,H = {(B, T, H)}, got {v.shape}")
+  if beta.shape != (B, T, H):
+    raise ValueError(f"beta must be [B,T,H] = {(B, T, H)}, got {beta.shape}")
+  if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+    raise ValueError(f"initial_state must be [B,H,K,V] = {(B, H, K, v.shape[-1])}, "
+                     f"got {initial_state.shape}")
+  if segment_ids is not None and (segment_ids.shape != (B, T)
+                                  or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+    raise ValueError(f"segment_ids must be an integer [B,T] = {(B, T)} array, got "
+                     f"{segment_ids.shape} {segment_ids.dtype}")
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a floating array, got {x.dtype}")
+  if chunk_size not in CHUNK_SIZES:
+    raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
+  if not isinstance(g, jax.core.Tracer) and bool(jnp.any(g > 0)):
+    raise ValueError(f"g is a log-decay and must be <= 0; max is {float(jnp.max(g))}")
+
+
+def default_implementation() -> str:
+  """Best available for the platform (the Pallas kernels take over in their own issue)."""
+  return "xla"
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        segment_ids=None, chunk_size=64, implementation=None):
+  """Kimi delta attention. q,k,g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; g ≤ 0 (log-decay).
+
+  Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] float32 or None).
+  segment_ids [B,T] (0 = padding) resets the state at each new segment.
+  """
+  _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+  impl = default_implementation() if implementation is None else implementation
+  if impl == "xla":
+    o, S = reference.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                 segment_ids=segment_ids, chunk_size=chunk_size)
+  elif impl == "recurrent":
+    o, S = reference.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   segment_ids=segment_ids)
+  elif impl in ("pallas_gpu", "pallas_tpu"):
+    raise NotImplementedError(f"implementation={impl!r} is not built yet (KDA kernel issue); "
+                              "use 'xla' or 'recurrent'")
+  else:
+    raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {impl!r}")
+  return o.astype(v.dtype), (S if output_final_state else None)

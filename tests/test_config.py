@@ -1,0 +1,79 @@
+"""Config loading, command-line overrides, and every validation error."""
+
+import os
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from configs import base, tiny
+from moe_jax import config as config_lib
+from moe_jax.train.loop import train_and_evaluate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_configs_load_and_validate():
+  for c in (base.get_config(), tiny.get_config(), tiny.get_config("mqar")):
+    assert config_lib.validate(c) is c
+  assert tiny.get_config("mqar").data.source == "mqar"
+  with pytest.raises(ValueError, match="configs/tiny.py arg"):
+    tiny.get_config("nope")
+
+
+def test_command_line_overrides(monkeypatch):
+  argv = ["prog", f"--config={ROOT}/configs/tiny.py", "--config.model.d_model=512",
+          "--config.model.layer_pattern=KA", "--config.data.paths=/x/*.txt"]
+  monkeypatch.setattr("sys.argv", argv)  # config_flags reads overrides from sys.argv
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=fv)
+  fv(argv)
+  c = fv.config
+  assert (c.model.d_model, c.model.layer_pattern, c.data.paths) == (512, "KA", "/x/*.txt")
+  assert c.model.n_layers == tiny.get_config().model.n_layers  # untouched fields keep defaults
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("model.n_heads", 3, r"model\.n_heads must be a divisor of model\.d_model=128, got 3"),
+    ("model.layer_pattern", "KKXA", r"model\.layer_pattern must be a non-empty string of letters "
+                                    r"K \(KDA.*got 'KKXA'"),
+    ("model.layer_pattern", "", r"model\.layer_pattern .* got ''"),
+    ("model.kda_lower_bound", -8.0, r"model\.kda_lower_bound must be in \[-5, 0\).*got -8\.0"),
+    ("model.kda_lower_bound", 0.0, r"model\.kda_lower_bound must be in \[-5, 0\).*got 0\.0"),
+    ("data.seq_len", 100, r"data\.seq_len must be a multiple of model\.kda_chunk_size \* "
+                          r"mesh\.sequence = 16.*got 100"),
+    ("model.kda_chunk_size", 24, r"model\.kda_chunk_size must be one of \(16, 32, 64, 128\), got 24"),
+    ("model.dtype", "float16", r"model\.dtype must be one of .*got 'float16'"),
+    ("data.source", "web", r"data\.source must be one of .*got 'web'"),
+    ("schedule.warmup_steps", 10_000, r"schedule\.warmup_steps must be in \[0, "),
+    ("mesh.data", 0, r"mesh\.data must be a positive integer or -1 \(all remaining devices\), got 0"),
+])
+def test_invalid_fields_raise_naming_field_value_and_accepted(field, value, match):
+  c = tiny.get_config()
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(c)
+
+
+def test_files_source_needs_paths():
+  c = tiny.get_config()
+  c.data.source = "files"
+  with pytest.raises(ValueError, match=r"data\.paths must be a glob"):
+    config_lib.validate(c)
+
+
+def test_legacy_gate_is_accepted():
+  c = tiny.get_config()
+  c.model.kda_lower_bound = None
+  config_lib.validate(c)
+
+
+def test_invalid_config_fails_before_any_work(tmp_path):
+  """Validation runs first: no data is read, nothing compiles, the workdir is not created."""
+  c = tiny.get_config()
+  c.model.n_heads = 5
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match="model.n_heads"):
+    train_and_evaluate(c, str(workdir), progress=False)
+  assert not workdir.exists()

@@ -1,0 +1,115 @@
+"""Tokenizer, packing (segments, positions, masked labels), splits, MQAR and grain iterators."""
+
+import numpy as np
+import pytest
+
+from configs import tiny
+from moe_jax.data import corpus, mqar, packing, pipeline, tokenizer
+
+
+def test_tokenizer_round_trip():
+  ids = tokenizer.encode("héllo\n")
+  assert ids[0] == tokenizer.BOS and ids[-1] == tokenizer.EOS
+  assert len(ids) == len("héllo\n".encode()) + 2
+  assert tokenizer.decode(ids) == "héllo\n"
+
+
+def _docs(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [tokenizer.encode(bytes(rng.integers(32, 127, n).astype(np.uint8))) for n in lengths]
+
+
+def test_packing_segments_positions_and_labels():
+  docs = _docs([3, 10, 1, 25, 4])  # token lengths 5, 12, 3, 27, 6 = 53 -> 4 rows of 16
+  rows = packing.PackedRows(docs, seq_len=16)
+  assert len(rows) == 4
+  stream = np.concatenate(docs)
+  doc_of = np.repeat(np.arange(len(docs)), [len(d) for d in docs])
+  seen = 0
+  for r in range(len(rows)):
+    ex = rows[r]
+    tok, tgt, seg, pos, mask = (ex[k] for k in ("tokens", "targets", "segment_ids", "positions",
+                                                "loss_mask"))
+    live = seg > 0
+    n = int(live.sum())
+    np.testing.assert_array_equal(tok[:n], stream[seen:seen + n])
+    # Segment ids: 1, 2, ... in order, changing exactly where the document changes (or row starts).
+    docs_here = doc_of[seen:seen + n]
+    expected_seg = 1 + np.concatenate([[0], np.cumsum(docs_here[1:] != docs_here[:-1])])
+    np.testing.assert_array_equal(seg[:n], expected_seg)
+    for s in np.unique(seg[:n]):
+      np.testing.assert_array_equal(pos[seg == s], np.arange((seg == s).sum()))
+    # Every label is the next token of the same document; the others are masked.
+    for t in range(16):
+      if mask[t]:
+        assert seg[t + 1] == seg[t] > 0 and tgt[t] == tok[t + 1]
+        assert doc_of[seen + t] == doc_of[seen + t + 1]
+      else:
+        assert tgt[t] == tokenizer.PAD
+    # Padding (only at the end of the last row) has segment 0 and no loss.
+    assert np.all(tok[~live] == tokenizer.PAD) and not mask[~live].any()
+    seen += n
+  assert seen == len(stream) and (rows[3]["segment_ids"] == 0).sum() == 64 - 53
+  # The masked positions are exactly the last token of each segment piece (plus padding).
+  assert sum(int((rows[r]["loss_mask"] == 0).sum()) for r in range(4)) == (
+      sum(len(np.unique(rows[r]["segment_ids"][rows[r]["segment_ids"] > 0])) for r in range(4))
+      + 64 - 53)
+
+
+def test_split_is_deterministic_and_disjoint():
+  paths = corpus.stdlib_paths()
+  a, b = corpus.split_paths(paths, 5), corpus.split_paths(list(reversed(paths)), 5)
+  assert sorted(a["validation"]) == sorted(b["validation"])
+  assert not set(a["train"]) & set(a["validation"])
+  assert len(a["train"]) + len(a["validation"]) == len(paths)
+  assert 0.02 < len(a["validation"]) / len(paths) < 0.08
+
+
+def test_user_corpus_from_glob(tmp_path):
+  for i in range(40):
+    (tmp_path / f"doc{i}.txt").write_text(f"document number {i}\n" * (i + 1))
+  c = tiny.get_config()
+  c.data.source, c.data.paths, c.data.seq_len, c.data.val_percent = "files", str(
+      tmp_path / "*.txt"), 64, 20
+  srcs = pipeline.sources(c)
+  text = b"".join(bytes(srcs[s].tokens_NxL[srcs[s].tokens_NxL < 256].astype(np.uint8))
+                  for s in ("train", "validation"))
+  assert text.count(b"document number") == sum(range(1, 41))
+  with pytest.raises(ValueError, match="data.paths='/nonexistent/\\*.txt' matched no files"):
+    corpus.glob_paths("/nonexistent/*.txt")
+
+
+def test_mqar_rows_answer_each_query():
+  rows = mqar.MQARRows(seq_len=64, num_pairs=8, vocab=64, seed=3)
+  ex = rows[5]
+  tok, tgt, mask = ex["tokens"], ex["targets"], ex["loss_mask"]
+  pairs = dict(zip(tok[1:17:2].tolist(), tok[2:18:2].tolist()))
+  assert len(pairs) == 8 and all(1 <= k < 32 <= v < 64 for k, v in pairs.items())
+  queries = np.flatnonzero(mask)
+  assert len(queries) == 8
+  for t in queries:
+    assert tgt[t] == pairs[int(tok[t])]
+  np.testing.assert_array_equal(rows[5]["tokens"], tok)  # deterministic per index
+  assert not np.array_equal(rows[6]["tokens"], tok)
+  with pytest.raises(ValueError, match="num_pairs=20 needs seq_len >= 81"):
+    mqar.MQARRows(seq_len=64, num_pairs=20)
+
+
+def test_grain_iterator_state_restores_exact_order():
+  c = tiny.get_config()
+  c.data.seq_len, c.data.batch_size = 64, 4
+  src = packing.PackedRows(_docs(range(1, 200)), c.data.seq_len)
+  it = iter(pipeline.train_dataset(src, c))
+  for _ in range(3):
+    next(it)
+  saved = it.get_state()
+  expected = [next(it)["tokens"] for _ in range(4)]
+  fresh = iter(pipeline.train_dataset(src, c))
+  fresh.set_state(saved)
+  for e in expected:
+    np.testing.assert_array_equal(next(fresh)["tokens"], e)
+
+
+def test_unigram_entropy_of_uniform_bytes_is_8_bits():
+  rows = packing.PackedRows([np.arange(256, dtype=np.int32).repeat(4)], 128)
+  assert abs(pipeline.unigram_entropy_bits(rows) - 8.0) < 1e-9
