@@ -14,6 +14,10 @@ def rel_err(a, b) -> float:
 
 @pytest.fixture
 def small_config():
+  return make_small_config()
+
+
+def make_small_config():
   """The tiny config shrunk further so a step compiles and runs in about a second."""
   c = tiny.get_config()
   c.model.d_model = 64

@@ -30,13 +30,12 @@ def test_tiny_training_lowers_loss(tmp_path):
 def test_resume_is_exact(small_config, tmp_path):
   """3 steps, checkpoint, fresh objects restore and run 3 more == 6 straight steps."""
   c = small_config
-  c.checkpoint.every_steps = 3
+  c.checkpoint.every_steps = 100  # only the stop_after / final checkpoints are written
   c.schedule.total_steps = 6
   straight = train_and_evaluate(c, str(tmp_path / "straight"), progress=False)
-  c.schedule.total_steps = 3
-  first = train_and_evaluate(c, str(tmp_path / "resumed"), progress=False)
-  assert first["resumed_from"] is None
-  c.schedule.total_steps = 6
+  first = train_and_evaluate(c, str(tmp_path / "resumed"), progress=False, stop_after=3)
+  assert first["resumed_from"] is None and int(first["state"].step) == 3
+  assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == ["3"]
   resumed = train_and_evaluate(c, str(tmp_path / "resumed"), progress=False)
   assert resumed["resumed_from"] == 3 and int(resumed["state"].step) == 6
   np.testing.assert_allclose(
@@ -79,6 +78,15 @@ def test_nonfinite_gradient_is_skipped_and_counted(small_config):
   changed = [not np.array_equal(np.asarray(a), np.asarray(b))
              for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before.params))]
   assert all(changed)
+
+
+def test_mqar_source_trains(small_config, tmp_path):
+  c = small_config
+  c.data.source, c.data.seq_len, c.data.mqar_num_pairs = "mqar", 64, 8
+  c.schedule.total_steps = 4
+  out = train_and_evaluate(c, str(tmp_path), progress=False)
+  assert out["unigram_entropy_bits"] is None
+  assert 0.0 <= out["val_accuracy"] <= 1.0 and 0 < out["val_loss"] < 20
 
 
 def test_schedules(small_config):

@@ -9,18 +9,17 @@ import grain
 def make_manager(directory: str, c: ml_collections.ConfigDict) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(
       max_to_keep=c.checkpoint.max_to_keep,
-      save_interval_steps=c.checkpoint.every_steps,
       enable_async_checkpointing=c.checkpoint.async_save,
       create=True,
   )
   return ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
 
 
-def save(manager: ocp.CheckpointManager, step: int, state, data_iter, *, force=False) -> bool:
-  """Saves when the interval says so (or `force`); async for the state, sync for the iterator."""
+def save(manager: ocp.CheckpointManager, step: int, state, data_iter) -> bool:
+  """Saves `step` (the caller decides when): async for the state, sync for the iterator."""
   return manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
-      data=grain.checkpoint.CheckpointSave(data_iter)), force=force)
+      data=grain.checkpoint.CheckpointSave(data_iter)), force=True)
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, data_iter):

@@ -24,8 +24,12 @@ def evaluate(eval_step, params, eval_ds, sharding) -> dict[str, float]:
   return step_lib.summarize_eval(sums)
 
 
-def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True):
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
+                       stop_after: int | None = None):
   """Trains to schedule.total_steps, resuming from the latest checkpoint in `workdir`.
+
+  `stop_after` ends this invocation early at that step (checkpointed), as a preempted job
+  would; the schedule still follows schedule.total_steps.
 
   Returns a summary dict: final validation metrics, the validation split's byte-unigram
   entropy (text sources), the step resumed from (or None) and the train-loss history.
@@ -70,15 +74,16 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
   tokens_per_step = c.data.batch_size * c.data.seq_len
   history, eval_metrics = [], None
 
-  bar = tqdm(total=c.schedule.total_steps, initial=start, disable=not progress, unit="step",
-             dynamic_ncols=True)
+  total = c.schedule.total_steps
+  end = total if stop_after is None else min(stop_after, total)
+  bar = tqdm(total=total, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
   last_time, last_step = time.perf_counter(), start
-  for step in range(start, c.schedule.total_steps):
+  for step in range(start, end):
     batch = jax.device_put(next(train_iter), batch_sh)
     state, m = train_step(state, batch)
     done = step + 1
     bar.update(1)
-    if done % c.log.every_steps == 0 or done == c.schedule.total_steps:
+    if done % c.log.every_steps == 0 or done == end:
       m = jax.device_get(m)
       now = time.perf_counter()
       m["tokens_per_sec"] = tokens_per_step * (done - last_step) / (now - last_time)
@@ -87,11 +92,12 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
       history.append((done, float(m["loss"])))
       bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_sec']:.0f}",
                       skipped=int(m["skipped_updates"]))
-    if done % c.eval.every_steps == 0 or done == c.schedule.total_steps:
+    if done % c.eval.every_steps == 0 or done == end:
       eval_metrics = evaluate(eval_step, state.params, eval_ds, batch_sh)
       eval_log.write(done, eval_metrics)
       bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in eval_metrics.items()))
-    checkpoint.save(manager, done, state, train_iter, force=done == c.schedule.total_steps)
+    if done % c.checkpoint.every_steps == 0 or done == end:
+      checkpoint.save(manager, done, state, train_iter)
   bar.close()
   if eval_metrics is None:  # nothing left to train: report the restored model
     eval_metrics = evaluate(eval_step, state.params, eval_ds, batch_sh)

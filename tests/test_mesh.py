@@ -1,0 +1,60 @@
+"""Mesh construction, and data/fsdp-sharded training equal to one device."""
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from moe_jax.parallel.mesh import axis_sizes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mesh_cfg(**sizes):
+  return ml_collections.ConfigDict({"data": -1, "fsdp": 1, "expert": 1, "sequence": 1,
+                                    "tensor": 1, **sizes})
+
+
+def test_axis_sizes():
+  assert axis_sizes(_mesh_cfg(), 8) == (8, 1, 1, 1, 1)
+  assert axis_sizes(_mesh_cfg(fsdp=2, tensor=2), 8) == (2, 2, 1, 1, 2)
+  assert axis_sizes(_mesh_cfg(data=2, expert=4), 8) == (2, 1, 4, 1, 1)
+  with pytest.raises(ValueError, match="fixed axes \\(3\\) must divide the device count 8"):
+    axis_sizes(_mesh_cfg(fsdp=3), 8)
+  with pytest.raises(ValueError, match="has 4 devices, but 8 are available"):
+    axis_sizes(_mesh_cfg(data=2, fsdp=2), 8)
+
+
+_RUN = """
+import json, sys
+from tests.conftest import make_small_config
+from moe_jax.train.loop import train_and_evaluate
+c = make_small_config()
+c.schedule.total_steps = 4
+c.checkpoint.every_steps = 100
+c.mesh.data, c.mesh.fsdp = int(sys.argv[1]), int(sys.argv[2])
+out = train_and_evaluate(c, sys.argv[3], progress=False)
+print("LOSSES", json.dumps([l for _, l in out["history"]]))
+"""
+
+
+def _losses(tmp_path, data, fsdp, devices):
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+         "PYTHONPATH": ROOT}
+  proc = subprocess.run([sys.executable, "-c", _RUN, str(data), str(fsdp),
+                         str(tmp_path / f"{data}x{fsdp}")], env=env, capture_output=True,
+                        text=True, cwd=ROOT, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("LOSSES")][0]
+  return json.loads(line.split(" ", 1)[1])
+
+
+def test_data_and_fsdp_sharded_training_equals_one_device(tmp_path):
+  one = _losses(tmp_path, 1, 1, 1)
+  sharded = _losses(tmp_path, 2, 2, 4)
+  assert len(one) == 4
+  for a, b in zip(one, sharded):
+    assert abs(a - b) <= 1e-4 * abs(b)
