@@ -50,6 +50,7 @@ class KDAMixer(nn.Module):
 
     o_BxTxHxV, _ = kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH,
                        segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
+                       lower_bound=cfg.kda_lower_bound,
                        implementation=cfg.kda_implementation or None)
 
     # Gated RMSNorm per head: norm(o) * sigmoid(low-rank gate(x)).

@@ -3,13 +3,14 @@
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import reference
+from pallas_kernels.kda import pallas_gpu, reference
+from pallas_kernels.kda.gate import check_lower_bound
 
 IMPLEMENTATIONS = ("xla", "recurrent", "pallas_gpu", "pallas_tpu")
-CHUNK_SIZES = (16, 32, 64, 128)
+CHUNK_SIZES = (16, 32, 64, 128)  # multiples of the 16-row sub-chunk
 
 
-def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
+def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bound):
   if q.ndim != 4:
     raise ValueError(f"q must be [B,T,H,K], got shape {q.shape}")
   B, T, H, K = q.shape
@@ -33,33 +34,44 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size):
       raise ValueError(f"{name} must be a floating array, got {x.dtype}")
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
-  if not isinstance(g, jax.core.Tracer) and bool(jnp.any(g > 0)):
-    raise ValueError(f"g is a log-decay and must be <= 0; max is {float(jnp.max(g))}")
+  check_lower_bound(lower_bound)
+  if not isinstance(g, jax.core.Tracer):  # checkable only on concrete arrays
+    if bool(jnp.any(g > 0)):
+      raise ValueError(f"g is a log-decay and must be <= 0; max is {float(jnp.max(g))}")
+    if lower_bound is not None and bool(jnp.any(g < lower_bound * (1 + 1e-6))):
+      raise ValueError(f"g has values below lower_bound={lower_bound} (min {float(jnp.min(g))});"
+                       " pass lower_bound=None for unbounded (legacy) gates")
 
 
 def default_implementation() -> str:
-  """Best available for the platform (the Pallas kernels take over in their own issue)."""
-  return "xla"
+  """Pallas kernels on GPU; the XLA chunked form elsewhere (pallas_tpu is not built yet)."""
+  return "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-        segment_ids=None, chunk_size=64, implementation=None):
+        segment_ids=None, chunk_size=64, lower_bound=None, implementation=None):
   """Kimi delta attention. q,k,g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; g ≤ 0 (log-decay).
 
   Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] float32 or None).
   segment_ids [B,T] (0 = padding) resets the state at each new segment.
+  lower_bound: the gate's bound (every g ≥ lower_bound, as `kda_gate` guarantees) — the
+  static flag that allows all-matmul 16-row tiles; None (unbounded / legacy gates) takes
+  the safe path for the diagonal tiles.
   """
-  _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size)
+  _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bound)
   impl = default_implementation() if implementation is None else implementation
+  kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
+  bounded = lower_bound is not None
   if impl == "xla":
-    o, S = reference.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                 segment_ids=segment_ids, chunk_size=chunk_size)
+    o, S = reference.kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, bounded=bounded, **kw)
   elif impl == "recurrent":
-    o, S = reference.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   segment_ids=segment_ids)
-  elif impl in ("pallas_gpu", "pallas_tpu"):
-    raise NotImplementedError(f"implementation={impl!r} is not built yet (KDA kernel issue); "
-                              "use 'xla' or 'recurrent'")
+    o, S = reference.kda_recurrent(q, k, v, g, beta, **kw)
+  elif impl == "pallas_gpu":
+    o, S = pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, chunk_size=chunk_size, bounded=bounded,
+                                     **kw)
+  elif impl == "pallas_tpu":
+    raise NotImplementedError("implementation='pallas_tpu' is not built yet (its own issue); "
+                              "use 'xla', 'recurrent' or 'pallas_gpu'")
   else:
     raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {impl!r}")
   return o.astype(v.dtype), (S if output_final_state else None)

@@ -6,10 +6,21 @@ Segments (packed documents): the state resets to zero where the segment id
 changes to a nonzero id; padding positions (id 0) leave the state untouched
 and output zeros. Both forms run on `prepare`d inputs so they agree by
 construction on these rules.
+
+The chunked form has two stages, mirrored by the Pallas kernels:
+  chunk_intra       per chunk of C positions (G = cumsum g inside the chunk, Γ = e^G):
+                      A_ij   = Σ_c k_ic k_jc e^{G_ic - G_jc}  (j < i),   T = (I + Diag(β) A)^-1
+                      Aqk_ij = scale Σ_c q_ic k_jc e^{G_ic - G_jc}  (j ≤ i)
+                      W = T Diag(β)(K⊙Γ),  U0 = T Diag(β) V,  Qg = scale Q⊙Γ,
+                      Kd = K⊙e^{G_C - G},  decay = Γ_C
+  chunk_recurrence  across chunks, from S0:  U = U0 - W S,  O = Qg S + Aqk U,
+                      S' = decay ⊙ S + Kdᵀ U
 """
 
 import jax
 import jax.numpy as jnp
+
+SUB = 16  # sub-chunk rows: the tile on which decay factors are anchored
 
 
 def compute_dtype(*xs):
@@ -17,18 +28,29 @@ def compute_dtype(*xs):
   return jnp.result_type(jnp.float32, *(x.dtype for x in xs))
 
 
-def prepare(q, k, v, g, beta, segment_ids):
-  """Inputs in fp32 (fp64 if given) with padding made inert, plus a reset flag [B,T]."""
-  dt = compute_dtype(q, k, v, g, beta)
-  q, k, v, g, beta = (x.astype(dt) for x in (q, k, v, g, beta))
-  B, T = q.shape[:2]
+def segment_masks(segment_ids, B, T):
+  """(live [B,T], reset [B,T]): non-padding positions, and where a new segment starts."""
   if segment_ids is None:
-    return q, k, v, g, beta, jnp.zeros((B, T), bool)
+    return None, jnp.zeros((B, T), bool)
   seg_BxT = segment_ids.astype(jnp.int32)
   live_BxT = seg_BxT != 0
   prev_BxT = jnp.pad(seg_BxT, ((0, 0), (1, 0)))[:, :-1]
   reset_BxT = live_BxT & (seg_BxT != prev_BxT)
-  reset_BxT = reset_BxT.at[:, 0].set(False)  # position 0 continues from initial_state
+  return live_BxT, reset_BxT.at[:, 0].set(False)  # position 0 continues from initial_state
+
+
+def prepare(q, k, v, g, beta, segment_ids, dtype=None):
+  """Inputs cast to `dtype` (default: compute_dtype) with padding made inert, plus reset [B,T].
+
+  g and beta are always at least fp32 (they feed exponentials and the triangular solve).
+  """
+  dt = compute_dtype(q, k, v, g, beta) if dtype is None else dtype
+  gdt = jnp.result_type(dt, jnp.float32)
+  q, k, v = (x.astype(dt) for x in (q, k, v))
+  g, beta = g.astype(gdt), beta.astype(gdt)
+  live_BxT, reset_BxT = segment_masks(segment_ids, *q.shape[:2])
+  if live_BxT is None:
+    return q, k, v, g, beta, reset_BxT
   m4 = live_BxT[:, :, None, None]
   return (q * m4, k * m4, v * m4, g * m4, beta * live_BxT[:, :, None], reset_BxT)
 
@@ -55,70 +77,151 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
   return jnp.moveaxis(o_TxBxHxV, 0, 1), S_BxHxKxV
 
 
-def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-                chunk_size=64):
-  """Chunked form: per chunk a WY/UT solve, then a scan of the state across chunks.
+def chunk_layout(q, k, v, g, beta, reset_BxT, chunk_size):
+  """Pad T to a multiple of C (inert positions) and compute the per-chunk quantities.
 
-  Within a chunk (positions i, j; G = cumsum of g; Γ_i = exp(G_i)):
-    A_ij  = Σ_c k_ic k_jc e^{G_ic - G_jc}   (j < i),   T = (I + Diag(β) A)^-1
-    U     = T Diag(β) (V - (K⊙Γ) S0)                    (the corrected values)
-    O     = (Q⊙Γ) S0 + Tril(Qkᵀ-decay) U,  S' = Γ_C⊙S0 + (K⊙e^{G_C - G_j})ᵀ U
-  The decay differences G_i - G_j (j ≤ i) are ≤ 0 and exponentiated directly,
-  so this path is safe for any gate, bounded or not (memory O(C²K) per chunk).
+  Returns padded (q, k, v, beta) [B,Tp,...], chunk-local cumulative gates G [B,Tp,H,K]
+  and chunk-local segment index seg [B,Tp] (0 until the first reset inside the chunk).
   """
   B, T, H, K = q.shape
-  V = v.shape[-1]
   C = chunk_size
-  scale = K ** -0.5 if scale is None else scale
-  q, k, v, g, beta, reset_BxT = prepare(q, k, v, g, beta, segment_ids)
   pad = -T % C
   if pad:  # trailing zeros are inert: no decay, no write, no output
     q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
-    beta, reset_BxT = jnp.pad(beta, ((0, 0), (0, pad), (0, 0))), jnp.pad(reset_BxT, ((0, 0), (0, pad)))
+    beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
+    reset_BxT = jnp.pad(reset_BxT, ((0, 0), (0, pad)))
   N = (T + pad) // C
+  G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2).reshape(B, N * C, H, K)
+  seg = jnp.cumsum(reset_BxT.reshape(B, N, C).astype(jnp.int32), axis=2).reshape(B, N * C)
+  return q, k, v, beta, G, seg
 
-  def chunks(x):  # [B, N*C, H, ...] -> [B, N, H, C, ...]
-    return jnp.moveaxis(x.reshape(B, N, C, *x.shape[2:]), 2, 3)
 
-  q_BNHCK, k_BNHCK, v_BNHCV, g_BNHCK = (chunks(x) for x in (q, k, v, g))
-  beta_BNHC = chunks(beta)
-  # Segment index within the chunk: positions interact only inside one segment.
-  reset_BNC = reset_BxT.reshape(B, N, C)
-  seg_BNC = jnp.cumsum(reset_BNC, axis=-1)
-  same_BNCC = seg_BNC[..., :, None] == seg_BNC[..., None, :]
-  from_start_BNC = seg_BNC == 0          # no reset since the chunk began: S0 reaches it
-  to_end_BNC = seg_BNC == seg_BNC[..., -1:]  # same segment as the chunk's last position
+def _sub_chunk_decays(G_BNHSLK, bounded):
+  """e^{G_i - G_j} factors for i, j in one chunk, anchored per 16-row sub-chunk.
 
-  G_BNHCK = jnp.cumsum(g_BNHCK, axis=-2)
-  causal_CC = jnp.tril(jnp.ones((C, C), bool))
-  mask_BN1CC = (same_BNCC & causal_CC)[:, :, None]
-  diff_BNHCCK = G_BNHCK[..., :, None, :] - G_BNHCK[..., None, :, :]
-  decay_BNHCCK = jnp.exp(jnp.where(mask_BN1CC[..., None], diff_BNHCCK, -jnp.inf))
-  A_BNHCC = jnp.einsum("bnhik,bnhjk,bnhijk->bnhij", k_BNHCK, k_BNHCK, decay_BNHCCK)
-  Aqk_BNHCC = jnp.einsum("bnhik,bnhjk,bnhijk->bnhij", q_BNHCK, k_BNHCK, decay_BNHCCK) * scale
+  Returns (left, right) so that the (a, b) block of the decayed product X Yᵀ is
+  (X_a ⊙ left[a, b]) (Y_b ⊙ right[a, b])ᵀ. Off the diagonal (a > b) the anchor
+  is the last row r of sub-chunk b: e^{G_i - G_r} ≤ 1 and e^{G_r - G_j} ≤ 1 for any
+  gate. On the diagonal the anchor is the row before sub-chunk a; then e^{G_0 - G_j}
+  ≤ e^{16·|lower_bound|} ≤ e^80, finite in fp32 for bounded gates only. Unbounded gates
+  return left=None and take the elementwise diagonal in `_diag_blocks`.
+  """
+  S = G_BNHSLK.shape[-3]
+  Gr_BNHSK = G_BNHSLK[..., -1, :]                                   # last row of each sub-chunk
+  G0_BNHSK = jnp.concatenate([jnp.zeros_like(Gr_BNHSK[..., :1, :]), Gr_BNHSK[..., :-1, :]], -2)
+  a_SS = jnp.arange(S)[:, None]
+  b_SS = jnp.arange(S)[None, :]
+  anchor_BNHSSK = jnp.where((a_SS == b_SS)[..., None], G0_BNHSK[..., :, None, :],
+                            Gr_BNHSK[..., None, :, :])
+  expo_l = G_BNHSLK[..., :, None, :, :] - anchor_BNHSSK[..., None, :]     # [..,a,b,16,K]
+  expo_r = anchor_BNHSSK[..., None, :] - G_BNHSLK[..., None, :, :, :]
+  keep = (a_SS > b_SS) if not bounded else (a_SS >= b_SS)
+  keep = keep[:, :, None, None]
+  left = jnp.exp(jnp.where(keep, expo_l, -jnp.inf))
+  right = jnp.exp(jnp.where(keep, expo_r, -jnp.inf))
+  return left, right
 
-  eye_CC = jnp.eye(C, dtype=q.dtype)
-  L_BNHCC = eye_CC + beta_BNHC[..., None] * jnp.tril(A_BNHCC, -1)
-  Gam_BNHCK = jnp.exp(G_BNHCK) * from_start_BNC[:, :, None, :, None]
+
+def _blocks_to_matrix(x_BNHSSLL):
+  *lead, S, _, L, _ = x_BNHSSLL.shape
+  return jnp.swapaxes(x_BNHSSLL, -3, -2).reshape(*lead, S * L, S * L)
+
+
+def chunk_intra(q, k, v, G, beta, seg, *, scale, chunk_size, bounded):
+  """Stage 1 (all chunks in parallel). Inputs [B,Tp,H,·] from `chunk_layout`.
+
+  Returns dict of W, Qg, Kd [B,Tp,H,K]; U0 [B,Tp,H,V]; Aqk [B,Tp,H,C]; decay [B,N,H,K].
+  """
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  C, L = chunk_size, min(SUB, chunk_size)
+  N, S = Tp // C, C // L
+
+  def sub(x):  # [B, Tp, H, D] -> [B, N, H, S, L, D]
+    return jnp.moveaxis(x.reshape(B, N, S, L, H, -1), 4, 2)
+
+  q_, k_, G_ = sub(q), sub(k), sub(G)
+  left, right = _sub_chunk_decays(G_, bounded)
+  kl = k_[..., :, None, :, :] * left                                  # rows of sub-chunk a
+  ql = q_[..., :, None, :, :] * left
+  kr = k_[..., None, :, :, :] * right                                 # rows of sub-chunk b
+  A_blk = jnp.einsum("...abik,...abjk->...abij", kl, kr)
+  Aqk_blk = jnp.einsum("...abik,...abjk->...abij", ql, kr)
+  if not bounded:  # diagonal blocks elementwise: e^{G_i - G_j} with j ≤ i is ≤ 1 for any gate
+    i_LL = jnp.arange(L)[:, None] >= jnp.arange(L)[None, :]
+    d = G_[..., :, None, :] - G_[..., None, :, :]                     # [..,S,L,L,K]
+    decay_d = jnp.exp(jnp.where(i_LL[..., None], d, -jnp.inf))
+    A_d = jnp.einsum("...ik,...jk,...ijk->...ij", k_, k_, decay_d)
+    Aqk_d = jnp.einsum("...ik,...jk,...ijk->...ij", q_, k_, decay_d)
+    diag = jnp.eye(S, dtype=bool)[:, :, None, None]
+    A_blk = jnp.where(diag, A_d[..., :, None, :, :], A_blk)
+    Aqk_blk = jnp.where(diag, Aqk_d[..., :, None, :, :], Aqk_blk)
+  A_BNHCC, Aqk_BNHCC = _blocks_to_matrix(A_blk), _blocks_to_matrix(Aqk_blk)
+
+  seg_BNC = seg.reshape(B, N, C)
+  same_BN1CC = (seg_BNC[..., :, None] == seg_BNC[..., None, :])[:, :, None]
+  i_CC, j_CC = jnp.arange(C)[:, None], jnp.arange(C)[None, :]
+  A_BNHCC = jnp.where(same_BN1CC & (i_CC > j_CC), A_BNHCC, 0.0)
+  Aqk_BNHCC = jnp.where(same_BN1CC & (i_CC >= j_CC), Aqk_BNHCC, 0.0) * scale
+
+  def chunks(x):  # [B, Tp, H, D] -> [B, N, H, C, D]
+    return jnp.moveaxis(x.reshape(B, N, C, H, -1), 3, 2)
+
+  k_c, v_c, G_c, q_c = chunks(k), chunks(v), chunks(G), chunks(q)
+  beta_c = chunks(beta[..., None])                                    # [B,N,H,C,1]
+  from_start = (seg_BNC == 0)[:, :, None, :, None]                    # S0 reaches these rows
+  to_end = (seg_BNC == seg_BNC[..., -1:])[:, :, None, :, None]        # rows that reach S'
+  Gam = jnp.exp(G_c) * from_start
+  L_BNHCC = jnp.eye(C, dtype=q.dtype) + beta_c * A_BNHCC
   solve = lambda rhs: jax.scipy.linalg.solve_triangular(L_BNHCC, rhs, lower=True,
                                                         unit_diagonal=True)
-  U0_BNHCV = solve(beta_BNHC[..., None] * v_BNHCV)
-  W_BNHCK = solve(beta_BNHC[..., None] * k_BNHCK * Gam_BNHCK)
-  Qg_BNHCK = q_BNHCK * Gam_BNHCK * scale
-  to_end_BN1C1 = to_end_BNC[:, :, None, :, None]
-  Kd_BNHCK = k_BNHCK * jnp.exp(jnp.where(to_end_BN1C1, G_BNHCK[..., -1:, :] - G_BNHCK, -jnp.inf))
-  decay_BNHK = Gam_BNHCK[..., -1, :]
+  G_end = G_c[..., -1:, :]
+  out = {
+      "W": solve(beta_c * k_c * Gam),
+      "U0": solve(beta_c * v_c),
+      "Qg": q_c * Gam * scale,
+      "Kd": k_c * jnp.exp(jnp.where(to_end, G_end - G_c, -jnp.inf)),
+      "Aqk": Aqk_BNHCC,
+  }
+  out = {n: jnp.moveaxis(x, 2, 3).reshape(B, Tp, H, -1) for n, x in out.items()}
+  out["decay"] = Gam[..., -1, :]                                      # [B,N,H,K]
+  return out
+
+
+def chunk_recurrence(W, U0, Qg, Kd, Aqk, decay, S0, *, chunk_size):
+  """Stage 2: scan the state across chunks. Returns (o [B,Tp,H,V], final state [B,H,K,V])."""
+  B, Tp, H, K = W.shape
+  V = U0.shape[-1]
+  C = chunk_size
+  N = Tp // C
+
+  def chunks(x):  # [B, Tp, H, D] -> [N, B, H, C, D]
+    return jnp.moveaxis(x.reshape(B, N, C, H, -1), (1, 3), (0, 2))
 
   def step(S_BHKV, xs):
-    U0, W, Qg, Aqk, Kd, dec = xs
-    U_BHCV = U0 - jnp.einsum("bhck,bhkv->bhcv", W, S_BHKV)
-    o_BHCV = jnp.einsum("bhck,bhkv->bhcv", Qg, S_BHKV) + jnp.einsum("bhij,bhjv->bhiv", Aqk, U_BHCV)
-    S_BHKV = dec[..., None] * S_BHKV + jnp.einsum("bhck,bhcv->bhkv", Kd, U_BHCV)
+    W_, U0_, Qg_, Kd_, Aqk_, dec_BHK = xs
+    U_BHCV = U0_ - jnp.einsum("bhck,bhkv->bhcv", W_, S_BHKV)
+    o_BHCV = jnp.einsum("bhck,bhkv->bhcv", Qg_, S_BHKV) + jnp.einsum("bhij,bhjv->bhiv", Aqk_,
+                                                                    U_BHCV)
+    S_BHKV = dec_BHK[..., None] * S_BHKV + jnp.einsum("bhck,bhcv->bhkv", Kd_, U_BHCV)
     return S_BHKV, o_BHCV
 
-  S0 = jnp.zeros((B, H, K, V), q.dtype) if initial_state is None else initial_state.astype(q.dtype)
-  xs = tuple(jnp.moveaxis(x, 1, 0) for x in
-             (U0_BNHCV, W_BNHCK, Qg_BNHCK, Aqk_BNHCC, Kd_BNHCK, decay_BNHK))
+  xs = tuple(chunks(x) for x in (W, U0, Qg, Kd, Aqk)) + (jnp.moveaxis(decay, 1, 0),)
   S_BHKV, o_NBHCV = jax.lax.scan(step, S0, xs)
-  o_BxTxHxV = jnp.moveaxis(o_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)
-  return o_BxTxHxV[:, :T], S_BHKV
+  return jnp.moveaxis(o_NBHCV, (0, 2), (1, 3)).reshape(B, Tp, H, V), S_BHKV
+
+
+def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
+                chunk_size=64, bounded=False):
+  """Chunked form (stage 1 in parallel, stage 2 scanned). `bounded=True` promises every
+  g ≥ -5 and takes the all-matmul diagonal tiles; False is safe for any gate."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  scale = K ** -0.5 if scale is None else scale
+  q, k, v, g, beta, reset_BxT = prepare(q, k, v, g, beta, segment_ids)
+  q, k, v, beta, G, seg = chunk_layout(q, k, v, g, beta, reset_BxT, chunk_size)
+  st = chunk_intra(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size, bounded=bounded)
+  S0 = jnp.zeros((B, H, K, V), q.dtype) if initial_state is None else initial_state.astype(q.dtype)
+  o, S = chunk_recurrence(st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], S0,
+                          chunk_size=chunk_size)
+  return o[:, :T], S
