@@ -55,9 +55,10 @@ def _inv_unit_lower(N_LL):
   rows = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
   cols = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
   T_LL = (rows == cols).astype(F32)
+  col_L = jax.lax.broadcasted_iota(jnp.int32, (L,), 0)
   for i in range(1, L):
     n_i = jnp.sum(jnp.where(rows == i, N_LL, 0.0), axis=0)          # row i of N as [L]
-    t_i = jnp.where(cols[0] == i, 1.0, 0.0) - jnp.sum(n_i[:, None] * T_LL, axis=0)
+    t_i = jnp.where(col_L == i, 1.0, 0.0) - jnp.sum(n_i[:, None] * T_LL, axis=0)
     T_LL = jnp.where(rows == i, t_i[None, :], T_LL)
   return T_LL
 
@@ -147,11 +148,12 @@ def _recurrence_bwd_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, st
   C = chunk_size
   N = W_ref.shape[0] // C
   dot_dtype = W_ref.dtype
+  S_KV_shape = dSN_ref.shape
 
   def body(i, dS_KV):
     n = N - 1 - i
     t = pl.ds(pl.multiple_of(n * C, C), C)
-    S_KV = states_ref[pl.ds(n, 1), :, :][0]
+    S_KV = states_ref[pl.ds(n, 1), :, :].reshape(S_KV_shape)
     W, Qg, Kd, Aqk = W_ref[t, :], Qg_ref[t, :], Kd_ref[t, :], Aqk_ref[t, :]
     dO = dO_ref[t, :].astype(dot_dtype)
     S_d, dS_d = S_KV.astype(dot_dtype), dS_KV.astype(dot_dtype)
@@ -173,6 +175,12 @@ def _recurrence_bwd_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, st
 def _params(num_warps, num_stages, interpret):
   return None if interpret else pltriton.CompilerParams(num_warps=num_warps,
                                                         num_stages=num_stages)
+
+
+# Launch knobs (tuned by scripts/profile_kda_stages.py on the H200).
+INTRA_WARPS = 4
+RECURRENCE_WARPS = 4
+BLOCK_V = 32
 
 
 def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
@@ -200,13 +208,13 @@ def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
       out_specs=[rows(K), rows(V), rows(K), rows(K), rows(C),
                  pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))],
       out_shape=out_shape, interpret=interpret, name="kda_intra",
-      compiler_params=_params(4, 1, interpret),
+      compiler_params=_params(INTRA_WARPS, 1, interpret),
   )(q, k, v, G, beta, seg)
   return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}
 
 
 def _block_v(V):
-  return min(V, 32)
+  return min(V, BLOCK_V)
 
 
 def _recurrence_call(st, S0, *, chunk_size, with_states, interpret):
@@ -227,7 +235,7 @@ def _recurrence_call(st, S0, *, chunk_size, with_states, interpret):
       in_specs=[full(K), vblk, full(K), full(K), full(C),
                 pl.BlockSpec((None, N, None, K), lambda b, h, j: (b, 0, h, 0)), state],
       out_specs=out_specs, out_shape=out_shape, interpret=interpret, name="kda_recurrence",
-      compiler_params=_params(4, 2, interpret),
+      compiler_params=_params(RECURRENCE_WARPS, 2, interpret),
   )(st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], S0)
 
 
@@ -257,7 +265,7 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
       out_specs=[part(K), vblk, part(K), part(K), part(C),
                  pl.BlockSpec((None, None, N, None, K), lambda b, h, j: (j, b, 0, h, 0)), state],
       out_shape=out_shape, interpret=interpret, name="kda_recurrence_bwd",
-      compiler_params=_params(4, 2, interpret),
+      compiler_params=_params(RECURRENCE_WARPS, 2, interpret),
   )(st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO, dSN)
   dW, dU0, dQg, dKd, dAqk, ddecay, dS0 = outs
   return ({"W": dW.sum(0), "U0": dU0, "Qg": dQg.sum(0), "Kd": dKd.sum(0), "Aqk": dAqk.sum(0),

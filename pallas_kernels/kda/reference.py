@@ -133,7 +133,6 @@ def chunk_intra(q, k, v, G, beta, seg, *, scale, chunk_size, bounded):
   Returns dict of W, Qg, Kd [B,Tp,H,K]; U0 [B,Tp,H,V]; Aqk [B,Tp,H,C]; decay [B,N,H,K].
   """
   B, Tp, H, K = q.shape
-  V = v.shape[-1]
   C, L = chunk_size, min(SUB, chunk_size)
   N, S = Tp // C, C // L
 

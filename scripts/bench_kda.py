@@ -1,0 +1,196 @@
+"""KDA speed on the GPU: pallas_gpu and xla vs flash-linear-attention's chunk_kda, same inputs.
+
+  python scripts/bench_kda.py --out=$OUT [--shapes=1x8192x16,4x8192x16] [--impls=pallas_gpu,xla]
+
+bf16 inputs, K=V=128, bounded gate (lower_bound=-5) computed from raw gate inputs as part of
+the timed function (fla fuses it in its kernel). Median of --iters runs after warm-up.
+"""
+
+import json
+import os
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from pallas_kernels.kda import kda, kda_gate
+
+_SHAPES = flags.DEFINE_string("shapes", "1x8192x16,4x8192x16,1x32768x16,1x65536x32,8x4096x32",
+                              "Comma-separated BxTxH.")
+_IMPLS = flags.DEFINE_string("impls", "pallas_gpu,xla", "Our implementations to time.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed runs per measurement (median reported).")
+_OUT = flags.DEFINE_string("out", None, "Folder for the JSON and markdown results.")
+_DIM = 128
+_LOWER = -5.0
+_PEAK_FLOPS = 762e12   # bf16 matmul through JAX, measured on this H200 (shared/device/README.md)
+_PEAK_BYTES = 4.3e12   # device copy, read + write
+
+
+def inputs(B, T, H, seed=0):
+  rng = np.random.default_rng(seed)
+  K = V = _DIM
+  normed = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  return {
+      "q": normed(rng.standard_normal((B, T, H, K), np.float32)),
+      "k": normed(rng.standard_normal((B, T, H, K), np.float32)),
+      "v": rng.standard_normal((B, T, H, V), np.float32),
+      "x": rng.standard_normal((B, T, H, K), np.float32),
+      "beta": 1 / (1 + np.exp(-rng.standard_normal((B, T, H), np.float32))),
+      "A_log": np.log(rng.uniform(1, 16, H)).astype(np.float32),
+      "dt_bias": rng.standard_normal(H * K).astype(np.float32) * 0.5,
+      "do": rng.standard_normal((B, T, H, V), np.float32),
+  }
+
+
+def floors(B, T, H, C=64):
+  """FLOPs of the chunked algorithm's matmuls and the fewest bytes moved (bf16 tensors)."""
+  K = V = _DIM
+  per_chunk = 3 * C * C * K + 2 * C * C * V + 6 * C * K * V
+  fwd_flops = B * H * (T // C) * per_chunk
+  fwd_bytes = B * T * H * (2 * (3 * K + 2 * V) + 2)
+  bwd_bytes = B * T * H * 2 * (6 * K + 4 * V + 2)
+  return {"fwd": (fwd_flops, fwd_bytes), "fwd_bwd": (3 * fwd_flops, bwd_bytes)}
+
+
+def time_jax(fn, args, iters):
+  out = fn(*args)
+  jax.block_until_ready(out)
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times) * 1e3, out
+
+
+def jax_fns(impl):
+  def fwd(q, k, v, x, beta, A_log, dt_bias):
+    g = kda_gate(x, A_log, dt_bias, lower_bound=_LOWER)
+    return kda(q, k, v, g, beta, lower_bound=_LOWER, implementation=impl)[0]
+
+  def fwd_bwd(q, k, v, x, beta, A_log, dt_bias, do):
+    o, vjp = jax.vjp(fwd, q, k, v, x, beta, A_log, dt_bias)
+    return o, vjp(do)
+
+  return jax.jit(fwd), jax.jit(fwd_bwd)
+
+
+def fla_fns(inp):
+  import torch
+  from fla.ops.kda import chunk_kda
+
+  dev = "cuda"
+  t = {n: torch.tensor(a, device=dev) for n, a in inp.items()}
+  for n in ("q", "k", "v", "x", "beta", "do"):
+    t[n] = t[n].to(torch.bfloat16)
+  leaves = {n: t[n].clone().requires_grad_(True) for n in ("q", "k", "v", "x", "beta")}
+
+  def fwd():
+    return chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["x"], leaves["beta"],
+                     A_log=t["A_log"], dt_bias=t["dt_bias"], use_gate_in_kernel=True,
+                     safe_gate=True, lower_bound=_LOWER)[0]
+
+  def fwd_bwd():
+    for p in leaves.values():
+      p.grad = None
+    fwd().backward(t["do"])
+
+  return fwd, fwd_bwd
+
+
+def time_torch(fn):
+  import triton
+  return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def bench_shape(B, T, H, impls, iters, log):
+  inp = inputs(B, T, H)
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  args = [bf(inp["q"]), bf(inp["k"]), bf(inp["v"]), bf(inp["x"]), bf(inp["beta"]),
+          jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
+  do = bf(inp["do"])
+  rows, outs = {}, {}
+  for impl in impls:
+    try:
+      fwd, fwd_bwd = jax_fns(impl)
+      ms_f, o = time_jax(fwd, args, iters)
+      ms_fb, _ = time_jax(fwd_bwd, args + [do], iters)
+      rows[impl] = {"fwd_ms": ms_f, "fwd_bwd_ms": ms_fb}
+      outs[impl] = np.asarray(o.astype(jnp.float32))
+    except Exception as e:  # one failing variant must not hide the others' numbers
+      rows[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      log.write(traceback.format_exc())
+  try:
+    f, fb = fla_fns(inp)
+    o = f().detach().float().cpu().numpy()
+    rows["fla"] = {"fwd_ms": time_torch(f), "fwd_bwd_ms": time_torch(fb)}
+    outs["fla"] = o
+  except Exception as e:
+    rows["fla"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    log.write(traceback.format_exc())
+  ref = outs.get("fla")
+  for impl, o in outs.items():
+    if ref is not None and impl != "fla":
+      rows[impl]["rel_err_vs_fla"] = rel(o, ref)
+  fl = floors(B, T, H)
+  for r in rows.values():
+    if "fwd_ms" in r:
+      for mode in ("fwd", "fwd_bwd"):
+        flops, nbytes = fl[mode]
+        ms = r[f"{mode}_ms"]
+        r[f"{mode}_tok_s"] = B * T / (ms / 1e3)
+        r[f"{mode}_flop_floor_pct"] = 100 * flops / _PEAK_FLOPS / (ms / 1e3)
+        r[f"{mode}_byte_floor_pct"] = 100 * nbytes / _PEAK_BYTES / (ms / 1e3)
+  return rows
+
+
+def main(argv):
+  del argv
+  out_dir = _OUT.value or "."
+  os.makedirs(out_dir, exist_ok=True)
+  impls = [s for s in _IMPLS.value.split(",") if s]
+  results = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
+             "shapes": {}}
+  with open(os.path.join(out_dir, "bench_kda.log"), "w") as log:
+    for shape in _SHAPES.value.split(","):
+      B, T, H = map(int, shape.split("x"))
+      results["shapes"][shape] = rows = bench_shape(B, T, H, impls, _ITERS.value, log)
+      print(shape, json.dumps(rows), flush=True)
+  with open(os.path.join(out_dir, "bench_kda.json"), "w") as f:
+    json.dump(results, f, indent=1)
+
+  lines = [f"KDA bf16 K=V=128, {results['device']}, {results['date']}; median ms",
+           "| BxTxH | impl | fwd ms | fwd+bwd ms | fwd ×fla | fwd+bwd ×fla | fwd tok/s | "
+           "%FLOP/%byte floor fwd | %FLOP/%byte floor fwd+bwd | rel err vs fla |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for shape, rows in results["shapes"].items():
+    fla = rows.get("fla", {})
+    for impl, r in rows.items():
+      if "error" in r:
+        lines.append(f"| {shape} | {impl} | error: {r['error'][:80]} |")
+        continue
+      ratio = lambda m: (f"{fla[m] / r[m]:.2f}" if m in fla else "-")
+      lines.append(
+          f"| {shape} | {impl} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {ratio('fwd_ms')} | "
+          f"{ratio('fwd_bwd_ms')} | {r['fwd_tok_s']:.3g} | {r['fwd_flop_floor_pct']:.1f}/"
+          f"{r['fwd_byte_floor_pct']:.1f} | {r['fwd_bwd_flop_floor_pct']:.1f}/"
+          f"{r['fwd_bwd_byte_floor_pct']:.1f} | {r.get('rel_err_vs_fla', float('nan')):.2e} |")
+  table = "\n".join(lines)
+  with open(os.path.join(out_dir, "bench_kda.md"), "w") as f:
+    f.write(table + "\n")
+  print(table)
+
+
+if __name__ == "__main__":
+  app.run(main)
