@@ -2,7 +2,8 @@
 
 Three kernels, each named after the tile it computes (math in reference.py):
   _intra_kernel        grid (B, H, N): one chunk of C rows as C/16 sub-chunks. Decays
-                       anchored per sub-chunk so every tile is a matmul; (I + Diag(β)A)^-1
+                       anchored per sub-chunk (reference._sub_chunk_decays) so every tile
+                       is a matmul; (I + Diag(β)A)^-1
                        by forward substitution on the 16×16 diagonal blocks (registers
                        only) and block substitution off the diagonal. Emits W, U0, Qg, Kd,
                        Aqk, decay.
@@ -74,7 +75,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   beta = [beta_ref[pl.ds(a * L, L)].astype(F32) for a in range(S)]
   seg = [seg_ref[pl.ds(a * L, L)] for a in range(S)]
   G_last = [G_ref[pl.ds(a * L + L - 1, 1), :].astype(F32) for a in range(S)]   # [1, K]
-  G_first = [jnp.zeros_like(G_last[0])] + G_last[:-1]   # row before each sub-chunk
+  G_mid = [G_ref[pl.ds(a * L + L // 2, 1), :].astype(F32) for a in range(S)]
   seg_end = seg_ref[pl.ds(C - 1, 1)]                      # [1]
 
   i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
@@ -82,8 +83,8 @@ def _intra_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   A, T = {}, {}
   for a in range(S):
     for b in range(a + 1):
-      anchor = G_first[a] if a == b else G_last[b]
-      # Bounded gate: e^{G_first - G_j} ≤ e^{16·5} on the diagonal, ≤ 1 elsewhere.
+      anchor = G_mid[a] if a == b else G_last[b]
+      # Bounded gate: factors within e^±40 on the diagonal (anchor: middle row), ≤ 1 off it.
       k_left = k[a] * jnp.exp(G[a] - anchor)
       q_left = q[a] * jnp.exp(G[a] - anchor)
       k_right = k[b] * jnp.exp(anchor - G[b])

@@ -102,17 +102,22 @@ def _sub_chunk_decays(G_BNHSLK, bounded):
   Returns (left, right) so that the (a, b) block of the decayed product X Yᵀ is
   (X_a ⊙ left[a, b]) (Y_b ⊙ right[a, b])ᵀ. Off the diagonal (a > b) the anchor
   is the last row r of sub-chunk b: e^{G_i - G_r} ≤ 1 and e^{G_r - G_j} ≤ 1 for any
-  gate. On the diagonal the anchor is the row before sub-chunk a; then e^{G_0 - G_j}
-  ≤ e^{16·|lower_bound|} ≤ e^80, finite in fp32 for bounded gates only. Unbounded gates
-  return left=None and take the elementwise diagonal in `_diag_blocks`.
+  gate. On the diagonal the anchor is the sub-chunk's middle row m: both factors lie
+  in [e^-40, e^40] for gates bounded by -5 (8 rows either side), finite in fp32 and
+  clear of subnormals, which XLA flushes to zero (an anchor at the sub-chunk start
+  reaches e^-80 and loses the g-gradient to 2e-4). Unbounded gates return factors
+  for the off-diagonal blocks only and take the elementwise diagonal in chunk_intra.
   """
   S = G_BNHSLK.shape[-3]
   Gr_BNHSK = G_BNHSLK[..., -1, :]                                   # last row of each sub-chunk
-  G0_BNHSK = jnp.concatenate([jnp.zeros_like(Gr_BNHSK[..., :1, :]), Gr_BNHSK[..., :-1, :]], -2)
+  Gm_BNHSK = G_BNHSLK[..., G_BNHSLK.shape[-2] // 2, :]              # middle row of each sub-chunk
   a_SS = jnp.arange(S)[:, None]
   b_SS = jnp.arange(S)[None, :]
-  anchor_BNHSSK = jnp.where((a_SS == b_SS)[..., None], G0_BNHSK[..., :, None, :],
+  anchor_BNHSSK = jnp.where((a_SS == b_SS)[..., None], Gm_BNHSK[..., :, None, :],
                             Gr_BNHSK[..., None, :, :])
+  # The product e^{G_i - anchor}·e^{anchor - G_j} does not depend on the anchor: without
+  # stop_gradient its two gradient paths would cancel in fp32 (at magnitudes up to e^40).
+  anchor_BNHSSK = jax.lax.stop_gradient(anchor_BNHSSK)
   expo_l = G_BNHSLK[..., :, None, :, :] - anchor_BNHSSK[..., None, :]     # [..,a,b,16,K]
   expo_r = anchor_BNHSSK[..., None, :] - G_BNHSLK[..., None, :, :, :]
   keep = (a_SS > b_SS) if not bounded else (a_SS >= b_SS)

@@ -1,0 +1,209 @@
+"""KDA: every implementation against the recurrent spec in float64 — outputs, final state,
+gradients w.r.t. q, k, v, g, beta, initial_state — plus segments, extreme gates, the gate,
+and input validation. Pallas kernels run in interpret mode on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import kda, kda_gate, reference
+from tests.conftest import rel_err
+
+LB = -5.0
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+  """The spec runs in float64; scoped so other test modules keep JAX's default types."""
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", False)
+
+
+def _inputs(B, T, H, K, V, seed=0, lower_bound=LB):
+  """Random inputs in float64 (never zeros): unit q/k, gates from kda_gate, β in (0, 1)."""
+  rng = np.random.default_rng(seed)
+  normed = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  x = jnp.asarray(rng.normal(size=(B, T, H, K)))
+  g = kda_gate(x, jnp.asarray(rng.normal(size=H)), jnp.asarray(rng.normal(size=H * K)),
+               lower_bound=lower_bound)
+  arrs = (normed(rng.normal(size=(B, T, H, K))), normed(rng.normal(size=(B, T, H, K))),
+          rng.normal(size=(B, T, H, V)), g, 1 / (1 + np.exp(-rng.normal(size=(B, T, H)))))
+  S0 = rng.normal(size=(B, H, K, V))
+  return tuple(jnp.asarray(a, jnp.float64) for a in arrs), jnp.asarray(S0, jnp.float64)
+
+
+def _loss_and_grads(fn, args, S0, w_o, w_S):
+  """A scalar touching every output element, and its gradients w.r.t. all six inputs."""
+  def loss(q, k, v, g, beta, S0):
+    o, S = fn(q, k, v, g, beta, S0)
+    return (o.astype(jnp.float64) * w_o).sum() + (S.astype(jnp.float64) * w_S).sum()
+  return jax.value_and_grad(loss, argnums=range(6))(*args, S0)
+
+
+def _spec(q, k, v, g, beta, S0):
+  return reference.kda_recurrent(q, k, v, g, beta, initial_state=S0)
+
+
+def _impl(name, chunk, lower_bound=LB):
+  def fn(q, k, v, g, beta, S0):
+    return kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, chunk_size=chunk,
+               lower_bound=lower_bound, implementation=name)
+  return fn
+
+
+CASES = [  # (B, T, H, K, V, chunk)
+    (2, 1, 2, 128, 128, 32), (1, 15, 1, 64, 32, 64), (2, 16, 2, 64, 32, 32),
+    (1, 17, 2, 128, 128, 64), (1, 63, 2, 64, 32, 32), (2, 64, 1, 64, 32, 64),
+    (1, 65, 1, 128, 128, 32), (1, 130, 3, 64, 32, 64),
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}K{}V{}C{}".format(*c))
+def test_fp32_matches_fp64_spec_with_gradients(impl, case):
+  B, T, H, K, V, chunk = case
+  (q, k, v, g, beta), S0 = _inputs(B, T, H, K, V, seed=T)
+  rng = np.random.default_rng(1)
+  w_o, w_S = rng.normal(size=(B, T, H, V)), rng.normal(size=(B, H, K, V))
+  ref_val, ref_grads = _loss_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+  o, S = _impl(impl, chunk)(*f32, S0.astype(jnp.float32))
+  o_ref, S_ref = _spec(q, k, v, g, beta, S0)
+  assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V) and o.dtype == jnp.float32
+  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+  _, grads = _loss_and_grads(_impl(impl, chunk), f32, S0.astype(jnp.float32), w_o, w_S)
+  for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
+    assert np.isfinite(np.asarray(a)).all(), name
+    assert rel_err(a, b) <= 1e-4, name
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_bf16_inputs_within_1e2(impl):
+  B, T, H, K, V = 2, 100, 2, 64, 32
+  (q, k, v, g, beta), S0 = _inputs(B, T, H, K, V, seed=11)
+  rng = np.random.default_rng(2)
+  w_o, w_S = rng.normal(size=(B, T, H, V)), rng.normal(size=(B, H, K, V))
+  _, ref_grads = _loss_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
+  o_ref, _ = _spec(q, k, v, g, beta, S0)
+  bf = tuple(x.astype(jnp.bfloat16) for x in (q, k, v, beta))
+  args = (bf[0], bf[1], bf[2], g.astype(jnp.float32), bf[3])
+  o, _ = _impl(impl, 64)(*args, S0.astype(jnp.float32))
+  assert o.dtype == jnp.bfloat16 and rel_err(o, o_ref) <= 1e-2
+  _, grads = _loss_and_grads(_impl(impl, 64), args, S0.astype(jnp.float32), w_o, w_S)
+  for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
+    assert rel_err(a, b) <= 1e-2, name
+
+
+@pytest.mark.parametrize("T,chunk", [(1000, 64), (1000, 32), (130, 16)])
+def test_xla_long_and_odd_lengths_fp64(T, chunk):
+  (q, k, v, g, beta), S0 = _inputs(2, T, 2, 32, 16, seed=T + chunk)
+  o_ref, S_ref = _spec(q, k, v, g, beta, S0)
+  for bounded in (True, False):
+    o, S = reference.kda_chunked(q, k, v, g, beta, initial_state=S0, chunk_size=chunk,
+                                 bounded=bounded)
+    assert o.dtype == jnp.float64
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
+
+
+@pytest.mark.parametrize("impl", ["xla", "recurrent", "pallas_gpu"])
+def test_segments_equal_separate_documents(impl):
+  """Documents of length 5, 1, 30, 12 packed with padding give each document's own output;
+  padding outputs zeros and leaves the last document's state as the final state."""
+  lengths, T = [5, 1, 30, 12], 64
+  (q, k, v, g, beta), _ = _inputs(1, T, 2, 32, 16, seed=3)
+  seg = np.zeros((1, T), np.int32)
+  starts = np.cumsum([0] + lengths[:-1])
+  for i, (s, n) in enumerate(zip(starts, lengths)):
+    seg[0, s:s + n] = i + 1
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+  o, S = kda(*f32, segment_ids=jnp.asarray(seg), output_final_state=True, chunk_size=16,
+             lower_bound=LB, implementation=impl)
+  for s, n in zip(starts, lengths):
+    sl = slice(s, s + n)
+    o_doc, S_doc = reference.kda_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl])
+    assert rel_err(o[:, sl], o_doc) < 1e-5
+  assert rel_err(S, S_doc) < 1e-5
+  assert float(jnp.abs(o[:, sum(lengths):]).max()) == 0.0
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_extreme_gates_stay_finite_and_accurate(impl):
+  """Every gate at the lower bound over 300 steps; gates near 0; large unbounded gates."""
+  (q, k, v, _, beta), S0 = _inputs(1, 300, 2, 32, 16, seed=5)
+  cases = [(jnp.full(q.shape, LB), LB), (jnp.full(q.shape, -1e-6), LB),
+           (-jnp.abs(q) * 1e3 - 10.0, None)]       # legacy gate far below -5: safe path
+  for g, lb in cases:
+    o_ref, S_ref = _spec(q, k, v, g, beta, S0)
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    o, S = _impl(impl, 64, lower_bound=lb)(*f32, S0.astype(jnp.float32))
+    assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(S)).all()
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -2.0, None])
+def test_gate_values_and_gradients_vs_finite_differences(lower_bound):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, 2, 4)) * 3)
+  A_log, dt = jnp.asarray(rng.normal(size=2) * 0.5), jnp.asarray(rng.normal(size=8))
+  g = kda_gate(x, A_log, dt, lower_bound=lower_bound)
+  a = np.exp(np.asarray(A_log))[:, None]
+  z = np.asarray(x) + np.asarray(dt).reshape(2, 4)
+  expected = (-a * np.logaddexp(0, z) if lower_bound is None
+              else lower_bound / (1 + np.exp(-a * z)))
+  assert rel_err(g, expected) < 1e-12 and float(g.max()) <= 0.0
+  if lower_bound is not None:
+    assert float(g.min()) >= lower_bound
+  w = jnp.asarray(rng.normal(size=x.shape))
+  f = lambda x, A_log, dt: (kda_gate(x, A_log, dt, lower_bound=lower_bound) * w).sum()
+  grads = jax.grad(f, argnums=(0, 1, 2))(x, A_log, dt)
+  eps = 1e-6
+  for i, (arg, grad) in enumerate(zip((x, A_log, dt), grads)):
+    flat = np.asarray(arg).ravel()
+    fd = np.zeros_like(flat)
+    for j in range(flat.size):
+      up, dn = flat.copy(), flat.copy()
+      up[j] += eps
+      dn[j] -= eps
+      args = [x, A_log, dt]
+      args[i] = jnp.asarray(up.reshape(arg.shape))
+      hi = f(*args)
+      args[i] = jnp.asarray(dn.reshape(arg.shape))
+      fd[j] = (hi - f(*args)) / (2 * eps)
+    assert rel_err(np.asarray(grad).ravel(), fd) < 1e-6
+
+
+def test_gate_rejects_bad_input():
+  x = jnp.ones((1, 2, 3, 4))
+  for bad in (-8.0, 0.0, 0.5):
+    with pytest.raises(ValueError, match=f"lower_bound must be in \\[-5, 0\\).*got {bad}"):
+      kda_gate(x, jnp.zeros(3), jnp.zeros(12), lower_bound=bad)
+  with pytest.raises(ValueError, match=r"A_log must have shape \[H\]=\(3,\)"):
+    kda_gate(x, jnp.zeros(4), jnp.zeros(12))
+  with pytest.raises(ValueError, match=r"dt_bias must have shape \[H\*K\]=\(12,\)"):
+    kda_gate(x, jnp.zeros(3), jnp.zeros(4))
+
+
+def test_kda_rejects_bad_input():
+  (q, k, v, g, beta), _ = _inputs(1, 8, 2, 4, 4)
+  with pytest.raises(ValueError, match=r"g is a log-decay and must be <= 0"):
+    kda(q, k, v, -g + 0.1, beta)
+  with pytest.raises(ValueError, match=r"g has values below lower_bound=-1.0"):
+    kda(q, k, v, g - 2.0, beta, lower_bound=-1.0)
+  with pytest.raises(ValueError, match=r"lower_bound must be in \[-5, 0\).*got -6"):
+    kda(q, k, v, g, beta, lower_bound=-6)
+  with pytest.raises(ValueError, match=r"k must match q's shape"):
+    kda(q, k[:, :4], v, g, beta)
+  with pytest.raises(ValueError, match=r"beta must be \[B,T,H\]"):
+    kda(q, k, v, g, beta[..., :1])
+  with pytest.raises(ValueError, match=r"initial_state must be \[B,H,K,V\]"):
+    kda(q, k, v, g, beta, initial_state=jnp.zeros((1, 2, 4, 5)))
+  with pytest.raises(ValueError, match=r"chunk_size must be one of .*got 48"):
+    kda(q, k, v, g, beta, chunk_size=48)
+  with pytest.raises(ValueError, match=r"implementation must be None or one of"):
+    kda(q, k, v, g, beta, implementation="cuda")
+  with pytest.raises(NotImplementedError, match="pallas_tpu"):
+    kda(q, k, v, g, beta, implementation="pallas_tpu")
+  with pytest.raises(ValueError, match=r"segment_ids must be an integer \[B,T\]"):
+    kda(q, k, v, g, beta, segment_ids=jnp.ones((1, 7), jnp.int32))
