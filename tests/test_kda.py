@@ -107,6 +107,14 @@ def test_xla_long_and_odd_lengths_fp64(T, chunk):
     assert rel_err(o, o_ref) < 1e-12 and rel_err(S, S_ref) < 1e-12
 
 
+def test_pallas_long_sequence_fp32():
+  (q, k, v, g, beta), S0 = _inputs(1, 1000, 1, 64, 32, seed=1000)
+  o_ref, S_ref = _spec(q, k, v, g, beta, S0)
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+  o, S = _impl("pallas_gpu", 64)(*f32, S0.astype(jnp.float32))
+  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+
+
 @pytest.mark.parametrize("impl", ["xla", "recurrent", "pallas_gpu"])
 def test_segments_equal_separate_documents(impl):
   """Documents of length 5, 1, 30, 12 packed with padding give each document's own output;
