@@ -35,5 +35,6 @@ def test_forward_and_backward_lower_to_triton(h200, K, V, T, with_segments):
 
   args = (bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, V), jnp.zeros((B, T, H, K)), bf(B, T, H))
   text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  for kernel in ("kda_intra", "kda_recurrence", "kda_recurrence_bwd"):
+  for kernel in ("kda_intra_tiles", "kda_intra_solve", "kda_intra_wu", "kda_recurrence",
+                 "kda_recurrence_bwd"):
     assert kernel in text

@@ -1,18 +1,19 @@
 """KDA chunked kernels in Pallas (Triton lowering on GPU, `interpret=True` on CPU).
 
-Three kernels, each named after the tile it computes (math in reference.py):
-  _intra_kernel        grid (B, H, N): one chunk of C rows as C/16 sub-chunks. Decays
-                       anchored per sub-chunk (reference._sub_chunk_decays) so every tile
-                       is a matmul; (I + Diag(β)A)^-1
-                       by forward substitution on the 16×16 diagonal blocks (registers
-                       only) and block substitution off the diagonal. Emits W, U0, Qg, Kd,
-                       Aqk, decay.
-  _recurrence_kernel   grid (B, H, V/BV): the state S [K, BV] stays in registers across
-                       all chunks (one launch for the whole sequence); emits O, the final
-                       state, and, for the backward pass only, each chunk's start state.
-  _recurrence_bwd_kernel  grid (B, H, V/BV): the same loop in reverse carrying dS; emits
-                       the cotangents of the stage-1 tensors (V-block partial sums for
-                       those that contract over V) and of S0.
+Stage 1 (reference.chunk_intra, bounded gates) as three kernels, fla-style:
+  _tiles_kernel     grid (B, H, N·C/16): one 16-row sub-chunk against the sub-chunks before
+                    it — β·A and Aqk tiles as matmuls on decays anchored per sub-chunk
+                    (reference._sub_chunk_decays), K contracted in BLOCK_K columns.
+  _solve_kernel     grid (B, H, N): (I + Diag(β)A)^-1 — 16×16 diagonal blocks by forward
+                    substitution in registers, off-diagonal blocks by block substitution.
+  _wu_kernel        grid (B, H, N): W, U0 (two chunk-wide matmuls), Qg, Kd, decay.
+Stage 2 (reference.chunk_recurrence):
+  _recurrence_kernel      grid (B, H, V/BV): the state S [K, BV] stays in registers across
+                          all chunks (one launch for the sequence); emits O, the final state
+                          and, for the backward pass only, each chunk's start state.
+  _recurrence_bwd_kernel  the same loop in reverse carrying dS; emits the cotangents of the
+                          stage-1 tensors (V-block partial sums where they contract over V)
+                          and of S0.
 
 Gradients: the recurrence has its own VJP (the two recurrence kernels; chunk states are
 recomputed, not stored by the forward). Stage 1's VJP is the XLA VJP of
@@ -64,62 +65,78 @@ def _inv_unit_lower(N_LL):
   return T_LL
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
-                  W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, *, scale):
-  C = q_ref.shape[0]
+def _tiles_kernel(q_ref, k_ref, G_ref, beta_ref, seg_ref, Akk_ref, Aqk_ref, *, scale,
+                  block_k):
+  """One 16-row sub-chunk a (program axis 2 = chunk·S + a) against every sub-chunk b ≤ a of
+  its chunk: β_a·A_ab (strictly causal) and Aqk_ab, K contracted in `block_k` columns so
+  only [16, block_k] tiles are live. Blocks b > a are written as zeros."""
+  C, K = q_ref.shape
   L, S = SUB, C // SUB
-  rows = lambda ref, a: ref[pl.ds(a * L, L), :].astype(F32)
-  q = [rows(q_ref, a) for a in range(S)]
-  k = [rows(k_ref, a) for a in range(S)]
-  G = [rows(G_ref, a) for a in range(S)]
-  beta = [beta_ref[pl.ds(a * L, L)].astype(F32) for a in range(S)]
-  seg = [seg_ref[pl.ds(a * L, L)] for a in range(S)]
-  G_last = [G_ref[pl.ds(a * L + L - 1, 1), :].astype(F32) for a in range(S)]   # [1, K]
-  G_mid = [G_ref[pl.ds(a * L + L // 2, 1), :].astype(F32) for a in range(S)]
-  seg_end = seg_ref[pl.ds(C - 1, 1)]                      # [1]
+  a = pl.program_id(2) % S
+  rows_a = pl.ds(pl.multiple_of(a * L, L), L)
+  seg_a = seg_ref[rows_a]
+  beta_a = beta_ref[rows_a].astype(F32)
+  i_LL = a * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
+  for b in range(S):
+    j_LL = b * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    same = seg_a[:, None] == seg_ref[pl.ds(b * L, L)][None, :]
+    A_LL = jnp.zeros((L, L), F32)
+    Aqk_LL = jnp.zeros((L, L), F32)
+    for kb in range(K // block_k):
+      cols = pl.ds(kb * block_k, block_k)
+      G_a = G_ref[rows_a, cols].astype(F32)
+      G_b = G_ref[pl.ds(b * L, L), cols].astype(F32)
+      # Anchor: the middle row of a on the diagonal, the last row of b below it (see
+      # reference._sub_chunk_decays); exponents capped so blocks above the diagonal,
+      # which are masked out, cannot overflow.
+      anchor = jnp.where(a == b, G_ref[pl.ds(a * L + L // 2, 1), cols].astype(F32),
+                         G_ref[pl.ds(b * L + L - 1, 1), cols].astype(F32))
+      left = jnp.exp(jnp.minimum(G_a - anchor, 60.0))
+      right = jnp.exp(jnp.minimum(anchor - G_b, 60.0))
+      k_right = k_ref[pl.ds(b * L, L), cols].astype(F32) * right
+      A_LL += _dot_t(k_ref[rows_a, cols].astype(F32) * left, k_right)
+      Aqk_LL += _dot_t(q_ref[rows_a, cols].astype(F32) * left, k_right)
+    A_LL = jnp.where(same & (i_LL > j_LL), A_LL, 0.0) * beta_a[:, None]
+    Aqk_LL = jnp.where(same & (i_LL >= j_LL), Aqk_LL, 0.0) * scale
+    Akk_ref[:, pl.ds(b * L, L)] = A_LL.astype(Akk_ref.dtype)
+    Aqk_ref[:, pl.ds(b * L, L)] = Aqk_LL.astype(Aqk_ref.dtype)
 
-  i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
-  j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
-  A, T = {}, {}
-  for a in range(S):
-    for b in range(a + 1):
-      anchor = G_mid[a] if a == b else G_last[b]
-      # Bounded gate: factors within e^±40 on the diagonal (anchor: middle row), ≤ 1 off it.
-      k_left = k[a] * jnp.exp(G[a] - anchor)
-      q_left = q[a] * jnp.exp(G[a] - anchor)
-      k_right = k[b] * jnp.exp(anchor - G[b])
-      same = seg[a][:, None] == seg[b][None, :]
-      causal_strict = (i_LL > j_LL) if a == b else (i_LL >= 0)
-      causal_incl = (i_LL >= j_LL) if a == b else (i_LL >= 0)
-      A[a, b] = jnp.where(same & causal_strict, _dot_t(k_left, k_right), 0.0)
-      Aqk = jnp.where(same & causal_incl, _dot_t(q_left, k_right), 0.0) * scale
-      Aqk_ref[pl.ds(a * L, L), pl.ds(b * L, L)] = Aqk.astype(Aqk_ref.dtype)
-    for b in range(a + 1, S):
-      Aqk_ref[pl.ds(a * L, L), pl.ds(b * L, L)] = jnp.zeros((L, L), Aqk_ref.dtype)
 
-  # T = (I + Diag(β) A)^-1 by blocks: diagonal by substitution, then
-  # T_ab = -T_aa Σ_{b≤c<a} β_a A_ac T_cb.
+def _solve_kernel(Akk_ref, T_ref):
+  """T = (I + Diag(β)A)^-1 for one chunk: diagonal 16×16 blocks by substitution, then
+  T_ab = -T_aa Σ_{b≤c<a} (β A)_ac T_cb."""
+  C = Akk_ref.shape[0]
+  L, S = SUB, C // SUB
+  blk = lambda a, b: Akk_ref[pl.ds(a * L, L), pl.ds(b * L, L)].astype(F32)
+  T = {}
   for a in range(S):
-    T[a, a] = _inv_unit_lower(beta[a][:, None] * A[a, a])
+    T[a, a] = _inv_unit_lower(blk(a, a))
     for b in range(a):
-      acc = sum(_dot(beta[a][:, None] * A[a, c], T[c, b]) for c in range(b, a))
-      T[a, b] = -_dot(T[a, a], acc)
+      T[a, b] = -_dot(T[a, a], sum(_dot(blk(a, c), T[c, b]) for c in range(b, a)))
+    for b in range(S):
+      T_ref[pl.ds(a * L, L), pl.ds(b * L, L)] = (
+          T[a, b] if b <= a else jnp.zeros((L, L), F32)).astype(T_ref.dtype)
 
-  from_start = [(s == 0)[:, None] for s in seg]
-  to_end = [(s == seg_end)[:, None] for s in seg]
-  G_end = G_last[S - 1]
-  X = [beta[b][:, None] * k[b] * jnp.where(from_start[b], jnp.exp(G[b]), 0.0) for b in range(S)]
-  Y = [beta[b][:, None] * v_ref[pl.ds(b * L, L), :].astype(F32) for b in range(S)]
-  for a in range(S):
-    W = sum(_dot(T[a, b], X[b]) for b in range(a + 1))
-    U0 = sum(_dot(T[a, b], Y[b]) for b in range(a + 1))
-    W_ref[pl.ds(a * L, L), :] = W.astype(W_ref.dtype)
-    U0_ref[pl.ds(a * L, L), :] = U0.astype(U0_ref.dtype)
-    Qg = q[a] * jnp.where(from_start[a], jnp.exp(G[a]), 0.0) * scale
-    Qg_ref[pl.ds(a * L, L), :] = Qg.astype(Qg_ref.dtype)
-    Kd = k[a] * jnp.where(to_end[a], jnp.exp(G_end - G[a]), 0.0)
-    Kd_ref[pl.ds(a * L, L), :] = Kd.astype(Kd_ref.dtype)
-  decay_ref[...] = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0).reshape(-1).astype(decay_ref.dtype)
+
+def _wu_kernel(T_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
+               W_ref, U0_ref, Qg_ref, Kd_ref, decay_ref, *, scale):
+  """W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the decayed Qg, Kd, decay of one chunk."""
+  C = q_ref.shape[0]
+  T_CC = T_ref[...].astype(F32)
+  G = G_ref[...].astype(F32)
+  seg = seg_ref[...]
+  seg_end = seg_ref[pl.ds(C - 1, 1)]
+  G_end = G_ref[pl.ds(C - 1, 1), :].astype(F32)
+  beta = beta_ref[...].astype(F32)[:, None]
+  gamma = jnp.where((seg == 0)[:, None], jnp.exp(G), 0.0)   # S0 reaches rows before a reset
+  k = k_ref[...].astype(F32)
+  W_ref[...] = _dot(T_CC, beta * k * gamma).astype(W_ref.dtype)
+  U0_ref[...] = _dot(T_CC, beta * v_ref[...].astype(F32)).astype(U0_ref.dtype)
+  Qg_ref[...] = (q_ref[...].astype(F32) * gamma * scale).astype(Qg_ref.dtype)
+  to_end = (seg == seg_end)[:, None]
+  Kd_ref[...] = (k * jnp.where(to_end, jnp.exp(G_end - G), 0.0)).astype(Kd_ref.dtype)
+  decay_ref[...] = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0).reshape(-1).astype(
+      decay_ref.dtype)
 
 
 def _recurrence_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, S0_ref,
@@ -179,38 +196,52 @@ def _params(num_warps, num_stages, interpret):
 
 
 # Launch knobs (tuned by scripts/profile_kda_stages.py on the H200).
+BLOCK_K = 32
 INTRA_WARPS = 4
 RECURRENCE_WARPS = 4
 BLOCK_V = 32
 
 
 def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
-  """Stage 1 as one Pallas kernel; same outputs as reference.chunk_intra(bounded=True)."""
+  """Stage 1 as three Pallas kernels; same outputs as reference.chunk_intra(bounded=True)."""
   B, Tp, H, K = q.shape
   V = v.shape[-1]
   C, N = chunk_size, Tp // chunk_size
+  S = C // SUB
   dt = q.dtype
+  chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+  chunk_1d = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
+  chunk_seg = pl.BlockSpec((None, C), lambda b, h, n: (b, n))
 
-  def rows(D):
-    return pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
-
-  out_shape = (jax.ShapeDtypeStruct((B, Tp, H, K), dt),    # W
-               jax.ShapeDtypeStruct((B, Tp, H, V), dt),    # U0
-               jax.ShapeDtypeStruct((B, Tp, H, K), dt),    # Qg
-               jax.ShapeDtypeStruct((B, Tp, H, K), dt),    # Kd
-               jax.ShapeDtypeStruct((B, Tp, H, C), dt),    # Aqk
-               jax.ShapeDtypeStruct((B, N, H, K), F32))    # decay
-  W, U0, Qg, Kd, Aqk, decay = pl.pallas_call(
-      functools.partial(_intra_kernel, scale=scale),
+  # Program r = n·S + a reads chunk n whole and writes rows a of it.
+  in_chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, r: (b, r // S, h, 0))
+  Akk, Aqk = pl.pallas_call(
+      functools.partial(_tiles_kernel, scale=scale, block_k=min(K, BLOCK_K)),
+      grid=(B, H, N * S),
+      in_specs=[in_chunk(K), in_chunk(K), in_chunk(K),
+                pl.BlockSpec((None, C, None), lambda b, h, r: (b, r // S, h)),
+                pl.BlockSpec((None, C), lambda b, h, r: (b, r // S))],
+      out_specs=[pl.BlockSpec((None, SUB, None, C), lambda b, h, r: (b, r, h, 0))] * 2,
+      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, C), F32),
+                 jax.ShapeDtypeStruct((B, Tp, H, C), dt)],
+      interpret=interpret, name="kda_intra_tiles", compiler_params=_params(4, 1, interpret),
+  )(q, k, G, beta, seg)
+  T = pl.pallas_call(
+      _solve_kernel, grid=(B, H, N), in_specs=[chunk(C)], out_specs=chunk(C),
+      out_shape=jax.ShapeDtypeStruct((B, Tp, H, C), F32), interpret=interpret,
+      name="kda_intra_solve", compiler_params=_params(4, 1, interpret),
+  )(Akk)
+  W, U0, Qg, Kd, decay = pl.pallas_call(
+      functools.partial(_wu_kernel, scale=scale),
       grid=(B, H, N),
-      in_specs=[rows(K), rows(K), rows(V), rows(K),
-                pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)),
-                pl.BlockSpec((None, C), lambda b, h, n: (b, n))],
-      out_specs=[rows(K), rows(V), rows(K), rows(K), rows(C),
+      in_specs=[chunk(C), chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d, chunk_seg],
+      out_specs=[chunk(K), chunk(V), chunk(K), chunk(K),
                  pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))],
-      out_shape=out_shape, interpret=interpret, name="kda_intra",
-      compiler_params=_params(INTRA_WARPS, 1, interpret),
-  )(q, k, v, G, beta, seg)
+      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), dt), jax.ShapeDtypeStruct((B, Tp, H, V), dt),
+                 jax.ShapeDtypeStruct((B, Tp, H, K), dt), jax.ShapeDtypeStruct((B, Tp, H, K), dt),
+                 jax.ShapeDtypeStruct((B, N, H, K), F32)],
+      interpret=interpret, name="kda_intra_wu", compiler_params=_params(INTRA_WARPS, 1, interpret),
+  )(T, q, k, v, G, beta, seg)
   return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}
 
 
