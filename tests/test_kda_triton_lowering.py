@@ -36,5 +36,5 @@ def test_forward_and_backward_lower_to_triton(h200, K, V, T, with_segments):
   args = (bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, V), jnp.zeros((B, T, H, K)), bf(B, T, H))
   text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   for kernel in ("kda_intra_tiles", "kda_intra_solve", "kda_intra_wu", "kda_recurrence",
-                 "kda_recurrence_bwd"):
+                 "kda_recurrence_bwd", "kda_intra_wu_bwd", "kda_intra_tiles_bwd"):
     assert kernel in text

@@ -15,9 +15,9 @@ Stage 2 (reference.chunk_recurrence):
                           stage-1 tensors (V-block partial sums where they contract over V)
                           and of S0.
 
-Gradients: the recurrence has its own VJP (the two recurrence kernels; chunk states are
-recomputed, not stored by the forward). Stage 1's VJP is the XLA VJP of
-`reference.chunk_intra`, recomputed in the backward pass.
+Backward: stage 1 by _wu_bwd_kernel (solve and W/U0 terms, grid (B, H, N)) and
+_tiles_bwd_kernel (the anchored tiles transposed); stage 2 by the recurrence kernels (chunk
+states recomputed, not stored by the forward). A and T are kept from stage 1's forward.
 """
 
 import functools
@@ -65,17 +65,15 @@ def _inv_unit_lower(N_LL):
   return T_LL
 
 
-def _tiles_kernel(q_ref, k_ref, G_ref, beta_ref, seg_ref, Akk_ref, Aqk_ref, *, scale,
-                  block_k):
+def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, block_k):
   """One 16-row sub-chunk a (program axis 2 = chunk·S + a) against every sub-chunk b ≤ a of
-  its chunk: β_a·A_ab (strictly causal) and Aqk_ab, K contracted in `block_k` columns so
+  its chunk: A_ab (strictly causal) and Aqk_ab, K contracted in `block_k` columns so
   only [16, block_k] tiles are live. Blocks b > a are written as zeros."""
   C, K = q_ref.shape
   L, S = SUB, C // SUB
   a = pl.program_id(2) % S
   rows_a = pl.ds(pl.multiple_of(a * L, L), L)
   seg_a = seg_ref[rows_a]
-  beta_a = beta_ref[rows_a].astype(F32)
   i_LL = a * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
   for b in range(S):
     j_LL = b * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
@@ -96,18 +94,19 @@ def _tiles_kernel(q_ref, k_ref, G_ref, beta_ref, seg_ref, Akk_ref, Aqk_ref, *, s
       k_right = k_ref[pl.ds(b * L, L), cols].astype(F32) * right
       A_LL += _dot_t(k_ref[rows_a, cols].astype(F32) * left, k_right)
       Aqk_LL += _dot_t(q_ref[rows_a, cols].astype(F32) * left, k_right)
-    A_LL = jnp.where(same & (i_LL > j_LL), A_LL, 0.0) * beta_a[:, None]
+    A_LL = jnp.where(same & (i_LL > j_LL), A_LL, 0.0)
     Aqk_LL = jnp.where(same & (i_LL >= j_LL), Aqk_LL, 0.0) * scale
     Akk_ref[:, pl.ds(b * L, L)] = A_LL.astype(Akk_ref.dtype)
     Aqk_ref[:, pl.ds(b * L, L)] = Aqk_LL.astype(Aqk_ref.dtype)
 
 
-def _solve_kernel(Akk_ref, T_ref):
+def _solve_kernel(A_ref, beta_ref, T_ref):
   """T = (I + Diag(β)A)^-1 for one chunk: diagonal 16×16 blocks by substitution, then
   T_ab = -T_aa Σ_{b≤c<a} (β A)_ac T_cb."""
-  C = Akk_ref.shape[0]
+  C = A_ref.shape[0]
   L, S = SUB, C // SUB
-  blk = lambda a, b: Akk_ref[pl.ds(a * L, L), pl.ds(b * L, L)].astype(F32)
+  blk = lambda a, b: (beta_ref[pl.ds(a * L, L)].astype(F32)[:, None]
+                      * A_ref[pl.ds(a * L, L), pl.ds(b * L, L)].astype(F32))
   T = {}
   for a in range(S):
     T[a, a] = _inv_unit_lower(blk(a, a))
@@ -137,6 +136,86 @@ def _wu_kernel(T_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   Kd_ref[...] = (k * jnp.where(to_end, jnp.exp(G_end - G), 0.0)).astype(Kd_ref.dtype)
   decay_ref[...] = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0).reshape(-1).astype(
       decay_ref.dtype)
+
+
+def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
+                   dW_ref, dU0_ref, dQg_ref, dKd_ref, ddecay_ref,
+                   dA_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, *, scale):
+  """Backward of _wu_kernel and of the triangular solve, one chunk:
+  dX = Tᵀ dW, dY = Tᵀ dU0, dT = dW Xᵀ + dU0 Yᵀ, d(βA) = -Tᵀ dT Tᵀ (strictly causal part),
+  plus the elementwise Qg / Kd / decay terms. Emits dA for _tiles_bwd_kernel."""
+  C = q_ref.shape[0]
+  T_CC, A_CC = T_ref[...].astype(F32), A_ref[...].astype(F32)
+  G, seg = G_ref[...].astype(F32), seg_ref[...]
+  seg_end = seg_ref[pl.ds(C - 1, 1)]
+  G_end = G_ref[pl.ds(C - 1, 1), :].astype(F32)
+  beta = beta_ref[...].astype(F32)[:, None]
+  gamma = jnp.where((seg == 0)[:, None], jnp.exp(G), 0.0)
+  q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
+  dW, dU0 = dW_ref[...].astype(F32), dU0_ref[...].astype(F32)
+  dQg, dKd = dQg_ref[...].astype(F32), dKd_ref[...].astype(F32)
+  X, Y = beta * k * gamma, beta * v
+  dX, dY = _t_dot(T_CC, dW), _t_dot(T_CC, dU0)
+  dT = _dot_t(dW, X) + _dot_t(dU0, Y)
+  dL = -_t_dot(T_CC, _dot_t(dT, T_CC))                  # cotangent of L = I + Diag(β)A
+  i_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+  j_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+  support = (seg[:, None] == seg[None, :]) & (i_CC > j_CC)       # where A is not masked
+  dA_ref[...] = jnp.where(support, beta * dL, 0.0).astype(dA_ref.dtype)
+  dbeta = (jnp.sum(dL * A_CC, axis=1) + jnp.sum(dX * k * gamma, axis=1)
+           + jnp.sum(dY * v, axis=1))
+  dbeta_ref[...] = dbeta.astype(dbeta_ref.dtype)
+  dv_ref[...] = (beta * dY).astype(dv_ref.dtype)
+  dq_ref[...] = (dQg * scale * gamma).astype(dq_ref.dtype)
+  kd_decay = jnp.where((seg == seg_end)[:, None], jnp.exp(G_end - G), 0.0)
+  dk_ref[...] = (dX * beta * gamma + dKd * kd_decay).astype(dk_ref.dtype)
+  P = dKd * k * kd_decay                                   # d/dG of Kd = k e^{G_end - G}
+  decay = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0)     # [1, K]
+  dG_end = jnp.sum(P, axis=0, keepdims=True) + ddecay_ref[...].reshape(1, -1) * decay
+  last = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
+  dG = (dX * beta * k + dQg * scale * q) * gamma - P + jnp.where(last, dG_end, 0.0)
+  dG_ref[...] = dG.astype(dG_ref.dtype)
+
+
+def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk_ref, dG_ref,
+                      *, scale, block_k):
+  """Backward of _tiles_kernel, one chunk: the same anchored tiles, transposed. For a tile
+  X_a·left (Y_b·right)ᵀ with cotangent D: d(X_a·left) = D (Y_b·right), d(Y_b·right) =
+  Dᵀ (X_a·left); the anchor carries no gradient, so dG_a += X_a⊙left⊙(…), dG_b -= …"""
+  C, K = q_ref.shape
+  L, S = SUB, C // SUB
+  i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
+  j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+  for kb in range(K // block_k):
+    cols = pl.ds(kb * block_k, block_k)
+    q = [q_ref[pl.ds(a * L, L), cols].astype(F32) for a in range(S)]
+    k = [k_ref[pl.ds(a * L, L), cols].astype(F32) for a in range(S)]
+    G = [G_ref[pl.ds(a * L, L), cols].astype(F32) for a in range(S)]
+    dq = [jnp.zeros((L, block_k), F32) for _ in range(S)]
+    dk = [jnp.zeros((L, block_k), F32) for _ in range(S)]
+    dG = [jnp.zeros((L, block_k), F32) for _ in range(S)]
+    for a in range(S):
+      for b in range(a + 1):
+        row = a * L + L // 2 if a == b else b * L + L - 1
+        anchor = G_ref[pl.ds(row, 1), cols].astype(F32)
+        left, right = jnp.exp(G[a] - anchor), jnp.exp(anchor - G[b])
+        kl, ql, kr = k[a] * left, q[a] * left, k[b] * right
+        blk = (pl.ds(a * L, L), pl.ds(b * L, L))
+        dA = dA_ref[blk].astype(F32)
+        keep = (i_LL >= j_LL) if a == b else (i_LL >= 0)
+        same = seg_ref[pl.ds(a * L, L)][:, None] == seg_ref[pl.ds(b * L, L)][None, :]
+        dAqk = jnp.where(keep & same, dAqk_ref[blk].astype(F32), 0.0) * scale
+        d_kl, d_ql = _dot(dA, kr), _dot(dAqk, kr)
+        d_kr = _t_dot(dA, kl) + _t_dot(dAqk, ql)
+        dk[a] += d_kl * left
+        dq[a] += d_ql * left
+        dG[a] += d_kl * kl + d_ql * ql
+        dk[b] += d_kr * right
+        dG[b] -= d_kr * kr
+    for a in range(S):
+      dq_ref[pl.ds(a * L, L), cols] = dq[a].astype(dq_ref.dtype)
+      dk_ref[pl.ds(a * L, L), cols] = dk[a].astype(dk_ref.dtype)
+      dG_ref[pl.ds(a * L, L), cols] = dG[a].astype(dG_ref.dtype)
 
 
 def _recurrence_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, S0_ref,
@@ -203,7 +282,8 @@ BLOCK_V = 32
 
 
 def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
-  """Stage 1 as three Pallas kernels; same outputs as reference.chunk_intra(bounded=True)."""
+  """Stage 1 as three Pallas kernels: (outputs of reference.chunk_intra(bounded=True),
+  A, T), the last two kept for the backward pass."""
   B, Tp, H, K = q.shape
   V = v.shape[-1]
   C, N = chunk_size, Tp // chunk_size
@@ -215,22 +295,21 @@ def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
 
   # Program r = n·S + a reads chunk n whole and writes rows a of it.
   in_chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, r: (b, r // S, h, 0))
-  Akk, Aqk = pl.pallas_call(
+  A, Aqk = pl.pallas_call(
       functools.partial(_tiles_kernel, scale=scale, block_k=min(K, BLOCK_K)),
       grid=(B, H, N * S),
       in_specs=[in_chunk(K), in_chunk(K), in_chunk(K),
-                pl.BlockSpec((None, C, None), lambda b, h, r: (b, r // S, h)),
                 pl.BlockSpec((None, C), lambda b, h, r: (b, r // S))],
       out_specs=[pl.BlockSpec((None, SUB, None, C), lambda b, h, r: (b, r, h, 0))] * 2,
       out_shape=[jax.ShapeDtypeStruct((B, Tp, H, C), F32),
                  jax.ShapeDtypeStruct((B, Tp, H, C), dt)],
       interpret=interpret, name="kda_intra_tiles", compiler_params=_params(4, 1, interpret),
-  )(q, k, G, beta, seg)
+  )(q, k, G, seg)
   T = pl.pallas_call(
-      _solve_kernel, grid=(B, H, N), in_specs=[chunk(C)], out_specs=chunk(C),
+      _solve_kernel, grid=(B, H, N), in_specs=[chunk(C), chunk_1d], out_specs=chunk(C),
       out_shape=jax.ShapeDtypeStruct((B, Tp, H, C), F32), interpret=interpret,
       name="kda_intra_solve", compiler_params=_params(4, 1, interpret),
-  )(Akk)
+  )(A, beta)
   W, U0, Qg, Kd, decay = pl.pallas_call(
       functools.partial(_wu_kernel, scale=scale),
       grid=(B, H, N),
@@ -242,7 +321,38 @@ def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
                  jax.ShapeDtypeStruct((B, N, H, K), F32)],
       interpret=interpret, name="kda_intra_wu", compiler_params=_params(INTRA_WARPS, 1, interpret),
   )(T, q, k, v, G, beta, seg)
-  return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}
+  return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
+
+
+def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
+  """Cotangents (dq, dk, dv, dG, dβ) of stage 1 from those of its outputs, two kernels."""
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  C, N = chunk_size, Tp // chunk_size
+  chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+  chunk_1d = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
+  chunk_seg = pl.BlockSpec((None, C), lambda b, h, n: (b, n))
+  rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), F32)
+  dA, dq0, dk0, dv, dbeta, dG0 = pl.pallas_call(
+      functools.partial(_wu_bwd_kernel, scale=scale),
+      grid=(B, H, N),
+      in_specs=[chunk(C), chunk(C), chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d, chunk_seg,
+                chunk(K), chunk(V), chunk(K), chunk(K),
+                pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))],
+      out_specs=[chunk(C), chunk(K), chunk(K), chunk(V), chunk_1d, chunk(K)],
+      out_shape=[rows(C), rows(K), rows(K), rows(V), jax.ShapeDtypeStruct((B, Tp, H), F32),
+                 rows(K)],
+      interpret=interpret, name="kda_intra_wu_bwd",
+      compiler_params=_params(INTRA_WARPS, 1, interpret),
+  )(T, A, q, k, v, G, beta, seg, d_st["W"], d_st["U0"], d_st["Qg"], d_st["Kd"], d_st["decay"])
+  dq1, dk1, dG1 = pl.pallas_call(
+      functools.partial(_tiles_bwd_kernel, scale=scale, block_k=min(K, BLOCK_K)),
+      grid=(B, H, N),
+      in_specs=[chunk(K), chunk(K), chunk(K), chunk_seg, chunk(C), chunk(C)],
+      out_specs=[chunk(K)] * 3, out_shape=[rows(K)] * 3,
+      interpret=interpret, name="kda_intra_tiles_bwd", compiler_params=_params(4, 1, interpret),
+  )(q, k, G, seg, dA, d_st["Aqk"])
+  return dq0 + dq1, dk0 + dk1, dv, dG0 + dG1, dbeta
 
 
 def _block_v(V):
@@ -333,7 +443,7 @@ recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 def intra(q, k, v, G, beta, seg, scale, chunk_size, interpret):
   """Stage 1: Pallas forward; backward is the VJP of the XLA stage (recomputed)."""
   return intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
-                      interpret=interpret)
+                      interpret=interpret)[0]
 
 
 def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
@@ -344,13 +454,16 @@ def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
 
 
 def _intra_fwd(q, k, v, G, beta, seg, scale, chunk_size, interpret):
-  return intra(q, k, v, G, beta, seg, scale, chunk_size, interpret), (q, k, v, G, beta, seg)
+  st, A, T = intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
+                          interpret=interpret)
+  return st, (q, k, v, G, beta, seg, A, T)
 
 
 def _intra_bwd(scale, chunk_size, interpret, res, d_st):
-  q, k, v, G, beta, seg = res
-  _, vjp = jax.vjp(lambda *a: _intra_xla(*a, seg, scale, chunk_size), q, k, v, G, beta)
-  return (*vjp(d_st), None)
+  q, k, v, G, beta, seg, A, T = res
+  grads = intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, scale=scale,
+                           chunk_size=chunk_size, interpret=interpret)
+  return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, G, beta))), None)
 
 
 intra.defvjp(_intra_fwd, _intra_bwd)
