@@ -17,6 +17,8 @@ from pallas_kernels.kda import pallas_gpu as P, reference
 from scripts.bench_kda import inputs
 
 _SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH (K=V=128).")
+_VARIANTS = flags.DEFINE_integer("variants", 3, "How many launch-knob sets to try (1 = defaults).")
+_XLA = flags.DEFINE_bool("xla", True, "Also time the XLA stage 1 and its VJP.")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
 
 
@@ -43,7 +45,7 @@ def main(argv):
       q, k, v, g, beta, reset, C)
   S0 = jnp.zeros((B, H, 128, 128), jnp.float32)
   rows = []
-  for intra_warps, rec_warps, bv in [(4, 4, 32), (8, 4, 64), (2, 8, 128)]:
+  for intra_warps, rec_warps, bv in [(4, 4, 32), (8, 4, 64), (2, 8, 128)][:_VARIANTS.value]:
     P.INTRA_WARPS, P.RECURRENCE_WARPS, P.BLOCK_V = intra_warps, rec_warps, bv
     intra = jax.jit(lambda *a: P.intra_pallas(*a, scale=scale, chunk_size=C, interpret=False)[0])
     try:
@@ -58,8 +60,14 @@ def main(argv):
       _, _, states = P._recurrence_call(st, S0, chunk_size=C, with_states=True, interpret=False)
       return P._recurrence_bwd_call(st, states, do, S0, chunk_size=C, interpret=False)
 
+    def intra_bwd(q, k, v, G, beta, st):
+      _, A, T = P.intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=C, interpret=False)
+      return P.intra_bwd_pallas(q, k, v, G, beta, seg, A, T, st, scale=scale, chunk_size=C,
+                                interpret=False)
+
     row = {"knobs": f"intra_warps={intra_warps} rec_warps={rec_warps} BV={bv}"}
     for name, fn, args in [("intra", intra, (q, k, v, G, beta, seg)),
+                           ("intra fwd+bwd", jax.jit(intra_bwd), (q, k, v, G, beta, st)),
                            ("recurrence", rec, (st, S0)),
                            ("recurrence states+bwd", jax.jit(rec_bwd), (st, S0, do))]:
       try:
@@ -73,11 +81,13 @@ def main(argv):
     _, vjp = jax.vjp(lambda *a: P._intra_xla(*a, seg, scale, C), q, k, v, G, beta)
     return vjp(st)
 
-  print({"xla stage-1 forward": f"{median_ms(jax.jit(lambda *a: P._intra_xla(*a, seg, scale, C)), q, k, v, G, beta):.3f}",
-         "xla stage-1 vjp (backward)": f"{median_ms(jax.jit(intra_vjp), q, k, v, G, beta, st):.3f}"})
   print(f"stage times in ms at {_SHAPE.value}, K=V=128, bf16, C=64:")
   for r in rows:
     print(" | ".join(f"{k}: {v}" for k, v in r.items()))
+  if not _XLA.value:
+    return
+  print({"xla stage-1 forward": f"{median_ms(jax.jit(lambda *a: P._intra_xla(*a, seg, scale, C)), q, k, v, G, beta):.3f}",
+         "xla stage-1 vjp (backward)": f"{median_ms(jax.jit(intra_vjp), q, k, v, G, beta, st):.3f}"})
 
 
 if __name__ == "__main__":
