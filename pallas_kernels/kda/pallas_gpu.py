@@ -441,13 +441,14 @@ recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def intra(q, k, v, G, beta, seg, scale, chunk_size, interpret):
-  """Stage 1: Pallas forward; backward is the VJP of the XLA stage (recomputed)."""
+  """Stage 1 (bounded gates): Pallas forward and backward; A and T are the residuals."""
   return intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
                       interpret=interpret)[0]
 
 
 def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
-  """reference.chunk_intra in fp32, outputs stored like the kernel's (input dtype)."""
+  """reference.chunk_intra in fp32, outputs stored like the kernel's (input dtype): the
+  stage 1 of unbounded gates, and the XLA baseline in scripts/profile_kda_stages.py."""
   out = reference.chunk_intra(q.astype(F32), k.astype(F32), v.astype(F32), G, beta, seg,
                               scale=scale, chunk_size=chunk_size, bounded=bounded)
   return {n: x.astype(q.dtype) if n != "decay" else x for n, x in out.items()}
