@@ -6,7 +6,6 @@ import time
 
 import jax
 import ml_collections
-from absl import logging
 from tqdm import tqdm
 
 from moe_jax import config as config_lib
@@ -61,8 +60,6 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
   manager = checkpoint.make_manager(os.path.abspath(os.path.join(workdir, "checkpoints")), c)
   state, resumed = checkpoint.restore_latest(manager, state, train_iter)
   start = int(state.step)
-  logging.info("params: %d; %s", state_lib.param_count(state.params),
-               f"resumed from step {resumed}" if resumed is not None else "starting fresh")
   print(f"moe_jax: {state_lib.param_count(state.params):,} params; "
         + (f"resumed from checkpoint at step {resumed}" if resumed is not None
            else "no checkpoint, starting from step 0"), flush=True)

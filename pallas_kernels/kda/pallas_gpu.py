@@ -65,6 +65,26 @@ def _inv_unit_lower(N_LL):
   return T_LL
 
 
+def _anchor(G_ref, a, b, cols):
+  """[1, BK] anchor row for tile (a, b) (see reference._sub_chunk_decays): the middle row of
+  sub-chunk a on the diagonal, the last row of sub-chunk b below it."""
+  row = jnp.where(a == b, a * SUB + SUB // 2, b * SUB + SUB - 1)
+  return G_ref[pl.ds(row, 1), cols].astype(F32)
+
+
+def _chunk_gates(G_ref, seg_ref):
+  """Per-chunk decay factors: G [C,K]; Γ = e^G on rows S0 reaches (before any reset);
+  e^{G_end - G} on rows that reach the chunk's end state; decay = Γ_end [1,K]."""
+  C = G_ref.shape[0]
+  G, seg = G_ref[...].astype(F32), seg_ref[...]
+  seg_end = seg_ref[pl.ds(C - 1, 1)]
+  G_end = G_ref[pl.ds(C - 1, 1), :].astype(F32)
+  gamma = jnp.where((seg == 0)[:, None], jnp.exp(G), 0.0)
+  to_end = jnp.where((seg == seg_end)[:, None], jnp.exp(G_end - G), 0.0)
+  decay = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0)
+  return G, seg, gamma, to_end, decay
+
+
 def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, block_k):
   """One 16-row sub-chunk a (program axis 2 = chunk·S + a) against every sub-chunk b ≤ a of
   its chunk: A_ab (strictly causal) and Aqk_ab, K contracted in `block_k` columns so
@@ -84,11 +104,8 @@ def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, bloc
       cols = pl.ds(kb * block_k, block_k)
       G_a = G_ref[rows_a, cols].astype(F32)
       G_b = G_ref[pl.ds(b * L, L), cols].astype(F32)
-      # Anchor: the middle row of a on the diagonal, the last row of b below it (see
-      # reference._sub_chunk_decays); exponents capped so blocks above the diagonal,
-      # which are masked out, cannot overflow.
-      anchor = jnp.where(a == b, G_ref[pl.ds(a * L + L // 2, 1), cols].astype(F32),
-                         G_ref[pl.ds(b * L + L - 1, 1), cols].astype(F32))
+      # Exponents capped so blocks above the diagonal (masked out) cannot overflow.
+      anchor = _anchor(G_ref, a, b, cols)
       left = jnp.exp(jnp.minimum(G_a - anchor, 60.0))
       right = jnp.exp(jnp.minimum(anchor - G_b, 60.0))
       k_right = k_ref[pl.ds(b * L, L), cols].astype(F32) * right
@@ -120,22 +137,15 @@ def _solve_kernel(A_ref, beta_ref, T_ref):
 def _wu_kernel(T_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
                W_ref, U0_ref, Qg_ref, Kd_ref, decay_ref, *, scale):
   """W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the decayed Qg, Kd, decay of one chunk."""
-  C = q_ref.shape[0]
   T_CC = T_ref[...].astype(F32)
-  G = G_ref[...].astype(F32)
-  seg = seg_ref[...]
-  seg_end = seg_ref[pl.ds(C - 1, 1)]
-  G_end = G_ref[pl.ds(C - 1, 1), :].astype(F32)
+  _, _, gamma, to_end, decay = _chunk_gates(G_ref, seg_ref)
   beta = beta_ref[...].astype(F32)[:, None]
-  gamma = jnp.where((seg == 0)[:, None], jnp.exp(G), 0.0)   # S0 reaches rows before a reset
   k = k_ref[...].astype(F32)
   W_ref[...] = _dot(T_CC, beta * k * gamma).astype(W_ref.dtype)
   U0_ref[...] = _dot(T_CC, beta * v_ref[...].astype(F32)).astype(U0_ref.dtype)
   Qg_ref[...] = (q_ref[...].astype(F32) * gamma * scale).astype(Qg_ref.dtype)
-  to_end = (seg == seg_end)[:, None]
-  Kd_ref[...] = (k * jnp.where(to_end, jnp.exp(G_end - G), 0.0)).astype(Kd_ref.dtype)
-  decay_ref[...] = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0).reshape(-1).astype(
-      decay_ref.dtype)
+  Kd_ref[...] = (k * to_end).astype(Kd_ref.dtype)
+  decay_ref[...] = decay.reshape(-1).astype(decay_ref.dtype)
 
 
 def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
@@ -146,11 +156,8 @@ def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   plus the elementwise Qg / Kd / decay terms. Emits dA for _tiles_bwd_kernel."""
   C = q_ref.shape[0]
   T_CC, A_CC = T_ref[...].astype(F32), A_ref[...].astype(F32)
-  G, seg = G_ref[...].astype(F32), seg_ref[...]
-  seg_end = seg_ref[pl.ds(C - 1, 1)]
-  G_end = G_ref[pl.ds(C - 1, 1), :].astype(F32)
+  _, seg, gamma, kd_decay, decay = _chunk_gates(G_ref, seg_ref)
   beta = beta_ref[...].astype(F32)[:, None]
-  gamma = jnp.where((seg == 0)[:, None], jnp.exp(G), 0.0)
   q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
   dW, dU0 = dW_ref[...].astype(F32), dU0_ref[...].astype(F32)
   dQg, dKd = dQg_ref[...].astype(F32), dKd_ref[...].astype(F32)
@@ -167,10 +174,8 @@ def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   dbeta_ref[...] = dbeta.astype(dbeta_ref.dtype)
   dv_ref[...] = (beta * dY).astype(dv_ref.dtype)
   dq_ref[...] = (dQg * scale * gamma).astype(dq_ref.dtype)
-  kd_decay = jnp.where((seg == seg_end)[:, None], jnp.exp(G_end - G), 0.0)
   dk_ref[...] = (dX * beta * gamma + dKd * kd_decay).astype(dk_ref.dtype)
   P = dKd * k * kd_decay                                   # d/dG of Kd = k e^{G_end - G}
-  decay = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0)     # [1, K]
   dG_end = jnp.sum(P, axis=0, keepdims=True) + ddecay_ref[...].reshape(1, -1) * decay
   last = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
   dG = (dX * beta * k + dQg * scale * q) * gamma - P + jnp.where(last, dG_end, 0.0)
@@ -196,8 +201,7 @@ def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk
     dG = [jnp.zeros((L, block_k), F32) for _ in range(S)]
     for a in range(S):
       for b in range(a + 1):
-        row = a * L + L // 2 if a == b else b * L + L - 1
-        anchor = G_ref[pl.ds(row, 1), cols].astype(F32)
+        anchor = _anchor(G_ref, a, b, cols)
         left, right = jnp.exp(G[a] - anchor), jnp.exp(anchor - G[b])
         kl, ql, kr = k[a] * left, q[a] * left, k[b] * right
         blk = (pl.ds(a * L, L), pl.ds(b * L, L))
