@@ -36,8 +36,31 @@ def get_config(arg=None):
   m.mla_kv_lora_rank = 256      # the latent an inference cache stores
   m.mla_qk_head_dim = 64
   m.mla_v_head_dim = 64
-  # FFN.
+  # FFN: dense SwiGLU in the first `moe.first_dense` layers (and everywhere if moe.num_experts == 0).
   m.ffn_hidden = 2816
+  # Mixture of experts (moe_jax/model/moe.py, router.py).
+  moe = m.moe = ml_collections.ConfigDict()
+  moe.num_experts = 64          # routed experts E; 0 = dense FFN in every layer
+  moe.top_k = 6
+  moe.num_shared = 1            # shared experts (one dense SwiGLU of num_shared * expert_hidden)
+  moe.expert_hidden = 512
+  moe.first_dense = 1           # the first layers keep the dense FFN
+  moe.score = "sigmoid"         # router score: sigmoid | softmax
+  moe.route_scale = 1.0         # combine weights: top-k scores renormalised, times this
+  moe.dispatch = "dropless"     # dropless (sort + grouped matmul) | capacity ([E, C, D] batched)
+  moe.capacity_factor = 1.25    # capacity path: C = ceil(factor * tokens * top_k / E)
+  moe.grouped_matmul = ""       # "" = tokamax on GPU/TPU, xla on CPU; or xla | tokamax
+  moe.router_init_scale = 0.006  # std of the router kernel at init (small: near-uniform scores)
+  moe.router_init_reg = 0.0     # coefficient of ||W_router - W_router(init)||^2 in the loss
+  moe.z_loss = 0.0              # coefficient of mean(logsumexp(router logits)^2)
+  # Balancer: none | aux_loss | loss_free | quantile_ema | quantile_exact (router.py).
+  moe.balancer = "loss_free"
+  moe.aux_loss_coef = 0.01      # aux_loss: Switch load-balancing loss coefficient
+  moe.bias_rate = 1e-3          # loss_free: b_i += bias_rate * sign(mean_load - load_i)
+  moe.bias_clamp = 1.0          # every bias balancer clamps the bias to [-clamp, clamp]
+  moe.ema_window = 1000         # quantile_ema: EMA window W in steps (decay 1/W)
+  moe.quantile_step = 0.01      # quantile_ema: bias step for experts outside the quartiles
+  moe.exact_damping = 0.5       # quantile_exact: b += damping * (target - b)
 
   d = c.data = ml_collections.ConfigDict()
   d.source = "stdlib"           # stdlib (embedded default) | files | mqar
@@ -56,6 +79,7 @@ def get_config(arg=None):
   o.eps = 1e-8
   o.weight_decay = 0.1
   o.grad_clip_norm = 1.0
+  o.router_grad_clip_norm = 1.0  # router kernels are clipped on their own first (0 = off)
 
   s = c.schedule = ml_collections.ConfigDict()
   s.kind = "cosine"             # cosine | wsd (warmup-stable-decay)

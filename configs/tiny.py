@@ -1,4 +1,4 @@
-"""Tiny hybrid KDA/MLA model on the embedded stdlib corpus: the CPU default (minutes).
+"""Tiny hybrid KDA/MLA MoE model on the embedded stdlib corpus: the CPU default (minutes).
 
   python scripts/train.py --config=configs/tiny.py --workdir=workdir/tiny
   python scripts/train.py --config=configs/tiny.py:mqar --workdir=workdir/mqar
@@ -23,6 +23,12 @@ def get_config(arg=None):
   m.mla_qk_head_dim = 32
   m.mla_v_head_dim = 32
   m.ffn_hidden = 384
+  m.moe.num_experts = 8          # layers 1-3: 8 routed experts, top-2, + 1 shared (same active
+  m.moe.top_k = 2                # FFN width as the dense layer 0: 128 shared + 2 x 128 routed)
+  m.moe.num_shared = 1
+  m.moe.expert_hidden = 128
+  m.moe.first_dense = 1
+  m.moe.bias_rate = 1e-2         # loss_free: a 300-step run needs a faster bias than 1e-3
 
   c.data.seq_len = 256
   c.data.batch_size = 16

@@ -7,6 +7,10 @@ DTYPES = ("float32", "bfloat16")
 SOURCES = ("stdlib", "files", "mqar")
 SCHEDULES = ("cosine", "wsd")
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+BALANCERS = ("none", "aux_loss", "loss_free", "quantile_ema", "quantile_exact")
+ROUTER_SCORES = ("sigmoid", "softmax")
+DISPATCH = ("dropless", "capacity")
+GROUPED_MATMULS = ("", "xla", "tokamax")
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
 
 
@@ -47,6 +51,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if m.kda_implementation not in impls:
     _fail("model.kda_implementation", m.kda_implementation, f"one of {impls}")
 
+  _validate_moe(c)
+
   d = c.data
   if d.source not in SOURCES:
     _fail("data.source", d.source, f"one of {SOURCES}")
@@ -77,6 +83,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("optim.learning_rate", c.optim.learning_rate, "> 0")
   for f in ("every_steps", "num_batches"):
     _positive_int(f"eval.{f}", c.eval[f])
+  if c.optim.router_grad_clip_norm < 0:
+    _fail("optim.router_grad_clip_norm", c.optim.router_grad_clip_norm, ">= 0 (0 = off)")
   _positive_int("checkpoint.every_steps", c.checkpoint.every_steps)
   _positive_int("checkpoint.max_to_keep", c.checkpoint.max_to_keep)
   for axis in MESH_AXES:
@@ -86,3 +94,33 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if sum(c.mesh[a] == -1 for a in MESH_AXES) > 1:
     _fail("mesh", {a: c.mesh[a] for a in MESH_AXES}, "at most one axis set to -1")
   return c
+
+
+def _validate_moe(c: ml_collections.ConfigDict):
+  e = c.model.moe
+  if not isinstance(e.num_experts, int) or e.num_experts < 0:
+    _fail("model.moe.num_experts", e.num_experts, "0 (dense FFN) or a positive integer")
+  if not e.num_experts:
+    return
+  for f in ("top_k", "expert_hidden", "ema_window"):
+    _positive_int(f"model.moe.{f}", e[f])
+  if e.top_k > e.num_experts:
+    _fail("model.moe.top_k", e.top_k, f"at most model.moe.num_experts={e.num_experts}")
+  for f in ("num_shared", "first_dense"):
+    if not isinstance(e[f], int) or e[f] < 0:
+      _fail(f"model.moe.{f}", e[f], "a non-negative integer")
+  for f, accepted in (("score", ROUTER_SCORES), ("dispatch", DISPATCH),
+                      ("grouped_matmul", GROUPED_MATMULS), ("balancer", BALANCERS)):
+    if e[f] not in accepted:
+      _fail(f"model.moe.{f}", e[f], f"one of {accepted}")
+  for f in ("route_scale", "router_init_scale", "capacity_factor", "bias_clamp"):
+    if not e[f] > 0:
+      _fail(f"model.moe.{f}", e[f], "> 0")
+  for f in ("router_init_reg", "z_loss", "aux_loss_coef", "bias_rate", "quantile_step"):
+    if e[f] < 0:
+      _fail(f"model.moe.{f}", e[f], ">= 0")
+  if not 0 < e.exact_damping <= 1:
+    _fail("model.moe.exact_damping", e.exact_damping, "in (0, 1]")
+  ep = c.mesh.expert
+  if ep > 1 and e.num_experts % ep:
+    _fail("mesh.expert", ep, f"a divisor of model.moe.num_experts={e.num_experts}")

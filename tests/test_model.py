@@ -31,13 +31,18 @@ def test_shapes_and_logical_axes(small_config, tie):
   boxed = jax.tree.leaves(variables["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
   assert boxed and all(isinstance(b, nn.LogicallyPartitioned) for b in boxed)
   assert all(len(b.names) == b.value.ndim for b in boxed)
-  params = nn.meta.unbox(variables["params"])
+  params, router = nn.meta.unbox(variables["params"]), variables["router"]
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   assert [mixer_kind(model.cfg, i) for i in range(4)] == list("KKKA")
   assert "lm_head" in params if not tie else "lm_head" not in params
-  logits, aux = model.apply({"params": params}, batch)
+  logits, aux = model.apply({"params": params, "router": router}, batch)
   assert logits.shape == (2, 32, small_config.model.vocab_size) and logits.dtype == jnp.float32
-  assert np.isfinite(np.asarray(logits)).all() and aux == {"routing": {}}
+  assert np.isfinite(np.asarray(logits)).all()
+  assert sorted(aux["routing"]) == ["layer_1", "layer_2", "layer_3"]  # layer 0 is dense
+  assert sorted(router) == sorted(aux["routing"])
+  for stats in aux["routing"].values():
+    assert stats["load"].shape == (small_config.model.moe.num_experts,)
+    assert abs(float(stats["load"].sum()) - 1.0) < 1e-6
 
 
 @pytest.mark.parametrize("pattern", ["KA", "AK"])
@@ -48,24 +53,25 @@ def test_second_packed_document_matches_it_alone(small_config, pattern):
   doc_a, doc_b = rng.integers(0, 256, 21), rng.integers(0, 256, 30)
   packed = np.concatenate([doc_a, doc_b, np.full(13, tokenizer.PAD)])
   seg = np.concatenate([np.ones(21), np.full(30, 2), np.zeros(13)])
-  params = nn.meta.unbox(model.init(jax.random.key(1), _batch(packed[None], seg[None]))["params"])
-  logits_packed, _ = model.apply({"params": params}, _batch(packed[None], seg[None]))
-  logits_alone, _ = model.apply({"params": params}, _batch(doc_b[None], np.ones((1, 30))))
-  logits_a, _ = model.apply({"params": params}, _batch(doc_a[None], np.ones((1, 21))))
+  variables = nn.meta.unbox(model.init(jax.random.key(1), _batch(packed[None], seg[None])))
+  logits_packed, _ = model.apply(variables, _batch(packed[None], seg[None]))
+  logits_alone, _ = model.apply(variables, _batch(doc_b[None], np.ones((1, 30))))
+  logits_a, _ = model.apply(variables, _batch(doc_a[None], np.ones((1, 21))))
   assert rel_err(logits_packed[0, 21:51], logits_alone[0]) < 1e-5
   assert rel_err(logits_packed[0, :21], logits_a[0]) < 1e-5
   # Without segment ids the second document does see the first: the check above can fail.
-  logits_joined, _ = model.apply({"params": params}, _batch(packed[None], np.ones((1, 64))))
+  logits_joined, _ = model.apply(variables, _batch(packed[None], np.ones((1, 64))))
   assert rel_err(logits_joined[0, 21:51], logits_alone[0]) > 1e-3
 
 
 def test_bf16_compute_fp32_params(small_config):
   model = _model(small_config, dtype="bfloat16")
   batch = _batch(np.arange(64).reshape(2, 32), np.ones((2, 32)))
-  params = nn.meta.unbox(model.init(jax.random.key(0), batch)["params"])
-  logits, _ = model.apply({"params": params}, batch)
+  variables = nn.meta.unbox(model.init(jax.random.key(0), batch))
+  params = variables["params"]
+  logits, _ = model.apply(variables, batch)
   ref_model = _model(small_config, dtype="float32")
-  ref, _ = ref_model.apply({"params": params}, batch)
+  ref, _ = ref_model.apply(variables, batch)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   assert 1e-4 < rel_err(logits, ref) < 5e-2  # really computed in bf16, and still close
 
@@ -73,11 +79,12 @@ def test_bf16_compute_fp32_params(small_config):
 def test_remat_gives_identical_logits_and_gradients(small_config):
   batch = _batch(np.arange(64).reshape(2, 32) % 259, np.ones((2, 32)))
   plain = _model(small_config, dtype="float32", remat=False)
-  params = nn.meta.unbox(plain.init(jax.random.key(0), batch)["params"])
+  variables = nn.meta.unbox(plain.init(jax.random.key(0), batch))
+  params = variables["params"]
   remat = _model(small_config, dtype="float32", remat=True)
 
   def loss(model):
-    return lambda p: (model.apply({"params": p}, batch)[0] ** 2).mean()
+    return lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
 
   (l0, g0), (l1, g1) = (jax.value_and_grad(loss(m))(params) for m in (plain, remat))
   assert abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))

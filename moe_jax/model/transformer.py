@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from moe_jax.model.kda import KDAMixer
 from moe_jax.model.layers import SwiGLU, dtype_of, lp, rms_norm
 from moe_jax.model.mla import MLAMixer
+from moe_jax.model.moe import MoE
 
 MIXERS = {"K": KDAMixer, "A": MLAMixer}
 
@@ -15,13 +16,26 @@ def mixer_kind(cfg, layer: int) -> str:
   return cfg.layer_pattern[layer % len(cfg.layer_pattern)]
 
 
+def is_moe(cfg, layer: int) -> bool:
+  """MoE FFN from layer `moe.first_dense` on (never when moe.num_experts == 0)."""
+  return cfg.moe.num_experts > 0 and layer >= cfg.moe.first_dense
+
+
 def make_ffn(cfg, layer: int) -> nn.Module:
-  """FFN for `layer`; the MoE layers plug in here, keyed by layer index."""
-  return SwiGLU(cfg, cfg.ffn_hidden, name="ffn")
+  """FFN for `layer`: dense SwiGLU or MoE. Both return (y, routing stats or {})."""
+  return MoE(cfg, name="ffn") if is_moe(cfg, layer) else DenseFFN(cfg, name="ffn")
+
+
+class DenseFFN(nn.Module):
+  cfg: object
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    return SwiGLU(self.cfg, self.cfg.ffn_hidden, name="mlp")(x_BxTxD), {}
 
 
 class Block(nn.Module):
-  """Pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(·))."""
+  """Pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(·)). Returns (x, stats)."""
   cfg: object
   layer: int
 
@@ -30,12 +44,17 @@ class Block(nn.Module):
     cfg = self.cfg
     mixer = MIXERS[mixer_kind(cfg, self.layer)](cfg, name="mixer")
     x_BxTxD = x_BxTxD + mixer(rms_norm(cfg, "mixer_norm")(x_BxTxD), segment_ids_BxT)
-    ffn = make_ffn(cfg, self.layer)
-    return x_BxTxD + ffn(rms_norm(cfg, "ffn_norm")(x_BxTxD))
+    y_BxTxD, stats = make_ffn(cfg, self.layer)(rms_norm(cfg, "ffn_norm")(x_BxTxD))
+    return x_BxTxD + y_BxTxD, stats
 
 
 class HybridMoE(nn.Module):
-  """Decoder-only LM. `cfg` is the (frozen) model config. Returns (logits fp32, aux)."""
+  """Decoder-only LM. `cfg` is the (frozen) model config. Returns (logits fp32, aux).
+
+  aux["routing"] maps each MoE layer's name ("layer_3") to its routing stats
+  (router.routing_stats); the balancer state of that layer is
+  variables["router"][name]["ffn"].
+  """
   cfg: object
 
   @nn.compact
@@ -47,8 +66,11 @@ class HybridMoE(nn.Module):
                      name="embed")
     x_BxTxD = embed(tokens_BxT)
     block = nn.remat(Block) if cfg.remat else Block
+    routing = {}
     for i in range(cfg.n_layers):
-      x_BxTxD = block(cfg, i, name=f"layer_{i}")(x_BxTxD, segment_ids_BxT)
+      x_BxTxD, stats = block(cfg, i, name=f"layer_{i}")(x_BxTxD, segment_ids_BxT)
+      if stats:
+        routing[f"layer_{i}"] = stats
     x_BxTxD = rms_norm(cfg, "final_norm")(x_BxTxD)
     if cfg.tie_embeddings:
       logits_BxTxV = embed.attend(x_BxTxD) / jnp.sqrt(cfg.d_model).astype(x_BxTxD.dtype)
@@ -58,4 +80,4 @@ class HybridMoE(nn.Module):
                              kernel_init=lp(nn.initializers.variance_scaling(
                                  1.0, "fan_in", "truncated_normal"), ("embed", "vocab")))
       logits_BxTxV = head(x_BxTxD)
-    return logits_BxTxV.astype(jnp.float32), {"routing": {}}
+    return logits_BxTxV.astype(jnp.float32), {"routing": routing}

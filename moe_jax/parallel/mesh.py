@@ -11,7 +11,7 @@ from moe_jax.config import MESH_AXES
 
 # Logical names used by the model (see nn.with_logical_partitioning calls) → mesh axes.
 LOGICAL_RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),  # the expert axis also splits the batch
     ("sequence", "sequence"),
     ("vocab", "tensor"),
     ("embed", "fsdp"),

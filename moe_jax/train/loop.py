@@ -15,10 +15,10 @@ from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import checkpoint, metrics, optim, state as state_lib, step as step_lib
 
 
-def evaluate(eval_step, params, eval_ds, sharding) -> dict[str, float]:
+def evaluate(eval_step, state, eval_ds, sharding) -> dict[str, float]:
   sums = None
   for batch in eval_ds:
-    out = eval_step(params, jax.device_put(batch, sharding))
+    out = eval_step(state.params, state.router, jax.device_put(batch, sharding))
     sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
   return step_lib.summarize_eval(sums)
 
@@ -31,14 +31,20 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
   would; the schedule still follows schedule.total_steps.
 
   Returns a summary dict: final validation metrics, the validation split's byte-unigram
-  entropy (text sources), the step resumed from (or None) and the train-loss history.
+  entropy (text sources), the step resumed from (or None), the train-loss history and, for
+  MoE models, the history of MaxVio averaged over MoE layers.
   """
   config_lib.validate(c)
   mesh = make_mesh(c.mesh)
-  data_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  data_shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
   if c.data.batch_size % data_shards:
     raise ValueError(f"data.batch_size={c.data.batch_size} must be a multiple of the data × fsdp "
-                     f"mesh size {data_shards}")
+                     f"× expert mesh size {data_shards}")
+  with jax.set_mesh(mesh):  # the MoE layer reads the expert axis from the context mesh
+    return _train(c, workdir, mesh, progress, stop_after)
+
+
+def _train(c, workdir, mesh, progress, stop_after):
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))
@@ -65,11 +71,11 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
            else "no checkpoint, starting from step 0"), flush=True)
 
   train_step = step_lib.jit_train_step(c, state_sh, batch_sh)
-  eval_step = step_lib.jit_eval_step(model.apply, state_sh.params, batch_sh)
+  eval_step = step_lib.jit_eval_step(model.apply, state_sh, batch_sh)
   train_log = metrics.MetricWriter(workdir, "train")
   eval_log = metrics.MetricWriter(workdir, "eval")
   tokens_per_step = c.data.batch_size * c.data.seq_len
-  history, eval_metrics = [], None
+  history, max_vio_history, eval_metrics = [], [], None
 
   total = c.schedule.total_steps
   end = total if stop_after is None else min(stop_after, total)
@@ -87,17 +93,22 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
       last_time, last_step = now, done
       train_log.write(done, m)
       history.append((done, float(m["loss"])))
-      bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{m['tokens_per_sec']:.0f}",
-                      skipped=int(m["skipped_updates"]))
+      if "moe/max_vio_mean" in m:
+        max_vio_history.append((done, float(m["moe/max_vio_mean"])))
+      postfix = {"loss": f"{m['loss']:.3f}", "tok_s": f"{m['tokens_per_sec']:.0f}",
+                 "skipped": int(m["skipped_updates"])}
+      if "moe/max_vio_mean" in m:
+        postfix["max_vio"] = f"{m['moe/max_vio_mean']:.2f}"
+      bar.set_postfix(postfix)
     if done % c.eval.every_steps == 0 or done == end:
-      eval_metrics = evaluate(eval_step, state.params, eval_ds, batch_sh)
+      eval_metrics = evaluate(eval_step, state, eval_ds, batch_sh)
       eval_log.write(done, eval_metrics)
       bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in eval_metrics.items()))
     if done % c.checkpoint.every_steps == 0 or done == end:
       checkpoint.save(manager, done, state, train_iter)
   bar.close()
   if eval_metrics is None:  # nothing left to train: report the restored model
-    eval_metrics = evaluate(eval_step, state.params, eval_ds, batch_sh)
+    eval_metrics = evaluate(eval_step, state, eval_ds, batch_sh)
   manager.wait_until_finished()
   manager.close()
   train_log.close()
@@ -115,4 +126,4 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
   else:
     print(f"final validation accuracy {eval_metrics['accuracy']:.4f}, loss "
           f"{eval_metrics['loss']:.4f}", flush=True)
-  return {**summary, "state": state, "history": history}
+  return {**summary, "state": state, "history": history, "max_vio_history": max_vio_history}

@@ -8,17 +8,27 @@ from tensorboardX import SummaryWriter
 
 
 class MetricWriter:
-  """Writes scalars to `<workdir>/tb/<name>` and `<workdir>/metrics_<name>.jsonl`."""
+  """Writes scalars to `<workdir>/tb/<name>` and `<workdir>/metrics_<name>.jsonl`.
+
+  A vector value (e.g. an MoE layer's load per expert) becomes a TensorBoard histogram
+  and a list in the JSONL line.
+  """
 
   def __init__(self, workdir: str, name: str):
     self._tb = SummaryWriter(os.path.join(workdir, "tb", name))
     self._jsonl = open(os.path.join(workdir, f"metrics_{name}.jsonl"), "a")
 
   def write(self, step: int, scalars: dict):
-    scalars = {k: float(np.asarray(v)) for k, v in scalars.items()}
+    row = {}
     for k, v in scalars.items():
-      self._tb.add_scalar(k, v, step)
-    self._jsonl.write(json.dumps({"step": int(step), **scalars}) + "\n")
+      v = np.asarray(v, np.float64)
+      if v.ndim:
+        self._tb.add_histogram(k, v, step)
+        row[k] = v.tolist()
+      else:
+        self._tb.add_scalar(k, float(v), step)
+        row[k] = float(v)
+    self._jsonl.write(json.dumps({"step": int(step), **row}) + "\n")
     self._jsonl.flush()
 
   def close(self):

@@ -1,4 +1,5 @@
-"""Optimizer: global-norm clip → AdamW (decay on matrices only), skipping non-finite updates."""
+"""Optimizer: router clip → global-norm clip → AdamW (decay on matrices only), skipping
+non-finite updates."""
 
 import jax
 import ml_collections
@@ -15,11 +16,28 @@ def decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def router_mask(params):
+  """True on MoE router kernels (params named `router_kernel`)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], "key", None) == "router_kernel", params)
+
+
+def make_clipping(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """Router kernels first get their own global-norm clip (their gradients spike when routing
+  shifts, and would otherwise dominate the global norm); then everything gets the global clip."""
+  o = c.optim
+  stages = []
+  if o.router_grad_clip_norm:
+    stages.append(optax.masked(optax.clip_by_global_norm(o.router_grad_clip_norm), router_mask))
+  stages.append(optax.clip_by_global_norm(o.grad_clip_norm))
+  return optax.chain(*stages)
+
+
 def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """Updates with a non-finite gradient are dropped and counted (state.total_notfinite)."""
   o = c.optim
   tx = optax.chain(
-      optax.clip_by_global_norm(o.grad_clip_norm),
+      make_clipping(c),
       optax.adamw(make_schedule(c.schedule, o.learning_rate), b1=o.b1, b2=o.b2, eps=o.eps,
                   weight_decay=o.weight_decay, mask=decay_mask),
   )

@@ -1,19 +1,27 @@
 """Train state (fp32 params + optax state + step), created sharded over the mesh."""
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import ml_collections
+from flax import struct
 from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_jax.parallel.mesh import LOGICAL_RULES
 
-TrainState = train_state.TrainState
+
+
+class TrainState(train_state.TrainState):
+  """flax TrainState plus the MoE balancer state (variables["router"]): no gradient, moved by
+  router.update inside the train step, checkpointed with everything else."""
+  router: Any = struct.field(default_factory=dict)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batch rows over data × fsdp, time over the sequence axis."""
-  return NamedSharding(mesh, P(("data", "fsdp"), "sequence"))
+  """Batch rows over data × fsdp × expert, time over the sequence axis."""
+  return NamedSharding(mesh, P(("data", "fsdp", "expert"), "sequence"))
 
 
 def create_train_state(model: nn.Module, tx, example_batch, mesh: Mesh, rng):
@@ -21,7 +29,8 @@ def create_train_state(model: nn.Module, tx, example_batch, mesh: Mesh, rng):
 
   def boxed_state(rng):
     variables = model.init(rng, example_batch)
-    return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+    return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                             router=variables.get("router", {}))
 
   abstract = jax.eval_shape(boxed_state, rng)
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, LOGICAL_RULES)

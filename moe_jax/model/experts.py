@@ -1,0 +1,52 @@
+"""Routed-expert SwiGLU math: the grouped matmul choice, and the two expert-FFN layouts.
+
+Experts are stored stacked: `gate_up` [E, D, 2, F] (gate and up fused so one
+grouped matmul does both) and `down` [E, F, D].
+
+* grouped (dropless): rows sorted by expert, `ragged_dot` over group sizes.
+  `jax.lax.ragged_dot` is emulated densely on GPU (2% of peak, and at E=256 it
+  tries to allocate 128 GiB on an H200), so GPU/TPU use `tokamax.ragged_dot`
+  (a Pallas Mosaic kernel). tokamax is imported lazily: CPU runs never need it.
+* batched (capacity): tokens laid out [E, C, D], plain batched matmuls.
+"""
+
+import jax
+import jax.numpy as jnp
+
+GROUPED_MATMULS = ("xla", "tokamax")
+
+
+def default_grouped_matmul() -> str:
+  return "xla" if jax.default_backend() == "cpu" else "tokamax"
+
+
+def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
+  """Row block g of x (rows sorted by group) times w[g]; rows past sum(group_sizes) give 0."""
+  implementation = implementation or default_grouped_matmul()
+  if implementation == "xla":
+    return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
+  if implementation == "tokamax":
+    import tokamax  # heavy optional dependency: the gpu/tpu extras install it
+
+    impl = "mosaic" if jax.default_backend() == "gpu" else None
+    return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, implementation=impl,
+                              zero_initialize=True)
+  raise ValueError(f"grouped_matmul implementation must be one of {GROUPED_MATMULS} or '', "
+                   f"got {implementation!r}")
+
+
+def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation=""):
+  """SwiGLU of each row by its group's expert (rows sorted by expert)."""
+  E, D, _, F = gate_up_ExDx2xF.shape
+  h_Mx2F = grouped_matmul(x_MxD, gate_up_ExDx2xF.reshape(E, D, 2 * F), group_sizes_E,
+                          implementation)
+  h_Mx2xF = h_Mx2F.reshape(-1, 2, F)
+  a_MxF = jax.nn.silu(h_Mx2xF[:, 0]) * h_Mx2xF[:, 1]
+  return grouped_matmul(a_MxF, down_ExFxD, group_sizes_E, implementation)
+
+
+def swiglu_batched(x_ExCxD, gate_up_ExDx2xF, down_ExFxD):
+  """SwiGLU of every expert's [C, D] buffer: batched dense matmuls."""
+  h_ExCx2xF = jnp.einsum("ecd,edgf->ecgf", x_ExCxD, gate_up_ExDx2xF)
+  a_ExCxF = jax.nn.silu(h_ExCx2xF[:, :, 0]) * h_ExCx2xF[:, :, 1]
+  return jnp.einsum("ecf,efd->ecd", a_ExCxF, down_ExFxD)

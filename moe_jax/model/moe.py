@@ -1,0 +1,152 @@
+"""Mixture-of-experts FFN: router → dispatch → routed SwiGLU experts → combine, + shared experts.
+
+Two single-device dispatch paths (model.moe.dispatch):
+
+* dropless: the N·k (token, expert) assignments are sorted by expert, run
+  through a grouped matmul, unsorted and summed with the combine weights.
+* capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
+  assignments (earlier tokens first); they are laid out [E, C, D] for batched
+  dense matmuls. Assignments over capacity are dropped (counted in the stats):
+  their token gets nothing from that expert, only the residual and shared path.
+
+With an `expert` mesh axis > 1, `parallel/expert.py` exchanges tokens between
+expert shards with all-to-all instead.
+"""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from moe_jax.model import experts, router
+from moe_jax.model.layers import SwiGLU, dtype_of, lp, out_scale
+
+
+def sort_by_group(group_A, num_groups: int):
+  """(stable order, group sizes, rank of each sorted element within its group).
+
+  Elements with group id ≥ num_groups (padding) sort last and are not counted.
+  """
+  order_A = jnp.argsort(group_A, stable=True)
+  sizes_G = jnp.bincount(group_A, length=num_groups)
+  starts_G = jnp.cumsum(sizes_G) - sizes_G
+  group_sorted_A = group_A[order_A]
+  rank_A = jnp.arange(group_A.shape[0]) - starts_G[jnp.minimum(group_sorted_A, num_groups - 1)]
+  return order_A, sizes_G, rank_A
+
+
+def inverse_permutation(order_A):
+  return jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0]))
+
+
+def combine(y_AxD, w_NxK, dtype):
+  """Σ_k w[n,k] · y[n,k] in fp32, where assignment a = n·k + j."""
+  N, K = w_NxK.shape
+  y_NxKxD = y_AxD.reshape(N, K, -1).astype(jnp.float32)
+  return jnp.einsum("nkd,nk->nd", y_NxKxD, w_NxK.astype(jnp.float32)).astype(dtype)
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+  return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
+
+
+def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=""):
+  """Every assignment is computed: sort by expert, grouped matmul, unsort, combine."""
+  N, K = idx_NxK.shape
+  E = gate_up_ExDx2xF.shape[0]
+  order_A, sizes_E, _ = sort_by_group(idx_NxK.reshape(-1), E)
+  x_AxD = x_NxD[order_A // K]
+  y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation)
+  return combine(y_AxD[inverse_permutation(order_A)], w_NxK, x_NxD.dtype)
+
+
+def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C: int):
+  """Returns (y [N, D], number of dropped assignments)."""
+  N, K = idx_NxK.shape
+  E, D = gate_up_ExDx2xF.shape[:2]
+  C = capacity_C
+  e_A = idx_NxK.reshape(-1)
+  order_A, _, rank_sorted_A = sort_by_group(e_A, E)
+  rank_A = rank_sorted_A[inverse_permutation(order_A)]
+  keep_A = rank_A < C
+  slot_A = jnp.where(keep_A, e_A * C + rank_A, E * C)  # E·C is the trash slot
+  # Which token fills each slot (N = the zero row appended below, for empty slots).
+  token_S = jnp.full((E * C + 1,), N, jnp.int32).at[slot_A].set(jnp.arange(N * K) // K)
+  x_pad = jnp.concatenate([x_NxD, jnp.zeros((1, D), x_NxD.dtype)])
+  x_ExCxD = x_pad[token_S[:E * C]].reshape(E, C, D)
+  y_ExCxD = experts.swiglu_batched(x_ExCxD, gate_up_ExDx2xF, down_ExFxD)
+  y_pad = jnp.concatenate([y_ExCxD.reshape(E * C, D), jnp.zeros((1, D), y_ExCxD.dtype)])
+  return combine(y_pad[slot_A], w_NxK, x_NxD.dtype), (~keep_A).sum()
+
+
+def expert_axis_size() -> int:
+  """Size of the `expert` axis of the mesh set with jax.set_mesh (1 when none is set)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or "expert" not in mesh.axis_names:
+    return 1
+  return mesh.shape["expert"]
+
+
+class MoE(nn.Module):
+  """Routed experts (+ shared). Returns (y [B,T,D], routing stats of this batch)."""
+  cfg: object
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    cfg, mc = self.cfg, self.cfg.moe
+    B, T, D = x_BxTxD.shape
+    E, K, F = mc.num_experts, mc.top_k, mc.expert_hidden
+    dtype = dtype_of(cfg)
+    x_NxD = x_BxTxD.reshape(B * T, D)
+
+    kernel_DxE = self.param("router_kernel",
+                            lp(nn.initializers.normal(mc.router_init_scale), ("embed", None)),
+                            (D, E), jnp.float32)
+    state = router.init_state(mc, E)
+    bias_E = self.variable("router", "bias", lambda: state["bias"]).value
+    if mc.balancer == "quantile_ema":
+      self.variable("router", "ema_load", lambda: state["ema_load"])
+    logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), kernel_DxE)
+    scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
+    idx_NxK, w_NxK = router.select(scores_NxE, bias_E, K, mc.route_scale)
+
+    gate_up_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                    in_axis=1, out_axis=(2, 3), batch_axis=0)
+    down_init = nn.initializers.variance_scaling(out_scale(cfg), "fan_in", "truncated_normal",
+                                                 in_axis=1, out_axis=2, batch_axis=0)
+    gate_up = self.param("gate_up", lp(gate_up_init, ("expert", "embed", None, "mlp")),
+                         (E, D, 2, F), jnp.float32).astype(dtype)
+    down = self.param("down", lp(down_init, ("expert", "mlp", "embed")), (E, F, D),
+                      jnp.float32).astype(dtype)
+
+    x_NxD = x_NxD.astype(dtype)
+    ep = expert_axis_size()
+    if ep > 1:
+      from moe_jax.parallel import expert as expert_parallel
+
+      y_NxD, dropped = expert_parallel.moe_ffn(
+          x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
+          capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
+          implementation=mc.grouped_matmul)
+    elif mc.dispatch == "dropless":
+      y_NxD = dropless(x_NxD, idx_NxK, w_NxK, gate_up, down, mc.grouped_matmul)
+      dropped = 0
+    else:
+      C = capacity(B * T, K, E, mc.capacity_factor)
+      y_NxD, dropped = with_capacity(x_NxD, idx_NxK, w_NxK, gate_up, down, C)
+
+    if mc.num_shared:
+      y_NxD = y_NxD + SwiGLU(cfg, mc.num_shared * F, name="shared")(x_NxD)
+
+    stats = router.routing_stats(mc, logits_NxE, scores_NxE, idx_NxK, bias_E,
+                                 jnp.asarray(dropped, jnp.float32) / idx_NxK.size)
+    penalty = mc.z_loss * stats["z_loss"]
+    if mc.balancer == "aux_loss":
+      penalty = penalty + mc.aux_loss_coef * stats["aux_loss"]
+    if mc.router_init_reg:
+      kernel0_DxE = self.variable("router", "kernel_init", lambda: kernel_DxE).value
+      stats["router_drift"] = jnp.sum((kernel_DxE - jax.lax.stop_gradient(kernel0_DxE)) ** 2)
+      penalty = penalty + mc.router_init_reg * stats["router_drift"]
+    stats["penalty"] = penalty
+    return y_NxD.reshape(B, T, D), stats

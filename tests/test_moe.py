@@ -1,0 +1,256 @@
+"""MoE layer and router: routing vs a per-token loop, capacity drops, balancers, router clip,
+expert parallelism on 8 fake devices."""
+
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import base
+from moe_jax.model import router
+from moe_jax.model.moe import MoE
+from moe_jax.train import optim
+from moe_jax.train.state import frozen_model_config
+from tests.conftest import make_small_config, rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _moe_cfg(**moe):
+  c = make_small_config()
+  c.model.dtype = "float32"
+  c.model.d_model = 32
+  c.model.moe.update({"num_experts": 8, "top_k": 3, "num_shared": 1, "expert_hidden": 24,
+                      "route_scale": 2.5, "router_init_scale": 0.5, **moe})
+  return frozen_model_config(c)
+
+
+def _init(cfg, x, seed=0):
+  variables = nn.meta.unbox(MoE(cfg).init(jax.random.key(seed), x))
+  # A bias that really moves selection: pushes expert 0 up, expert 1 down.
+  bias = jnp.zeros(cfg.moe.num_experts).at[0].set(0.3).at[1].set(-0.3)
+  return {**variables, "router": {**variables["router"], "bias": bias}}
+
+
+def _swiglu(x, w_in, w_out):
+  h = x @ w_in.reshape(w_in.shape[0], -1)
+  gate, up = np.split(h, 2, axis=-1)
+  return (gate / (1 + np.exp(-gate)) * up) @ w_out
+
+
+def _naive(cfg, variables, x_BxTxD, capacity_C=None):
+  """Token by token in float64: selection by score+bias, weights from unbiased scores."""
+  mc, p = cfg.moe, jax.tree.map(lambda a: np.asarray(a, np.float64), variables["params"])
+  bias = np.asarray(variables["router"]["bias"], np.float64)
+  x_NxD = np.asarray(x_BxTxD, np.float64).reshape(-1, x_BxTxD.shape[-1])
+  taken = np.zeros(mc.num_experts, int)
+  y = np.zeros_like(x_NxD)
+  chosen, dropped = [], 0
+  for n, x in enumerate(x_NxD):
+    s = 1 / (1 + np.exp(-(x @ p["router_kernel"])))
+    top = np.argsort(-(s + bias), kind="stable")[:mc.top_k]
+    chosen.append(top)
+    w = s[top] / s[top].sum() * mc.route_scale
+    for j, e in enumerate(top):
+      taken[e] += 1
+      if capacity_C is not None and taken[e] > capacity_C:
+        dropped += 1
+        continue
+      y[n] += w[j] * _swiglu(x, p["gate_up"][e], p["down"][e])
+    sh = p["shared"]
+    y[n] += _swiglu(x, np.concatenate([sh["gate"]["kernel"], sh["up"]["kernel"]], -1),
+                    sh["down"]["kernel"])
+  return y.reshape(x_BxTxD.shape), np.array(chosen), dropped
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_routing_equals_per_token_loop(dispatch):
+  cfg = _moe_cfg(dispatch=dispatch, capacity_factor=8.0 / 3.0)  # C = N: nothing dropped
+  x = jax.random.normal(jax.random.key(1), (2, 24, 32))
+  variables = _init(cfg, x)
+  y, stats = MoE(cfg).apply(variables, x)
+  ref, chosen, _ = _naive(cfg, variables, x)
+  assert rel_err(y, ref) < 1e-5
+  assert float(stats["dropped_fraction"]) == 0.0
+  load = np.bincount(chosen.ravel(), minlength=8) / chosen.size
+  np.testing.assert_allclose(stats["load"], load, atol=1e-7)
+  # The bias changed the selection (vs. no bias) but the weights use unbiased scores only.
+  unbiased = {**variables, "router": {**variables["router"], "bias": jnp.zeros(8)}}
+  _, chosen0, _ = _naive(cfg, unbiased, x)
+  assert (np.sort(chosen, 1) != np.sort(chosen0, 1)).any()
+
+
+def test_capacity_drops_exactly_the_overflow():
+  cfg = _moe_cfg(dispatch="capacity", capacity_factor=0.5)
+  x = jax.random.normal(jax.random.key(2), (2, 24, 32))
+  variables = _init(cfg, x)
+  y, stats = MoE(cfg).apply(variables, x)
+  N, K, E = 48, 3, 8
+  C = int(np.ceil(0.5 * N * K / E))
+  ref, chosen, dropped = _naive(cfg, variables, x, capacity_C=C)
+  counts = np.bincount(chosen.ravel(), minlength=E)
+  assert dropped == np.maximum(counts - C, 0).sum() > 0
+  assert abs(float(stats["dropped_fraction"]) - dropped / (N * K)) < 1e-7
+  assert rel_err(y, ref) < 1e-5  # kept assignments unchanged, dropped ones contribute nothing
+
+
+def test_router_gets_gradient_bias_does_not():
+  cfg = _moe_cfg()
+  x = jax.random.normal(jax.random.key(3), (2, 16, 32))
+  variables = _init(cfg, x)
+  grads = jax.grad(lambda p: (MoE(cfg).apply({**variables, "params": p}, x)[0] ** 2).sum())(
+      variables["params"])
+  assert float(jnp.abs(grads["router_kernel"]).max()) > 0
+  assert set(variables["router"]) == {"bias"} and "bias" not in variables["params"]
+
+
+# ---- balancers -----------------------------------------------------------------------------
+
+_E, _K, _N = 16, 2, 4096
+_PREF = jnp.zeros(_E).at[:3].set(2.5)  # three experts strongly preferred by every token
+
+
+def _skewed_stats(mc, bias, key, n=_N):
+  logits = _PREF + jax.random.normal(key, (n, _E))
+  scores = router.scores_from_logits(logits, "sigmoid")
+  idx, _ = router.select(scores, bias, _K, 1.0)
+  return router.routing_stats(mc, logits, scores, idx, bias, 0.0)
+
+
+def _balancer_cfg(kind, **kw):
+  mc = base.get_config().model.moe
+  mc.update({"num_experts": _E, "top_k": _K, "balancer": kind, "bias_rate": 5e-3, **kw})
+  return ml_collections.FrozenConfigDict(mc)
+
+
+def _run_balancer(mc, steps, state=None, start=0):
+  state = router.init_state(mc, _E) if state is None else state
+
+  def body(state, i):
+    stats = _skewed_stats(mc, state["bias"], jax.random.fold_in(jax.random.key(0), i))
+    return router.update(mc, state, stats, i), stats["max_vio"]
+
+  return jax.jit(lambda s: jax.lax.scan(body, s, jnp.arange(start, start + steps)))(state)
+
+
+@pytest.mark.parametrize("kind,kw", [("loss_free", {}),
+                                     ("quantile_ema", {"ema_window": 20, "quantile_step": 0.05}),
+                                     ("quantile_exact", {})])
+def test_balancer_removes_a_strong_skew(kind, kw, tmp_path):
+  mc = _balancer_cfg(kind, **kw)
+  state, vios = _run_balancer(mc, 300)
+  final = _skewed_stats(mc, state["bias"], jax.random.key(99), n=32768)  # fresh, large batch
+  assert float(vios[0]) > 2.0 and float(final["max_vio"]) < 0.15
+  assert float(jnp.abs(state["bias"]).max()) <= mc.bias_clamp
+  # The state round-trips through an orbax checkpoint and the run continues identically.
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(tmp_path / "router", state)
+  ckpt.wait_until_finished()
+  restored = ckpt.restore(tmp_path / "router", jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                                            state))
+  a, _ = _run_balancer(mc, 5, state, start=300)
+  b, _ = _run_balancer(mc, 5, restored, start=300)
+  for k in state:
+    np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
+
+
+@pytest.mark.parametrize("kind", ["loss_free", "quantile_ema", "quantile_exact"])
+def test_balancer_bias_is_clamped(kind):
+  mc = _balancer_cfg(kind, bias_clamp=0.05, bias_rate=0.05, quantile_step=0.05)
+  state, _ = _run_balancer(mc, 40)
+  bias = np.asarray(state["bias"])
+  assert np.abs(bias).max() <= 0.05 + 1e-7 and np.isclose(np.abs(bias).max(), 0.05)
+
+
+def test_aux_loss_balancer_adds_the_switch_loss():
+  cfg = _moe_cfg(balancer="aux_loss", aux_loss_coef=0.1, z_loss=0.01)
+  x = jax.random.normal(jax.random.key(4), (2, 16, 32))
+  _, stats = MoE(cfg).apply(_init(cfg, x), x)
+  # E·Σ f_i·P_i ≥ 1 with equality only when balanced; penalty = coefficients × losses.
+  assert float(stats["aux_loss"]) > 1.0
+  expected = 0.1 * stats["aux_loss"] + 0.01 * stats["z_loss"]
+  assert abs(float(stats["penalty"]) - float(expected)) < 1e-6
+
+
+def test_router_gradient_clipped_on_its_own():
+  c = make_small_config()
+  c.optim.router_grad_clip_norm, c.optim.grad_clip_norm = 1.0, 100.0
+  grads = {"layer_1": {"ffn": {"router_kernel": jnp.full((4, 8), 3.0),
+                               "gate_up": jnp.full((8, 4, 2, 2), 2.0)}},
+           "embed": jnp.full((5, 4), 1.0)}
+  tx = optim.make_clipping(c)
+  out, _ = tx.update(grads, tx.init(grads))
+  assert abs(float(optax.tree.norm(out["layer_1"]["ffn"]["router_kernel"])) - 1.0) < 1e-5
+  np.testing.assert_array_equal(out["layer_1"]["ffn"]["gate_up"], grads["layer_1"]["ffn"]["gate_up"])
+  # With a tight global clip the router is clipped first, then everything is scaled together.
+  c.optim.grad_clip_norm = 2.0
+  tx = optim.make_clipping(c)
+  out, _ = tx.update(grads, tx.init(grads))
+  rest = float(optax.tree.norm({"g": grads["layer_1"]["ffn"]["gate_up"], "e": grads["embed"]}))
+  scale = 2.0 / np.sqrt(1.0 + rest ** 2)
+  assert abs(float(optax.tree.norm(out)) - 2.0) < 1e-4
+  assert abs(float(optax.tree.norm(out["layer_1"]["ffn"]["router_kernel"])) - scale) < 1e-5
+
+
+# ---- expert parallelism (8 fake CPU devices, in a subprocess) ------------------------------
+
+_EP = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh
+from tests.test_moe import _moe_cfg, _init
+from moe_jax.model.moe import MoE
+from moe_jax.config import MESH_AXES
+data, expert, dispatch, factor = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+cfg = _moe_cfg(dispatch=dispatch, capacity_factor=factor)
+x = jax.random.normal(jax.random.key(5), (8, 16, 32))
+variables = _init(cfg, x)
+def loss(p, x):
+  y, stats = MoE(cfg).apply({**variables, "params": p}, x)
+  return (y ** 2).sum() + (y * x).sum(), (y, stats["dropped_fraction"])
+grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+(_, (y1, d1)), g1 = grad(variables["params"], x)
+mesh = Mesh(np.array(jax.devices()).reshape(data, 1, expert, 1, 1), MESH_AXES)
+with jax.set_mesh(mesh):
+  (_, (y8, d8)), g8 = grad(variables["params"], x)
+  text = grad.lower(variables["params"], x).as_text()
+rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+print("RESULT", json.dumps({
+    "y": rel(y8, y1), "dropped_ep": float(d8), "all_to_all": text.count("all_to_all"),
+    "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))}))
+"""
+
+
+def _run_ep(data, expert, dispatch="dropless", factor=1.25):
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "PYTHONPATH": ROOT}
+  proc = subprocess.run([sys.executable, "-c", _EP, str(data), str(expert), dispatch,
+                         str(factor)], env=env, capture_output=True, text=True, cwd=ROOT,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][0]
+  return json.loads(line.split(" ", 1)[1])
+
+
+@pytest.mark.parametrize("data,expert", [(1, 8), (2, 4)])
+def test_expert_parallel_equals_single_device(data, expert):
+  r = _run_ep(data, expert)
+  assert r["all_to_all"] > 0  # really exchanged tokens
+  assert r["y"] <= 1e-5 and r["grads"] <= 1e-5 and r["dropped_ep"] == 0.0
+
+
+def test_expert_parallel_capacity():
+  """Per-destination buffers: roomy ones change nothing, tight ones drop and count."""
+  roomy = _run_ep(1, 8, "capacity", 8.0)
+  assert roomy["y"] <= 1e-5 and roomy["grads"] <= 1e-5 and roomy["dropped_ep"] == 0.0
+  tight = _run_ep(1, 8, "capacity", 0.5)
+  assert tight["dropped_ep"] > 0.0 and tight["y"] > 1e-3
