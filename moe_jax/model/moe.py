@@ -40,6 +40,22 @@ def inverse_permutation(order_A):
   return jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0]))
 
 
+def take_rows(x_RxD, idx_M):
+  """x[idx] for an idx without repeats; out-of-range entries give zero rows.
+
+  Declaring the indices unique makes the backward a plain scatter instead of an
+  atomic scatter-add; tokens are repeated k times up front (`repeat_rows`) so
+  every gather here is one-to-one.
+  """
+  return x_RxD.at[idx_M].get(mode="fill", fill_value=0, unique_indices=True)
+
+
+def repeat_rows(x_NxD, k: int):
+  """[N·k, D]: row n·k + j is x[n] (the token of assignment (n, j)); backward is a sum over k."""
+  N, D = x_NxD.shape
+  return jnp.broadcast_to(x_NxD[:, None], (N, k, D)).reshape(N * k, D)
+
+
 def combine(y_AxD, w_NxK, dtype):
   """Σ_k w[n,k] · y[n,k] in fp32, where assignment a = n·k + j."""
   N, K = w_NxK.shape
@@ -56,9 +72,9 @@ def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=
   N, K = idx_NxK.shape
   E = gate_up_ExDx2xF.shape[0]
   order_A, sizes_E, _ = sort_by_group(idx_NxK.reshape(-1), E)
-  x_AxD = x_NxD[order_A // K]
+  x_AxD = take_rows(repeat_rows(x_NxD, K), order_A)
   y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation)
-  return combine(y_AxD[inverse_permutation(order_A)], w_NxK, x_NxD.dtype)
+  return combine(take_rows(y_AxD, inverse_permutation(order_A)), w_NxK, x_NxD.dtype)
 
 
 def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C: int):
@@ -70,14 +86,13 @@ def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C
   order_A, _, rank_sorted_A = sort_by_group(e_A, E)
   rank_A = rank_sorted_A[inverse_permutation(order_A)]
   keep_A = rank_A < C
-  slot_A = jnp.where(keep_A, e_A * C + rank_A, E * C)  # E·C is the trash slot
-  # Which token fills each slot (N = the zero row appended below, for empty slots).
-  token_S = jnp.full((E * C + 1,), N, jnp.int32).at[slot_A].set(jnp.arange(N * K) // K)
-  x_pad = jnp.concatenate([x_NxD, jnp.zeros((1, D), x_NxD.dtype)])
-  x_ExCxD = x_pad[token_S[:E * C]].reshape(E, C, D)
+  slot_A = jnp.where(keep_A, e_A * C + rank_A, E * C)  # E·C: out of range = dropped
+  # The assignment in each [E, C] slot (N·K, out of range, for an empty slot).
+  assign_S = jnp.full((E * C,), N * K, jnp.int32).at[slot_A].set(jnp.arange(N * K), mode="drop")
+  x_ExCxD = take_rows(repeat_rows(x_NxD, K), assign_S).reshape(E, C, D)
   y_ExCxD = experts.swiglu_batched(x_ExCxD, gate_up_ExDx2xF, down_ExFxD)
-  y_pad = jnp.concatenate([y_ExCxD.reshape(E * C, D), jnp.zeros((1, D), y_ExCxD.dtype)])
-  return combine(y_pad[slot_A], w_NxK, x_NxD.dtype), (~keep_A).sum()
+  y_AxD = take_rows(y_ExCxD.reshape(E * C, D), slot_A)
+  return combine(y_AxD, w_NxK, x_NxD.dtype), (~keep_A).sum()
 
 
 def expert_axis_size() -> int:

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.model import experts
-from moe_jax.model.moe import capacity, combine, inverse_permutation, sort_by_group
+from moe_jax.model.moe import (capacity, combine, inverse_permutation, repeat_rows,
+                                 sort_by_group, take_rows)
 
 TOKEN_AXES = ("data", "fsdp", "expert", "sequence")
 
@@ -33,27 +34,25 @@ def _exchange(x_MxD, idx_MxK, w_MxK, gate_up_LxDx2xF, down_LxFxD, *, shards, cap
   A = M * K
   S = A if capacity_factor is None else capacity(M, K, shards, capacity_factor)
   e_A = idx_MxK.reshape(-1)
-  order_A, _, rank_A = sort_by_group(e_A // L, shards)  # sorted by destination shard
-  dest_A = e_A[order_A] // L
+  order_A, _, rank_sorted_A = sort_by_group(e_A // L, shards)  # by destination shard
+  rank_A = rank_sorted_A[inverse_permutation(order_A)]
   keep_A = rank_A < S
-  slot_A = jnp.where(keep_A, dest_A * S + rank_A, shards * S)  # shards·S = trash slot
+  slot_A = jnp.where(keep_A, (e_A // L) * S + rank_A, shards * S)  # out of range = dropped
 
-  token_slot = jnp.full((shards * S + 1,), M, jnp.int32).at[slot_A].set(order_A // K)
-  expert_slot = jnp.full((shards * S + 1,), L, jnp.int32).at[slot_A].set(e_A[order_A] % L)
-  x_pad = jnp.concatenate([x_MxD, jnp.zeros((1, D), x_MxD.dtype)])
-  send_x_PxSxD = x_pad[token_slot[:shards * S]].reshape(shards, S, D)
-  send_e_PxS = expert_slot[:shards * S].reshape(shards, S)
+  assign_slot = jnp.full((shards * S,), A, jnp.int32).at[slot_A].set(jnp.arange(A), mode="drop")
+  expert_slot = jnp.full((shards * S,), L, jnp.int32).at[slot_A].set(e_A % L, mode="drop")
+  send_x_PxSxD = take_rows(repeat_rows(x_MxD, K), assign_slot).reshape(shards, S, D)
+  send_e_PxS = expert_slot.reshape(shards, S)
 
   recv_x_PxSxD = jax.lax.all_to_all(send_x_PxSxD, "expert", 0, 0)
   recv_e_R = jax.lax.all_to_all(send_e_PxS, "expert", 0, 0).reshape(-1)
   local_order_R, sizes_L, _ = sort_by_group(recv_e_R, L)  # empty slots (id L) sort last → 0
-  y_R = experts.swiglu_grouped(recv_x_PxSxD.reshape(-1, D)[local_order_R], sizes_L,
+  y_R = experts.swiglu_grouped(take_rows(recv_x_PxSxD.reshape(-1, D), local_order_R), sizes_L,
                                gate_up_LxDx2xF, down_LxFxD, implementation)
-  y_PxSxD = y_R[inverse_permutation(local_order_R)].reshape(shards, S, D)
+  y_PxSxD = take_rows(y_R, inverse_permutation(local_order_R)).reshape(shards, S, D)
 
   back_PxSxD = jax.lax.all_to_all(y_PxSxD, "expert", 0, 0)
-  back_pad = jnp.concatenate([back_PxSxD.reshape(-1, D), jnp.zeros((1, D), back_PxSxD.dtype)])
-  y_AxD = back_pad[slot_A][inverse_permutation(order_A)]
+  y_AxD = take_rows(back_PxSxD.reshape(-1, D), slot_A)
   dropped = jax.lax.psum((~keep_A).sum(), TOKEN_AXES)
   return combine(y_AxD, w_MxK, x_MxD.dtype), dropped
 
