@@ -18,7 +18,6 @@ import traceback
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from configs import base
@@ -29,6 +28,7 @@ _EXPERTS = flags.DEFINE_string("experts", "64,256", "Comma-separated expert coun
 _PATHS = flags.DEFINE_string("paths", "dropless,capacity1.0,capacity1.25",
                              "dropless | capacity<factor>, comma-separated.")
 _ROUTINGS = flags.DEFINE_string("routings", "balanced,skewed", "Router states to time.")
+_SKEW = flags.DEFINE_float("skew", 0.03, "Std of the random router bias of the skewed routing.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed runs per measurement (median reported).")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON and markdown results.")
 _N, _D, _F, _K = 16384, 2048, 1024, 8
@@ -55,7 +55,7 @@ def router_bias(E, routing):
   """Balanced: no bias (random router, near-uniform load). Skewed: a fixed random preference."""
   if routing == "balanced":
     return jnp.zeros(E)
-  return 0.1 * jax.random.normal(jax.random.key(7), (E,))
+  return _SKEW.value * jax.random.normal(jax.random.key(7), (E,))
 
 
 def time_ms(fn, args, iters):

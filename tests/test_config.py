@@ -6,7 +6,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from configs import base, tiny
+from configs import base, kimi_linear_48b, tiny, trillion
 from moe_jax import config as config_lib
 from moe_jax.train.loop import train_and_evaluate
 
@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_configs_load_and_validate():
-  for c in (base.get_config(), tiny.get_config(), tiny.get_config("mqar")):
+  for c in (base.get_config(), tiny.get_config(), tiny.get_config("mqar"),
+            kimi_linear_48b.get_config(), trillion.get_config()):
     assert config_lib.validate(c) is c
   assert tiny.get_config("mqar").data.source == "mqar"
   with pytest.raises(ValueError, match="configs/tiny.py arg"):
@@ -47,11 +48,26 @@ def test_command_line_overrides(monkeypatch):
     ("data.source", "web", r"data\.source must be one of .*got 'web'"),
     ("schedule.warmup_steps", 10_000, r"schedule\.warmup_steps must be in \[0, "),
     ("mesh.data", 0, r"mesh\.data must be a positive integer or -1 \(all remaining devices\), got 0"),
+    ("model.moe.top_k", 9, r"model\.moe\.top_k must be at most model\.moe\.num_experts=8, got 9"),
+    ("model.moe.num_experts", -1, r"model\.moe\.num_experts must be 0 \(dense FFN\) or a "
+                                  r"positive integer, got -1"),
+    ("model.moe.balancer", "switch", r"model\.moe\.balancer must be one of \('none', "
+                                     r"'aux_loss', 'loss_free', 'quantile_ema', "
+                                     r"'quantile_exact'\), got 'switch'"),
+    ("model.moe.dispatch", "ragged", r"model\.moe\.dispatch must be one of .*got 'ragged'"),
+    ("model.moe.capacity_factor", 0.0, r"model\.moe\.capacity_factor must be > 0, got 0\.0"),
+    ("model.moe.exact_damping", 1.5, r"model\.moe\.exact_damping must be in \(0, 1\], got 1\.5"),
+    ("model.moe.grouped_matmul", "cutlass", r"model\.moe\.grouped_matmul must be one of "),
+    ("mesh.expert", 3, r"mesh\.expert must be a divisor of model\.moe\.num_experts=8, got 3"),
+    ("optim.router_grad_clip_norm", -1.0, r"optim\.router_grad_clip_norm must be >= 0"),
 ])
 def test_invalid_fields_raise_naming_field_value_and_accepted(field, value, match):
   c = tiny.get_config()
-  section, name = field.split(".")
-  c[section][name] = value
+  *sections, name = field.split(".")
+  node = c
+  for section in sections:
+    node = node[section]
+  node[name] = value
   with pytest.raises(ValueError, match=match):
     config_lib.validate(c)
 

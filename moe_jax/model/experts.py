@@ -21,7 +21,11 @@ def default_grouped_matmul() -> str:
 
 
 def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
-  """Row block g of x (rows sorted by group) times w[g]; rows past sum(group_sizes) give 0."""
+  """Row block g of x (rows sorted by group) times w[g].
+
+  Rows past sum(group_sizes) are undefined (xla writes 0, tokamax's GPU kernel leaves
+  them unwritten): callers with padding rows mask them.
+  """
   implementation = implementation or default_grouped_matmul()
   if implementation == "xla":
     return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
@@ -29,8 +33,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
     import tokamax  # heavy optional dependency: the gpu/tpu extras install it
 
     impl = "mosaic" if jax.default_backend() == "gpu" else None
-    return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, implementation=impl,
-                              zero_initialize=True)
+    return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, implementation=impl)
   raise ValueError(f"grouped_matmul implementation must be one of {GROUPED_MATMULS} or '', "
                    f"got {implementation!r}")
 
