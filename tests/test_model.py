@@ -27,7 +27,7 @@ def _model(c, **overrides):
 def test_shapes_and_logical_axes(small_config, tie):
   model = _model(small_config, tie_embeddings=tie, n_layers=4, layer_pattern="KKKA")
   batch = _batch(np.ones((2, 32)), np.ones((2, 32)))
-  variables = model.init(jax.random.key(0), batch)
+  variables = jax.jit(model.init)(jax.random.key(0), batch)
   boxed = jax.tree.leaves(variables["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
   assert boxed and all(isinstance(b, nn.LogicallyPartitioned) for b in boxed)
   assert all(len(b.names) == b.value.ndim for b in boxed)
@@ -54,13 +54,13 @@ def test_second_packed_document_matches_it_alone(small_config, pattern):
   packed = np.concatenate([doc_a, doc_b, np.full(13, tokenizer.PAD)])
   seg = np.concatenate([np.ones(21), np.full(30, 2), np.zeros(13)])
   variables = nn.meta.unbox(model.init(jax.random.key(1), _batch(packed[None], seg[None])))
-  logits_packed, _ = model.apply(variables, _batch(packed[None], seg[None]))
-  logits_alone, _ = model.apply(variables, _batch(doc_b[None], np.ones((1, 30))))
-  logits_a, _ = model.apply(variables, _batch(doc_a[None], np.ones((1, 21))))
+  logits_packed, _ = jax.jit(model.apply)(variables, _batch(packed[None], seg[None]))
+  logits_alone, _ = jax.jit(model.apply)(variables, _batch(doc_b[None], np.ones((1, 30))))
+  logits_a, _ = jax.jit(model.apply)(variables, _batch(doc_a[None], np.ones((1, 21))))
   assert rel_err(logits_packed[0, 21:51], logits_alone[0]) < 1e-5
   assert rel_err(logits_packed[0, :21], logits_a[0]) < 1e-5
   # Without segment ids the second document does see the first: the check above can fail.
-  logits_joined, _ = model.apply(variables, _batch(packed[None], np.ones((1, 64))))
+  logits_joined, _ = jax.jit(model.apply)(variables, _batch(packed[None], np.ones((1, 64))))
   assert rel_err(logits_joined[0, 21:51], logits_alone[0]) > 1e-3
 
 
@@ -69,9 +69,9 @@ def test_bf16_compute_fp32_params(small_config):
   batch = _batch(np.arange(64).reshape(2, 32), np.ones((2, 32)))
   variables = nn.meta.unbox(model.init(jax.random.key(0), batch))
   params = variables["params"]
-  logits, _ = model.apply(variables, batch)
+  logits, _ = jax.jit(model.apply)(variables, batch)
   ref_model = _model(small_config, dtype="float32")
-  ref, _ = ref_model.apply(variables, batch)
+  ref, _ = jax.jit(ref_model.apply)(variables, batch)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   assert 1e-4 < rel_err(logits, ref) < 5e-2  # really computed in bf16, and still close
 
@@ -86,7 +86,7 @@ def test_remat_gives_identical_logits_and_gradients(small_config):
   def loss(model):
     return lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
 
-  (l0, g0), (l1, g1) = (jax.value_and_grad(loss(m))(params) for m in (plain, remat))
+  (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(loss(m)))(params) for m in (plain, remat))
   assert abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     assert rel_err(a, b) < 1e-5
