@@ -143,12 +143,15 @@ def main(argv):
           log.append(f"E={E} {routing} {path}:\n{traceback.format_exc()}")
           print(log[-1], flush=True)
 
-  header = ("| E | routing | path | MaxVio | dropped % | rel err vs dropless | fwd ms | fwd % peak "
-            "| fwd+bwd ms | fwd+bwd % peak |\n|---|---|---|---|---|---|---|---|---|---|")
+  header = ("| E | routing | path | MaxVio | dropped % | rel err vs dropless | fwd ms | fwd TFLOP/s "
+            "(% peak) | fwd+bwd ms | fwd+bwd TFLOP/s (% peak) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
+  tf = lambda pct: pct * _PEAK_FLOPS / 100 / 1e12
   lines = [header] + [
       f"| {r['E']} | {r['routing']} | {r['path']} | {r['max_vio']:.2f} | {r['dropped']:.1f} | "
       f"{r.get('rel_err_vs_dropless', float('nan')):.1e} | {r['fwd_ms']:.2f} | "
-      f"{r['fwd_pct']:.0f}% | {r['fwd_bwd_ms']:.2f} | {r['fwd_bwd_pct']:.0f}% |" for r in rows]
+      f"{tf(r['fwd_pct']):.0f} ({r['fwd_pct']:.0f}%) | {r['fwd_bwd_ms']:.2f} | "
+      f"{tf(r['fwd_bwd_pct']):.0f} ({r['fwd_bwd_pct']:.0f}%) |" for r in rows]
   table = "\n".join(lines)
   if _OUT.value:
     os.makedirs(_OUT.value, exist_ok=True)
