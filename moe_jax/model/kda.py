@@ -23,17 +23,24 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
 
 
 class KDAMixer(nn.Module):
+  """With `cache` (infer/cache.py: fp32 state [B,H,K,V] + short-conv tails) it continues
+  from the cached state and returns (o, new cache); one token uses the recurrent update."""
   cfg: object
 
   @nn.compact
-  def __call__(self, x_BxTxD, segment_ids_BxT):
+  def __call__(self, x_BxTxD, segment_ids_BxT, cache=None):
     cfg = self.cfg
     B, T, D = x_BxTxD.shape
     H, K = cfg.n_heads, cfg.kda_head_dim
+    new_cache = {}
 
     def conv_proj(name):
       y_BxTxHK = dense(cfg, H * K, ("embed", "kda_channels"), f"{name}_proj")(x_BxTxD)
-      y_BxTxHK = ShortConv(cfg, cfg.kda_conv_size, name=f"{name}_conv")(y_BxTxHK, segment_ids_BxT)
+      conv = ShortConv(cfg, cfg.kda_conv_size, name=f"{name}_conv")
+      if cache is None:
+        y_BxTxHK = conv(y_BxTxHK, segment_ids_BxT)
+      else:
+        y_BxTxHK, new_cache[f"{name}_conv"] = conv(y_BxTxHK, segment_ids_BxT, cache[f"{name}_conv"])
       return y_BxTxHK.reshape(B, T, H, K)
 
     q_BxTxHxK = l2_normalize(conv_proj("q"))
@@ -48,14 +55,21 @@ class KDAMixer(nn.Module):
     g_BxTxHxK = kda_gate(f_BxTxHxK, A_log_H, dt_bias_HK, lower_bound=cfg.kda_lower_bound)
     beta_BxTxH = nn.sigmoid(dense(cfg, H, ("embed", "heads"), "b_proj")(x_BxTxD).astype(jnp.float32))
 
-    o_BxTxHxV, _ = kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH,
-                       segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
-                       lower_bound=cfg.kda_lower_bound,
-                       implementation=cfg.kda_implementation or None)
+    impl = cfg.kda_implementation or None
+    if cache is not None and T == 1:
+      impl = "recurrent"  # decode: one state update per token
+    o_BxTxHxV, state = kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH,
+                           segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
+                           lower_bound=cfg.kda_lower_bound, implementation=impl,
+                           initial_state=None if cache is None else cache["state"],
+                           output_final_state=cache is not None)
 
     # Gated RMSNorm per head: norm(o) * sigmoid(low-rank gate(x)).
     gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)
     gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b", use_bias=True)(gate_BxTxK)
     o_BxTxHxV = rms_norm(cfg, "o_norm", "kv")(o_BxTxHxV) * nn.sigmoid(gate_BxTxHxV)
-    return dense(cfg, D, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
-                 scale=out_scale(cfg))(o_BxTxHxV)
+    out_BxTxD = dense(cfg, D, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
+                      scale=out_scale(cfg))(o_BxTxHxV)
+    if cache is None:
+      return out_BxTxD
+    return out_BxTxD, {**new_cache, "state": state}

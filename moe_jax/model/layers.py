@@ -56,19 +56,36 @@ def segment_shift(x_BxTxC, segment_ids_BxT, shift):
 
 
 class ShortConv(nn.Module):
-  """Depthwise causal convolution over time followed by SiLU (KDA's q/k/v pre-mixing)."""
+  """Depthwise causal convolution over time followed by SiLU (KDA's q/k/v pre-mixing).
+
+  With `cache` ({"x": [B, W-1, C], "seg": [B, W-1]}: the last W-1 live inputs of each row
+  and their segment ids) the window reaches back into earlier calls; returns (y, new cache).
+  Live tokens must come first in each row (right padding), as in prefill and decode.
+  """
   cfg: object
   width: int
 
   @nn.compact
-  def __call__(self, x_BxTxC, segment_ids_BxT):
+  def __call__(self, x_BxTxC, segment_ids_BxT, cache=None):
     C = x_BxTxC.shape[-1]
     init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0,
                                             out_axis=1)
     w_WxC = self.param("kernel", lp(init, ("conv", "kda_channels")), (self.width, C), jnp.float32)
     w_WxC = w_WxC.astype(x_BxTxC.dtype)
-    y_BxTxC = sum(segment_shift(x_BxTxC, segment_ids_BxT, j) * w_WxC[j] for j in range(self.width))
-    return nn.silu(y_BxTxC)
+    conv = lambda x, seg: nn.silu(sum(segment_shift(x, seg, j) * w_WxC[j]
+                                      for j in range(self.width)))
+    if cache is None:
+      return conv(x_BxTxC, segment_ids_BxT)
+    W1 = self.width - 1
+    x_ext = jnp.concatenate([cache["x"].astype(x_BxTxC.dtype), x_BxTxC], axis=1)
+    seg_ext = jnp.concatenate([cache["seg"], segment_ids_BxT.astype(cache["seg"].dtype)], 1)
+    y_BxTxC = conv(x_ext, seg_ext)[:, W1:]
+    # The new tail: the W-1 positions before each row's first padding token.
+    start_B = (segment_ids_BxT != 0).sum(-1)
+    idx_BxW1 = start_B[:, None] + jnp.arange(W1)
+    new = {"x": jnp.take_along_axis(x_ext, idx_BxW1[..., None], 1).astype(cache["x"].dtype),
+           "seg": jnp.take_along_axis(seg_ext, idx_BxW1, 1)}
+    return y_BxTxC, new
 
 
 def l2_normalize(x, eps=1e-6):

@@ -35,17 +35,27 @@ class DenseFFN(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(·)). Returns (x, stats)."""
+  """Pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(·)).
+
+  Returns (x, routing stats), and the mixer's new cache as a third item when given one.
+  """
   cfg: object
   layer: int
 
   @nn.compact
-  def __call__(self, x_BxTxD, segment_ids_BxT):
+  def __call__(self, x_BxTxD, segment_ids_BxT, cache=None):
     cfg = self.cfg
     mixer = MIXERS[mixer_kind(cfg, self.layer)](cfg, name="mixer")
-    x_BxTxD = x_BxTxD + mixer(rms_norm(cfg, "mixer_norm")(x_BxTxD), segment_ids_BxT)
+    h_BxTxD = rms_norm(cfg, "mixer_norm")(x_BxTxD)
+    if cache is None:
+      x_BxTxD = x_BxTxD + mixer(h_BxTxD, segment_ids_BxT)
+    else:
+      y_BxTxD, cache = mixer(h_BxTxD, segment_ids_BxT, cache)
+      x_BxTxD = x_BxTxD + y_BxTxD
     y_BxTxD, stats = make_ffn(cfg, self.layer)(rms_norm(cfg, "ffn_norm")(x_BxTxD))
-    return x_BxTxD + y_BxTxD, stats
+    if cache is None:
+      return x_BxTxD + y_BxTxD, stats
+    return x_BxTxD + y_BxTxD, stats, cache
 
 
 class HybridMoE(nn.Module):
@@ -54,23 +64,33 @@ class HybridMoE(nn.Module):
   aux["routing"] maps each MoE layer's name ("layer_3") to its routing stats
   (router.routing_stats); the balancer state of that layer is
   variables["router"][name]["ffn"].
+
+  With `cache` (infer/cache.py) the tokens continue each row from its cached length
+  (prefill chunks and decode steps; live tokens first in each row) and aux["cache"] is
+  the updated cache.
   """
   cfg: object
 
   @nn.compact
-  def __call__(self, batch):
+  def __call__(self, batch, cache=None):
     cfg = self.cfg
     tokens_BxT, segment_ids_BxT = batch["tokens"], batch["segment_ids"]
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype_of(cfg), param_dtype=jnp.float32,
                      embedding_init=lp(nn.initializers.normal(1.0), ("vocab", "embed")),
                      name="embed")
     x_BxTxD = embed(tokens_BxT)
-    block = nn.remat(Block) if cfg.remat else Block
-    routing = {}
+    block = nn.remat(Block) if cfg.remat and cache is None else Block
+    routing, new_layers = {}, {}
     for i in range(cfg.n_layers):
-      x_BxTxD, stats = block(cfg, i, name=f"layer_{i}")(x_BxTxD, segment_ids_BxT)
+      name = f"layer_{i}"
+      layer = block(cfg, i, name=name)
+      if cache is None:
+        x_BxTxD, stats = layer(x_BxTxD, segment_ids_BxT)
+      else:
+        layer_cache = {**cache["layers"][name], "length": cache["length"]}
+        x_BxTxD, stats, new_layers[name] = layer(x_BxTxD, segment_ids_BxT, layer_cache)
       if stats:
-        routing[f"layer_{i}"] = stats
+        routing[name] = stats
     x_BxTxD = rms_norm(cfg, "final_norm")(x_BxTxD)
     if cfg.tie_embeddings:
       logits_BxTxV = embed.attend(x_BxTxD) / jnp.sqrt(cfg.d_model).astype(x_BxTxD.dtype)
@@ -80,4 +100,8 @@ class HybridMoE(nn.Module):
                              kernel_init=lp(nn.initializers.variance_scaling(
                                  1.0, "fan_in", "truncated_normal"), ("embed", "vocab")))
       logits_BxTxV = head(x_BxTxD)
-    return logits_BxTxV.astype(jnp.float32), {"routing": routing}
+    aux = {"routing": routing}
+    if cache is not None:
+      aux["cache"] = {"length": cache["length"] + (segment_ids_BxT != 0).sum(-1),
+                      "layers": new_layers}
+    return logits_BxTxV.astype(jnp.float32), aux

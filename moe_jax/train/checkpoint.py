@@ -32,3 +32,16 @@ def restore_latest(manager: ocp.CheckpointManager, state, data_iter):
       state=ocp.args.StandardRestore(abstract),
       data=grain.checkpoint.CheckpointRestore(data_iter)))
   return restored.state, step
+
+
+def restore_state(directory: str, abstract_state, step: int | None = None):
+  """(state, step) from `directory` (the latest step unless given), without the data iterator:
+  for inference and evaluation."""
+  manager = ocp.CheckpointManager(directory, item_names=("state", "data"))
+  step = manager.latest_step() if step is None else step
+  if step is None:
+    raise ValueError(f"no checkpoint in {directory!r}: train first (scripts/train.py --workdir)")
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state)))
+  manager.close()
+  return restored.state, step

@@ -24,18 +24,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(("data", "fsdp", "expert"), "sequence"))
 
 
+def _boxed_state(model: nn.Module, tx, example_batch, rng):
+  variables = model.init(rng, example_batch)
+  return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                           router=variables.get("router", {}))
+
+
 def create_train_state(model: nn.Module, tx, example_batch, mesh: Mesh, rng):
   """Returns (state, state_shardings). Params are fp32, laid out by their logical axes."""
-
-  def boxed_state(rng):
-    variables = model.init(rng, example_batch)
-    return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                             router=variables.get("router", {}))
-
+  boxed_state = lambda r: _boxed_state(model, tx, example_batch, r)
   abstract = jax.eval_shape(boxed_state, rng)
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, LOGICAL_RULES)
   init = jax.jit(lambda r: nn.meta.unbox(boxed_state(r)), out_shardings=shardings)
   return init(rng), shardings
+
+
+def abstract_train_state(model: nn.Module, tx, example_batch, sharding):
+  """The state's shapes and dtypes (nothing allocated), every leaf placed on `sharding`:
+  the target for restoring a checkpoint without building the state first."""
+  abstract = nn.meta.unbox(jax.eval_shape(
+      lambda r: _boxed_state(model, tx, example_batch, r), jax.random.key(0)))
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                      abstract)
 
 
 def param_count(params) -> int:

@@ -1,0 +1,71 @@
+"""Complete prompts with a model trained by scripts/train.py (reads <workdir>/config.json and
+the latest checkpoint).
+
+  python scripts/generate.py --workdir=workdir/tiny --prompt="def main(" --max_new_tokens=200
+  python scripts/generate.py --workdir=workdir/tiny --prompts_file=prompts.txt --temperature=0
+"""
+
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+
+from moe_jax import config as config_lib
+from moe_jax.infer.generate import complete
+from moe_jax.model.transformer import HybridMoE
+from moe_jax.train import checkpoint, optim, state as state_lib
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json, checkpoints/).",
+                               required=True)
+_PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt; repeat the flag for a batch.")
+_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "One prompt per line.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per prompt.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = off).")
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus: keep the smallest set with this mass.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per prefill step.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+
+
+def load(workdir: str, step=None):
+  """(config, variables {"params", "router"}, step) of a training workdir."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    c = config_lib.validate(ml_collections.ConfigDict(json.load(f)))
+  model = HybridMoE(state_lib.frozen_model_config(c))
+  T = c.model.kda_chunk_size
+  example = {"tokens": np.zeros((1, T), np.int32), "segment_ids": np.ones((1, T), np.int32)}
+  abstract = state_lib.abstract_train_state(
+      model, optim.make_optimizer(c), example,
+      jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  state, step = checkpoint.restore_state(
+      os.path.abspath(os.path.join(workdir, "checkpoints")), abstract, step)
+  return c, {"params": state.params, "router": state.router}, step
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+  prompts = list(_PROMPT.value)
+  if _PROMPTS_FILE.value:
+    with open(_PROMPTS_FILE.value) as f:
+      prompts += [line.rstrip("\n") for line in f if line.strip()]
+  if not prompts:
+    raise app.UsageError("give --prompt (repeatable) or --prompts_file")
+  c, variables, step = load(_WORKDIR.value, _STEP.value)
+  outs = complete(state_lib.frozen_model_config(c), variables, prompts,
+                  max_new=_MAX_NEW.value, key=jax.random.key(_SEED.value),
+                  prefill_chunk=_CHUNK.value, temperature=_TEMPERATURE.value,
+                  top_k=_TOP_K.value, top_p=_TOP_P.value)
+  print(f"# checkpoint step {step} of {_WORKDIR.value}")
+  for prompt, out in zip(prompts, outs):
+    print(f"=== {prompt!r}\n{prompt}{out}\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

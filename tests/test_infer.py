@@ -1,0 +1,137 @@
+"""Inference: cached decode equals the full forward, chunked prefill equals one-shot, sampling
+filters, stop tokens, and scripts/generate.py on a checkpoint written by the training loop."""
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.data import tokenizer
+from moe_jax.infer import sampling
+from moe_jax.infer.cache import init_cache
+from moe_jax.infer.generate import decode, inference_model, make_step, prefill
+from moe_jax.train.loop import train_and_evaluate
+from moe_jax.train.state import frozen_model_config
+from tests.conftest import make_small_config, rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LENGTHS = np.array([37, 22, 30])  # three rows of different lengths
+_T = 40
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+  """fp32 hybrid KDA+MLA model, MoE from layer 1 (capacity dispatch in training)."""
+  c = make_small_config()
+  c.model.update({"dtype": "float32", "n_layers": 4, "layer_pattern": "KKA"})
+  c.model.moe.dispatch, c.model.moe.capacity_factor = "capacity", 0.5
+  model = inference_model(frozen_model_config(c))
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 256, (3, _T)).astype(np.int32)
+  seg = (np.arange(_T)[None] < _LENGTHS[:, None]).astype(np.int32)
+  batch = {"tokens": tokens, "segment_ids": seg}
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  variables["router"] = jax.tree.map(lambda b: b + 0.01 * jnp.arange(b.size), variables["router"])
+  full, _ = jax.jit(model.apply)(variables, batch)
+  return model, variables, tokens, full
+
+
+def test_inference_model_never_drops(hybrid):
+  model, *_ = hybrid
+  assert model.cfg.moe.dispatch == "dropless"
+
+
+def test_decode_reproduces_full_forward(hybrid):
+  """Prefill prompts of 13/5/9 tokens in chunks of 4, then feed the true tokens one by one."""
+  model, variables, tokens, full = hybrid
+  step = make_step(model)
+  prompt = np.array([13, 5, 9])
+  cache = init_cache(model.cfg, 3, 64)
+  last, cache = prefill(step, variables, cache, tokens[:, :13], prompt, chunk=4)
+  for b in range(3):
+    assert rel_err(last[b], full[b, prompt[b] - 1]) < 1e-4
+  jstep, pos, errs = jax.jit(step), prompt.copy(), []
+  while (pos < _LENGTHS).any():
+    live = pos < _LENGTHS
+    logits, cache = jstep(variables, tokens[np.arange(3), np.minimum(pos, _T - 1)][:, None],
+                          live[:, None], cache)
+    errs += [rel_err(logits[b, 0], full[b, pos[b]]) for b in range(3) if live[b]]
+    pos = pos + live
+  assert len(errs) == (_LENGTHS - prompt).sum() and max(errs) < 1e-4
+  np.testing.assert_array_equal(cache["length"], _LENGTHS)
+
+
+def test_chunked_prefill_equals_one_shot(hybrid):
+  model, variables, tokens, _ = hybrid
+  step = make_step(model)
+  outs = [prefill(step, variables, init_cache(model.cfg, 3, 48), tokens, _LENGTHS, chunk=chunk)
+          for chunk in (7, _T)]
+  (l7, c7), (l40, c40) = outs
+  assert rel_err(l7, l40) < 1e-5
+  np.testing.assert_array_equal(c7["length"], _LENGTHS)
+  for name, layer in c40["layers"].items():
+    for path, ref in jax.tree_util.tree_leaves_with_path(layer):
+      got = dict(jax.tree_util.tree_leaves_with_path(c7["layers"][name]))[path]
+      if path[0].key == "ckv":  # compare the filled positions only
+        ref = np.concatenate([ref[b, :n] for b, n in enumerate(_LENGTHS)])
+        got = np.concatenate([got[b, :n] for b, n in enumerate(_LENGTHS)])
+      assert rel_err(got, ref) < 1e-5 or np.array_equal(got, ref), (name, path)
+
+
+def test_decode_loop_stops_at_stop_tokens(hybrid):
+  model, variables, tokens, _ = hybrid
+  step = make_step(model)
+  prompt = np.array([6, 6, 6])
+  cache = init_cache(model.cfg, 3, 32)
+  logits, cache = prefill(step, variables, cache, tokens[:, :6], prompt, chunk=8)
+  first = np.asarray(jnp.argmax(logits, -1))
+  # Greedy, with row 0's first token as the stop token: row 0 stops after 1 token.
+  out, n_new, cache = decode(step, variables, cache, logits, jax.random.key(0), max_new=10,
+                             temperature=0.0, stop_tokens=(int(first[0]),))
+  out, n_new = np.asarray(out), np.asarray(n_new)
+  assert out[0, 0] == first[0] and n_new[0] == 1 and (out[0, 1:] == tokenizer.PAD).all()
+  np.testing.assert_array_equal(out[:, 0], first)  # greedy = argmax
+  assert int(cache["length"][0]) == 6 + 1
+
+
+def test_sampling_respects_top_k_and_top_p():
+  logits = jax.random.normal(jax.random.key(0), (1, 50)) * 2.0
+  keys = jax.random.split(jax.random.key(1), 4000)
+  order = np.argsort(-np.asarray(logits[0]))
+  top5 = set(order[:5].tolist())
+  got = np.asarray(jax.vmap(lambda k: sampling.sample(logits, k, top_k=5)[0])(keys))
+  assert set(got.tolist()) <= top5 and len(set(got.tolist())) == 5
+  probs = np.asarray(jax.nn.softmax(logits[0]))[order]
+  n_nucleus = int(np.searchsorted(np.cumsum(probs), 0.6) + 1)
+  nucleus = set(order[:n_nucleus].tolist())
+  got = np.asarray(jax.vmap(lambda k: sampling.sample(logits, k, top_p=0.6)[0])(keys))
+  assert set(got.tolist()) <= nucleus and len(set(got.tolist())) == n_nucleus
+  # Sampling with no filter follows the softmax: the top token's frequency is within 4σ.
+  got = np.asarray(jax.vmap(lambda k: sampling.sample(logits, k)[0])(keys))
+  p0 = probs[0]
+  assert abs((got == order[0]).mean() - p0) < 4 * np.sqrt(p0 * (1 - p0) / len(keys))
+  # Seeded: the same key gives the same draws.
+  again = np.asarray(jax.vmap(lambda k: sampling.sample(logits, k)[0])(keys))
+  np.testing.assert_array_equal(got, again)
+  for bad in ({"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      sampling.validate(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **bad})
+
+
+def test_generate_script_on_a_trained_checkpoint(tmp_path):
+  c = make_small_config()
+  c.schedule.total_steps, c.schedule.warmup_steps = 2, 1
+  train_and_evaluate(c, str(tmp_path), progress=False)
+  proc = subprocess.run(
+      [sys.executable, "scripts/generate.py", f"--workdir={tmp_path}", "--prompt=def f(x):",
+       "--prompt=import", "--max_new_tokens=12", "--temperature=0"],
+      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+      timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "# checkpoint step 2 of" in proc.stdout
+  assert "=== 'def f(x):'" in proc.stdout and "=== 'import'" in proc.stdout
