@@ -204,53 +204,57 @@ def test_router_gradient_clipped_on_its_own():
 # ---- expert parallelism (8 fake CPU devices, in a subprocess) ------------------------------
 
 _EP = """
-import json, sys
+import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from tests.test_moe import _moe_cfg, _init
 from moe_jax.model.moe import MoE
 from moe_jax.config import MESH_AXES
-data, expert, dispatch, factor = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
-cfg = _moe_cfg(dispatch=dispatch, capacity_factor=factor)
-x = jax.random.normal(jax.random.key(5), (8, 16, 32))
-variables = _init(cfg, x)
-def loss(p, x):
-  y, stats = MoE(cfg).apply({**variables, "params": p}, x)
-  return (y ** 2).sum() + (y * x).sum(), (y, stats["dropped_fraction"])
-grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-(_, (y1, d1)), g1 = grad(variables["params"], x)
-mesh = Mesh(np.array(jax.devices()).reshape(data, 1, expert, 1, 1), MESH_AXES)
-with jax.set_mesh(mesh):
-  (_, (y8, d8)), g8 = grad(variables["params"], x)
-  text = grad.lower(variables["params"], x).as_text()
 rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
-print("RESULT", json.dumps({
-    "y": rel(y8, y1), "dropped_ep": float(d8), "all_to_all": text.count("all_to_all"),
-    "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))}))
+results = {}
+for data, expert, dispatch, factor in ((1, 8, "dropless", 1.25), (2, 4, "dropless", 1.25),
+                                       (1, 8, "capacity", 8.0), (1, 8, "capacity", 0.5)):
+  cfg = _moe_cfg(dispatch=dispatch, capacity_factor=factor)
+  x = jax.random.normal(jax.random.key(5), (8, 16, 32))
+  variables = _init(cfg, x)
+  def loss(p, x):
+    y, stats = MoE(cfg).apply({**variables, "params": p}, x)
+    return (y ** 2).sum() + (y * x).sum(), (y, stats["dropped_fraction"])
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  (_, (y1, d1)), g1 = grad(variables["params"], x)
+  mesh = Mesh(np.array(jax.devices()).reshape(data, 1, expert, 1, 1), MESH_AXES)
+  with jax.set_mesh(mesh):
+    (_, (y8, d8)), g8 = grad(variables["params"], x)
+    text = grad.lower(variables["params"], x).as_text()
+  results[f"{data}x{expert} {dispatch} {factor}"] = {
+      "y": rel(y8, y1), "dropped_ep": float(d8), "all_to_all": text.count("all_to_all"),
+      "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))}
+print("RESULT", json.dumps(results))
 """
 
 
-def _run_ep(data, expert, dispatch="dropless", factor=1.25):
+@pytest.fixture(scope="module")
+def expert_parallel_runs():
+  """One subprocess with 8 fake CPU devices runs every EP variant against one device."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
          "PYTHONPATH": ROOT}
-  proc = subprocess.run([sys.executable, "-c", _EP, str(data), str(expert), dispatch,
-                         str(factor)], env=env, capture_output=True, text=True, cwd=ROOT,
-                        timeout=600)
+  proc = subprocess.run([sys.executable, "-c", _EP], env=env, capture_output=True, text=True,
+                        cwd=ROOT, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][0]
   return json.loads(line.split(" ", 1)[1])
 
 
-@pytest.mark.parametrize("data,expert", [(1, 8), (2, 4)])
-def test_expert_parallel_equals_single_device(data, expert):
-  r = _run_ep(data, expert)
+@pytest.mark.parametrize("mesh", ["1x8", "2x4"])
+def test_expert_parallel_equals_single_device(expert_parallel_runs, mesh):
+  r = expert_parallel_runs[f"{mesh} dropless 1.25"]
   assert r["all_to_all"] > 0  # really exchanged tokens
   assert r["y"] <= 1e-5 and r["grads"] <= 1e-5 and r["dropped_ep"] == 0.0
 
 
-def test_expert_parallel_capacity():
+def test_expert_parallel_capacity(expert_parallel_runs):
   """Per-destination buffers: roomy ones change nothing, tight ones drop and count."""
-  roomy = _run_ep(1, 8, "capacity", 8.0)
+  roomy = expert_parallel_runs["1x8 capacity 8.0"]
   assert roomy["y"] <= 1e-5 and roomy["grads"] <= 1e-5 and roomy["dropped_ep"] == 0.0
-  tight = _run_ep(1, 8, "capacity", 0.5)
+  tight = expert_parallel_runs["1x8 capacity 0.5"]
   assert tight["dropped_ep"] > 0.0 and tight["y"] > 1e-3
