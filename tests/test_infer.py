@@ -15,6 +15,7 @@ from moe_jax.data import tokenizer
 from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import decode, inference_model, make_step, prefill
+from moe_jax.model import mla
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
 from tests.conftest import make_small_config, rel_err
@@ -46,8 +47,11 @@ def test_inference_model_never_drops(hybrid):
   assert model.cfg.moe.dispatch == "dropless"
 
 
-def test_decode_reproduces_full_forward(hybrid):
-  """Prefill prompts of 13/5/9 tokens in chunks of 4, then feed the true tokens one by one."""
+@pytest.mark.parametrize("key_block", [1024, 8])
+def test_decode_reproduces_full_forward(hybrid, key_block, monkeypatch):
+  """Prefill prompts of 13/5/9 tokens in chunks of 4, then feed the true tokens one by one.
+  key_block 8: MLA's online softmax runs over several cache blocks (the last one partial)."""
+  monkeypatch.setattr(mla, "KEY_BLOCK", key_block)
   model, variables, tokens, full = hybrid
   step = make_step(model)
   prompt = np.array([13, 5, 9])
@@ -66,7 +70,10 @@ def test_decode_reproduces_full_forward(hybrid):
   np.testing.assert_array_equal(cache["length"], _LENGTHS)
 
 
-def test_chunked_prefill_equals_one_shot(hybrid):
+def test_chunked_prefill_equals_one_shot(hybrid, monkeypatch):
+  """Chunks of 7 (< kv_lora_rank: latent-space attention) vs one chunk of 40 (≥ rank: keys
+  and values expanded per block), over 5 key blocks of 10 in a 48-slot cache."""
+  monkeypatch.setattr(mla, "KEY_BLOCK", 10)
   model, variables, tokens, _ = hybrid
   step = make_step(model)
   outs = [prefill(step, variables, init_cache(model.cfg, 3, 48), tokens, _LENGTHS, chunk=chunk)

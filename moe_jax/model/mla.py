@@ -57,26 +57,68 @@ class MLAMixer(nn.Module):
     return out_BxTxD if cache is None else (out_BxTxD, new_cache)
 
 
+KEY_BLOCK = 1024  # cache positions per step of the online softmax
+
+
 def _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT, cache, k_b, v_b):
-  """Writes the new latents at each row's length, then attends over the filled cache."""
-  B, T, _, Dqk = q_BxTxHxDqk.shape
+  """Writes the new latents at each row's length, then attends over the filled cache.
+
+  Flash-style: an online softmax over blocks of `key_block` cache positions, looping only
+  over the blocks filled so far, so memory is O(T·key_block) and decode cost grows with the
+  filled length, not the preallocated one. Few queries (decode) attend in the latent space
+  (k_b absorbed into q, v_b applied after); many (prefill chunks of T ≥ R) expand each key
+  block to per-head keys and values, which is cheaper then.
+  """
+  B, T, H, Dqk = q_BxTxHxDqk.shape
   ckv_BxSxR = cache["ckv"]
   S, R = ckv_BxSxR.shape[1:]
-  len_B = cache["length"]
-  pos_BxT = len_B[:, None] + jnp.arange(T)
+  pos_BxT = cache["length"][:, None] + jnp.arange(T)
   ckv_BxSxR = ckv_BxSxR.at[jnp.arange(B)[:, None], pos_BxT].set(
       ckv_BxTxR.astype(ckv_BxSxR.dtype), mode="drop")
-  filled_B = len_B + (segment_ids_BxT != 0).sum(-1)
+  filled_B = cache["length"] + (segment_ids_BxT != 0).sum(-1)
   # k_b / v_b kernels [R, H, D]: the projections applied to the identity (exact).
   eye_RxR = jnp.eye(R, dtype=ckv_BxTxR.dtype)
   w_kb_RxHxDqk, w_vb_RxHxDv = k_b(eye_RxR), v_b(eye_RxR)
-  ckv_c = ckv_BxSxR.astype(q_BxTxHxDqk.dtype)
-  q_lat_BxTxHxR = jnp.einsum("bthd,rhd->bthr", q_BxTxHxDqk, w_kb_RxHxDqk)
-  s_BxHxTxS = jnp.einsum("bthr,bsr->bhts", q_lat_BxTxHxR, ckv_c,
-                         preferred_element_type=jnp.float32) * Dqk ** -0.5
-  j_S = jnp.arange(S)
-  visible_BxTxS = (j_S <= pos_BxT[:, :, None]) & (j_S < filled_B[:, None, None])
-  p_BxHxTxS = jax.nn.softmax(jnp.where(visible_BxTxS[:, None], s_BxHxTxS, -jnp.inf), axis=-1)
-  o_lat_BxTxHxR = jnp.einsum("bhts,bsr->bthr", p_BxHxTxS.astype(ckv_c.dtype), ckv_c)
-  o_BxTxHxDv = jnp.einsum("bthr,rhd->bthd", o_lat_BxTxHxR, w_vb_RxHxDv)
-  return o_BxTxHxDv, {"ckv": ckv_BxSxR}
+  absorbed = T < R
+  q_BxTxHxDqk = q_BxTxHxDqk * jnp.asarray(Dqk ** -0.5, q_BxTxHxDqk.dtype)
+  if absorbed:
+    q_BxTxHxX = jnp.einsum("bthd,rhd->bthr", q_BxTxHxDqk, w_kb_RxHxDqk)
+    X = R
+  else:
+    q_BxTxHxX, X = q_BxTxHxDqk, w_vb_RxHxDv.shape[-1]
+  Sk = min(KEY_BLOCK, S)
+
+  def block(i, carry):
+    m_BxTxH, l_BxTxH, acc_BxTxHxX = carry
+    start = jnp.minimum(i * Sk, S - Sk)  # the last block may overlap the one before: masked
+    c_BxSkxR = jax.lax.dynamic_slice_in_dim(ckv_BxSxR, start, Sk, axis=1).astype(q_BxTxHxX.dtype)
+    j_Sk = start + jnp.arange(Sk)
+    visible_BxTxSk = ((j_Sk >= i * Sk) & (j_Sk <= pos_BxT[..., None])
+                      & (j_Sk < filled_B[:, None, None]))
+    if absorbed:
+      s_BxTxHxSk = jnp.einsum("bthr,bsr->bths", q_BxTxHxX, c_BxSkxR,
+                              preferred_element_type=jnp.float32)
+    else:
+      k_BxSkxHxD = jnp.einsum("bsr,rhd->bshd", c_BxSkxR, w_kb_RxHxDqk)
+      s_BxTxHxSk = jnp.einsum("bthd,bshd->bths", q_BxTxHxX, k_BxSkxHxD,
+                              preferred_element_type=jnp.float32)
+    s_BxTxHxSk = jnp.where(visible_BxTxSk[:, :, None], s_BxTxHxSk, -jnp.inf)
+    m_new = jnp.maximum(m_BxTxH, s_BxTxHxSk.max(-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet
+    p_BxTxHxSk = jnp.exp(s_BxTxHxSk - m_safe[..., None])
+    corr_BxTxH = jnp.exp(m_BxTxH - m_safe)
+    if absorbed:
+      pv_BxTxHxX = jnp.einsum("bths,bsr->bthr", p_BxTxHxSk, c_BxSkxR.astype(jnp.float32))
+    else:
+      v_BxSkxHxD = jnp.einsum("bsr,rhd->bshd", c_BxSkxR, w_vb_RxHxDv)
+      pv_BxTxHxX = jnp.einsum("bths,bshd->bthd", p_BxTxHxSk, v_BxSkxHxD.astype(jnp.float32))
+    return (m_new, l_BxTxH * corr_BxTxH + p_BxTxHxSk.sum(-1),
+            acc_BxTxHxX * corr_BxTxH[..., None] + pv_BxTxHxX)
+
+  init = (jnp.full((B, T, H), -jnp.inf), jnp.zeros((B, T, H)), jnp.zeros((B, T, H, X)))
+  n_blocks = (filled_B.max() + Sk - 1) // Sk
+  _, l_BxTxH, acc_BxTxHxX = jax.lax.fori_loop(0, n_blocks, block, init)
+  o_BxTxHxX = (acc_BxTxHxX / l_BxTxH[..., None]).astype(q_BxTxHxDqk.dtype)
+  if absorbed:
+    o_BxTxHxX = jnp.einsum("bthr,rhd->bthd", o_BxTxHxX, w_vb_RxHxDv)
+  return o_BxTxHxX, {"ckv": ckv_BxSxR}
