@@ -33,7 +33,7 @@ train: setup
 	$(PY) scripts/train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests  # two workers: most of the time is single-threaded XLA compiles
 
 clean:
 	rm -rf $(VENV) workdir *.egg-info
