@@ -1,0 +1,38 @@
+"""≈1B-total hybrid MoE for long-context inference benchmarks (scripts/bench_long_context.py).
+
+16 layers at d_model 1024, 3:1 KDA:MLA, 16 heads of 64; MLA latent rank 256; layer 0 a
+dense SwiGLU, then MoE with 32 experts (hidden 704) top-4 + 1 shared. Variant `:all_mla`
+replaces every mixer by MLA (the full-attention baseline).
+
+  python scripts/param_count.py --config=configs/long_context_1b.py
+  python scripts/bench_long_context.py --out=$OUT
+"""
+
+from configs import base
+
+
+def get_config(arg=None):
+  c = base.get_config()
+  m = c.model
+  m.d_model = 1024
+  m.n_layers = 16
+  m.layer_pattern = "KKKA"
+  m.n_heads = 16
+  m.kda_head_dim = 64
+  m.kda_chunk_size = 64
+  m.mla_q_lora_rank = 512
+  m.mla_kv_lora_rank = 256
+  m.mla_qk_head_dim = 64
+  m.mla_v_head_dim = 64
+  m.ffn_hidden = 2816
+  e = m.moe
+  e.num_experts = 32
+  e.top_k = 4
+  e.num_shared = 1
+  e.expert_hidden = 704
+  e.first_dense = 1
+  if arg == "all_mla":
+    m.layer_pattern = "A"
+  elif arg not in (None, ""):
+    raise ValueError(f"configs/long_context_1b.py arg must be '' or 'all_mla'; got {arg!r}")
+  return c
