@@ -6,7 +6,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from configs import base, kimi_linear_48b, tiny, trillion
+from configs import base, kimi_linear_48b, long_context_1b, tiny, trillion
 from moe_jax import config as config_lib
 from moe_jax.train.loop import train_and_evaluate
 
@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_configs_load_and_validate():
   for c in (base.get_config(), tiny.get_config(), tiny.get_config("mqar"),
-            kimi_linear_48b.get_config(), trillion.get_config()):
+            kimi_linear_48b.get_config(), trillion.get_config(),
+            long_context_1b.get_config(), long_context_1b.get_config("all_mla")):
     assert config_lib.validate(c) is c
   assert tiny.get_config("mqar").data.source == "mqar"
   with pytest.raises(ValueError, match="configs/tiny.py arg"):
