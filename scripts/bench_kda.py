@@ -8,7 +8,6 @@ the timed function (fla fuses it in its kernel). Median of --iters runs after wa
 
 import json
 import os
-import statistics
 import time
 import traceback
 
@@ -18,6 +17,7 @@ import numpy as np
 from absl import app, flags
 
 from pallas_kernels.kda import kda, kda_gate
+from scripts import timing
 
 _SHAPES = flags.DEFINE_string("shapes", "1x8192x16,4x8192x16,1x32768x16,1x65536x32,8x4096x32",
                               "Comma-separated BxTxH.")
@@ -57,16 +57,9 @@ def floors(B, T, H, C=64):
 
 
 def time_jax(fn, args, iters):
+  """(median ms, output of one call)."""
   out = fn(*args)
-  jax.block_until_ready(out)
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3, out
+  return timing.median_ms(fn, args, iters, warmup=2), out
 
 
 def jax_fns(impl):

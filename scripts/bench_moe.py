@@ -11,8 +11,6 @@ the capacity path and the router are not counted. Median of --iters runs after w
 
 import json
 import os
-import statistics
-import time
 import traceback
 
 import flax.linen as nn
@@ -23,6 +21,7 @@ from absl import app, flags
 from configs import base
 from moe_jax.model.moe import MoE
 from moe_jax.train.state import frozen_model_config
+from scripts import timing
 
 _EXPERTS = flags.DEFINE_string("experts", "64,256", "Comma-separated expert counts.")
 _PATHS = flags.DEFINE_string("paths", "dropless,capacity1.0,capacity1.25",
@@ -56,18 +55,6 @@ def router_bias(E, routing):
   if routing == "balanced":
     return jnp.zeros(E)
   return _SKEW.value * jax.random.normal(jax.random.key(7), (E,))
-
-
-def time_ms(fn, args, iters):
-  jax.block_until_ready(fn(*args))
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3
 
 
 def fns(cfg, router_vars):
@@ -106,8 +93,8 @@ def main(argv):
   w = {"gate_up": jax.random.normal(key, (_D, 2, _K * _F), jnp.bfloat16) * _D ** -0.5,
        "down": jax.random.normal(key, (_K * _F, _D), jnp.bfloat16) * (_K * _F) ** -0.5}
   f, fb = dense_fns()
-  ms_f = time_ms(f, (w, x.reshape(_N, _D)), _ITERS.value)
-  ms_fb = time_ms(fb, (w, x.reshape(_N, _D), dy.reshape(_N, _D)), _ITERS.value)
+  ms_f = timing.median_ms(f, (w, x.reshape(_N, _D)), _ITERS.value)
+  ms_fb = timing.median_ms(fb, (w, x.reshape(_N, _D), dy.reshape(_N, _D)), _ITERS.value)
   rows.append({"E": "-", "routing": "-", "path": f"dense SwiGLU (hidden {_K * _F})",
                "max_vio": 0.0, "dropped": 0.0, "fwd_ms": ms_f, "fwd_pct": pct(ms_f, flops),
                "fwd_bwd_ms": ms_fb, "fwd_bwd_pct": pct(ms_fb, 3 * flops)})
@@ -130,8 +117,8 @@ def main(argv):
           err = (float(jnp.linalg.norm((y - reference).astype(jnp.float32))
                        / jnp.linalg.norm(reference.astype(jnp.float32)))
                  if reference is not None else float("nan"))
-          ms_f = time_ms(f, (params, x), _ITERS.value)
-          ms_fb = time_ms(fb, (params, x, dy), _ITERS.value)
+          ms_f = timing.median_ms(f, (params, x), _ITERS.value)
+          ms_fb = timing.median_ms(fb, (params, x, dy), _ITERS.value)
           rows.append({"E": E, "routing": routing, "path": path,
                        "max_vio": float(stats["max_vio"]),
                        "dropped": 100 * float(stats["dropped_fraction"]),

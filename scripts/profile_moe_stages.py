@@ -8,8 +8,6 @@ experts (grouped SwiGLU on sorted rows, tokamax), combine (unsort gather, weight
 and the whole layer.
 """
 
-import statistics
-import time
 
 import flax.linen as nn
 import jax
@@ -19,21 +17,11 @@ from absl import app, flags
 from moe_jax.model import experts, router
 from moe_jax.model.moe import (MoE, combine, inverse_permutation, repeat_rows, sort_by_group,
                                take_rows)
+from scripts import timing
 from scripts.bench_moe import _D, _F, _K, _N, _PEAK_FLOPS, layer_config
 
 _EXPERTS = flags.DEFINE_integer("num_experts", 64, "Routed experts E.")
 
-
-
-def time_ms(fn, *args):
-  for _ in range(3):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(flags.FLAGS.iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e3
 
 
 def fwd_bwd(f):
@@ -81,7 +69,9 @@ def main(argv):
   print("| stage | fwd ms | fwd+bwd ms |\n|---|---|---|")
   for name, f in stages.items():
     jf, jb = fwd_bwd(f)
-    ms_f, ms_b = time_ms(jf, *args[name]), time_ms(jb, *args[name])
+    iters = flags.FLAGS.iters
+    ms_f = timing.median_ms(jf, args[name], iters)
+    ms_b = timing.median_ms(jb, args[name], iters)
     extra = ""
     if name.startswith(("experts", "whole")):
       extra = f" ({100 * flops / (ms_f * 1e-3) / _PEAK_FLOPS:.0f}% / " \
