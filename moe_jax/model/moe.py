@@ -118,10 +118,9 @@ class MoE(nn.Module):
     kernel_DxE = self.param("router_kernel",
                             lp(nn.initializers.normal(mc.router_init_scale), ("embed", None)),
                             (D, E), jnp.float32)
-    state = router.init_state(mc, E)
-    bias_E = self.variable("router", "bias", lambda: state["bias"]).value
+    bias_E = self.variable("router", "bias", lambda: router.init_state(mc, E)["bias"]).value
     if mc.balancer == "quantile_ema":
-      self.variable("router", "ema_load", lambda: state["ema_load"])
+      self.variable("router", "ema_load", lambda: router.init_state(mc, E)["ema_load"])
     logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), kernel_DxE)
     scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
     idx_NxK, w_NxK = router.select(scores_NxE, bias_E, K, mc.route_scale)
@@ -138,7 +137,7 @@ class MoE(nn.Module):
     x_NxD = x_NxD.astype(dtype)
     ep = expert_axis_size()
     if ep > 1:
-      from moe_jax.parallel import expert as expert_parallel
+      from moe_jax.parallel import expert as expert_parallel  # it imports this module
 
       y_NxD, dropped = expert_parallel.moe_ffn(
           x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
