@@ -9,7 +9,6 @@ KDA's part is constant in the context length; MLA's grows with it (R numbers per
 token per layer, not 2·H·D).
 """
 
-import jax
 import jax.numpy as jnp
 
 from moe_jax.model.layers import dtype_of
@@ -31,6 +30,3 @@ def init_cache(cfg, batch_size: int, max_len: int) -> dict:
                                                dtype_of(cfg))}
   return {"length": jnp.zeros((B,), jnp.int32), "layers": layers}
 
-
-def cache_bytes(cache) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))

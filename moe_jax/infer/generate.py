@@ -18,6 +18,7 @@ import numpy as np
 
 from moe_jax.data import tokenizer
 from moe_jax.infer import sampling
+from moe_jax.infer.cache import init_cache
 from moe_jax.model.transformer import HybridMoE
 
 
@@ -75,11 +76,12 @@ def decode(step, variables, cache, logits_BxV, key, *, max_new: int, temperature
   stops = jnp.asarray(stop_tokens, jnp.int32)
 
   def cond(carry):
-    i, _, _, done_B, _, _ = carry
+    i, _, _, done_B, _, _, _ = carry
     return (i < max_new) & ~done_B.all()
 
   def body(carry):
-    i, cache, logits_BxV, done_B, out_BxN, key = carry
+    i, cache, logits_BxV, done_B, out_BxN, n_new_B, key = carry
+    n_new_B = n_new_B + ~done_B  # counted here: a sampled PAD id is still a generated token
     key, sub = jax.random.split(key)
     tok_B = sampling.sample(logits_BxV, sub, temperature=temperature, top_k=top_k, top_p=top_p)
     tok_B = jnp.where(done_B, tokenizer.PAD, tok_B)
@@ -87,20 +89,18 @@ def decode(step, variables, cache, logits_BxV, key, *, max_new: int, temperature
     # Rows already done feed padding: their state and length stay as they are.
     logits_Bx1xV, cache = step(variables, tok_B[:, None], ~done_B[:, None], cache)
     done_B = done_B | jnp.isin(tok_B, stops)
-    return i + 1, cache, logits_Bx1xV[:, 0], done_B, out_BxN, key
+    return i + 1, cache, logits_Bx1xV[:, 0], done_B, out_BxN, n_new_B, key
 
   out_BxN = jnp.full((B, max_new), tokenizer.PAD, jnp.int32)
-  carry = (jnp.int32(0), cache, logits_BxV, jnp.zeros((B,), bool), out_BxN, key)
-  _, cache, _, _, out_BxN, _ = jax.lax.while_loop(cond, body, carry)
-  n_new_B = (out_BxN != tokenizer.PAD).sum(-1)
+  carry = (jnp.int32(0), cache, logits_BxV, jnp.zeros((B,), bool), out_BxN,
+           jnp.zeros((B,), jnp.int32), key)
+  _, cache, _, _, out_BxN, n_new_B, _ = jax.lax.while_loop(cond, body, carry)
   return out_BxN, n_new_B, cache
 
 
 def complete(model_cfg, variables, prompts: list[str], *, max_new: int, key, prefill_chunk=256,
              temperature=1.0, top_k=0, top_p=1.0, stop_tokens=(tokenizer.EOS,)) -> list[str]:
   """Text in, text out: byte-tokenize (BOS, no EOS), prefill, decode, detokenize."""
-  from moe_jax.infer.cache import init_cache
-
   sampling.validate(temperature, top_k, top_p)
   if max_new < 1:
     raise ValueError(f"max_new must be >= 1, got {max_new!r}")
