@@ -32,6 +32,7 @@ def get_config(arg=None):
   m.kda_chunk_size = 64
   m.kda_implementation = ""     # "" = best for platform; or xla | recurrent | pallas_gpu | pallas_tpu
   # Gated MLA (NoPE) mixer.
+  m.mla_implementation = ""     # "" = best for platform; or xla | gpu (Pallas flash prefill over the cache)
   m.mla_q_lora_rank = 384       # 0 = full-rank query projection
   m.mla_kv_lora_rank = 256      # the latent an inference cache stores
   m.mla_qk_head_dim = 64

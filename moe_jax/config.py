@@ -50,6 +50,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   impls = ("", "xla", "recurrent", "pallas_gpu", "pallas_tpu")
   if m.kda_implementation not in impls:
     _fail("model.kda_implementation", m.kda_implementation, f"one of {impls}")
+  if m.mla_implementation not in ("", "xla", "gpu"):
+    _fail("model.mla_implementation", m.mla_implementation, "one of ('', 'xla', 'gpu')")
 
   _validate_moe(c)
 

@@ -8,6 +8,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -52,6 +53,7 @@ def test_decode_reproduces_full_forward(hybrid, key_block, monkeypatch):
   """Prefill prompts of 13/5/9 tokens in chunks of 4, then feed the true tokens one by one.
   key_block 8: MLA's online softmax runs over several cache blocks (the last one partial)."""
   monkeypatch.setattr(mla, "KEY_BLOCK", key_block)
+  monkeypatch.setattr(mla, "SCORE_BUDGET", 0)  # decode blocks of key_block too
   model, variables, tokens, full = hybrid
   step = make_step(model)
   prompt = np.array([13, 5, 9])
@@ -70,11 +72,18 @@ def test_decode_reproduces_full_forward(hybrid, key_block, monkeypatch):
   np.testing.assert_array_equal(cache["length"], _LENGTHS)
 
 
-def test_chunked_prefill_equals_one_shot(hybrid, monkeypatch):
+@pytest.mark.parametrize("impl", ["xla", "gpu"])
+def test_chunked_prefill_equals_one_shot(hybrid, monkeypatch, impl):
   """Chunks of 7 (< kv_lora_rank: latent-space attention) vs one chunk of 40 (≥ rank: keys
-  and values expanded per block), over 5 key blocks of 10 in a 48-slot cache."""
+  and values expanded, over 5 key blocks of 10 in a 48-slot cache with XLA, or by the
+  Pallas kernel in interpret mode with expansion blocks of 16)."""
   monkeypatch.setattr(mla, "KEY_BLOCK", 10)
+  monkeypatch.setattr(mla, "SCORE_BUDGET", 0)
+  monkeypatch.setattr(mla, "EXPAND_BLOCK", 16)
   model, variables, tokens, _ = hybrid
+  cfg = ml_collections.ConfigDict(model.cfg.to_dict())
+  cfg.mla_implementation = impl
+  model = model.clone(cfg=ml_collections.FrozenConfigDict(cfg))
   step = make_step(model)
   outs = [prefill(step, variables, init_cache(model.cfg, 3, 48), tokens, _LENGTHS, chunk=chunk)
           for chunk in (7, _T)]

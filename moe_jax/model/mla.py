@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model.layers import dense, out_scale, rms_norm
+from pallas_kernels.attention.cached_attention import cached_attention
 
 
 class MLAMixer(nn.Module):
@@ -48,7 +49,7 @@ class MLAMixer(nn.Module):
       new_cache = None
     else:
       o_BxTxHxDv, new_cache = _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT,
-                                                   cache, k_b, v_b)
+                                                   cache, k_b, v_b, mla_implementation(cfg))
 
     gate_BxTxHxDv = dense(cfg, (H, Dv), ("embed", "heads", "kv"), "gate", use_bias=True)(x_BxTxD)
     o_BxTxHxDv = o_BxTxHxDv * nn.sigmoid(gate_BxTxHxDv)
@@ -57,68 +58,106 @@ class MLAMixer(nn.Module):
     return out_BxTxD if cache is None else (out_BxTxD, new_cache)
 
 
-KEY_BLOCK = 1024  # cache positions per step of the online softmax
+def mla_implementation(cfg) -> str:
+  """"gpu" (Pallas flash kernel for prefill over the cache) or "xla"; "" picks by platform."""
+  return cfg.mla_implementation or ("gpu" if jax.default_backend() == "gpu" else "xla")
 
 
-def _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT, cache, k_b, v_b):
+KEY_BLOCK = 1024          # cache positions per step of the XLA online softmax (prefill)
+SCORE_BUDGET = 1 << 24    # fp32 scores per step in latent-space (decode) attention...
+MAX_KEY_BLOCK = 1 << 16   # ...up to this many positions: decode cost follows the filled length
+EXPAND_BLOCK = 1 << 16    # cache positions expanded to K/V per step for the Pallas kernel
+
+
+def _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT, cache, k_b, v_b, impl):
   """Writes the new latents at each row's length, then attends over the filled cache.
 
-  Flash-style: an online softmax over blocks of `key_block` cache positions, looping only
-  over the blocks filled so far, so memory is O(T·key_block) and decode cost grows with the
-  filled length, not the preallocated one. Few queries (decode) attend in the latent space
-  (k_b absorbed into q, v_b applied after); many (prefill chunks of T ≥ R) expand each key
-  block to per-head keys and values, which is cheaper then.
+  Few queries (decode, T < R) attend in the latent space: k_b is absorbed into q and v_b
+  applied after, an online softmax over blocks of the filled cache. Many queries (prefill
+  chunks, T ≥ R) expand the filled latents to per-head K/V, which is cheaper then, and run
+  the Pallas flash kernel (impl "gpu") or the same block loop in XLA.
   """
   B, T, H, Dqk = q_BxTxHxDqk.shape
   ckv_BxSxR = cache["ckv"]
   S, R = ckv_BxSxR.shape[1:]
-  pos_BxT = cache["length"][:, None] + jnp.arange(T)
+  length_B = cache["length"]
+  pos_BxT = length_B[:, None] + jnp.arange(T)
   ckv_BxSxR = ckv_BxSxR.at[jnp.arange(B)[:, None], pos_BxT].set(
       ckv_BxTxR.astype(ckv_BxSxR.dtype), mode="drop")
-  filled_B = cache["length"] + (segment_ids_BxT != 0).sum(-1)
+  filled_B = length_B + (segment_ids_BxT != 0).sum(-1)
   # k_b / v_b kernels [R, H, D]: the projections applied to the identity (exact).
   eye_RxR = jnp.eye(R, dtype=ckv_BxTxR.dtype)
   w_kb_RxHxDqk, w_vb_RxHxDv = k_b(eye_RxR), v_b(eye_RxR)
-  absorbed = T < R
   q_BxTxHxDqk = q_BxTxHxDqk * jnp.asarray(Dqk ** -0.5, q_BxTxHxDqk.dtype)
-  if absorbed:
-    q_BxTxHxX = jnp.einsum("bthd,rhd->bthr", q_BxTxHxDqk, w_kb_RxHxDqk)
-    X = R
+  if T < R:
+    q_BxTxHxR = jnp.einsum("bthd,rhd->bthr", q_BxTxHxDqk, w_kb_RxHxDqk)
+    key_block = min(S, max(KEY_BLOCK, min(MAX_KEY_BLOCK, SCORE_BUDGET // (B * T * H))))
+    o_BxTxHxR = _online_softmax(q_BxTxHxR, ckv_BxSxR, lambda c: c, lambda c: c, pos_BxT,
+                                filled_B, key_block)
+    o_BxTxHxDv = jnp.einsum("bthr,rhd->bthd", o_BxTxHxR, w_vb_RxHxDv)
+  elif impl == "gpu":
+    k_BxSxHxD, v_BxSxHxDv = _expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, filled_B)
+    o_BxTxHxDv = cached_attention(q_BxTxHxDqk, k_BxSxHxD, v_BxSxHxDv, length_B, filled_B,
+                                  scale=1.0)
   else:
-    q_BxTxHxX, X = q_BxTxHxDqk, w_vb_RxHxDv.shape[-1]
-  Sk = min(KEY_BLOCK, S)
+    o_BxTxHxDv = _online_softmax(
+        q_BxTxHxDqk, ckv_BxSxR, lambda c: jnp.einsum("bsr,rhd->bshd", c, w_kb_RxHxDqk),
+        lambda c: jnp.einsum("bsr,rhd->bshd", c, w_vb_RxHxDv), pos_BxT, filled_B,
+        min(KEY_BLOCK, S))
+  return o_BxTxHxDv, {"ckv": ckv_BxSxR}
+
+
+def _expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, filled_B):
+  """Per-head K/V [B, S, H, D] from the latents; only the blocks up to the longest filled
+  row are computed (the rest stays zero and is never read)."""
+  B, S, _ = ckv_BxSxR.shape
+  H, Dqk, Dv = w_kb_RxHxDqk.shape[1], w_kb_RxHxDqk.shape[2], w_vb_RxHxDv.shape[2]
+  Se = min(EXPAND_BLOCK, S)
+
+  def block(i, kv):
+    start = jnp.minimum(i * Se, S - Se)
+    c_BxSexR = jax.lax.dynamic_slice_in_dim(ckv_BxSxR, start, Se, axis=1)
+    k = jnp.einsum("bsr,rhd->bshd", c_BxSexR, w_kb_RxHxDqk).astype(kv[0].dtype)
+    v = jnp.einsum("bsr,rhd->bshd", c_BxSexR, w_vb_RxHxDv).astype(kv[1].dtype)
+    return (jax.lax.dynamic_update_slice_in_dim(kv[0], k, start, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(kv[1], v, start, axis=1))
+
+  dtype = jnp.result_type(ckv_BxSxR.dtype, w_kb_RxHxDqk.dtype)
+  kv = (jnp.zeros((B, S, H, Dqk), dtype), jnp.zeros((B, S, H, Dv), dtype))
+  return jax.lax.fori_loop(0, (filled_B.max() + Se - 1) // Se, block, kv)
+
+
+def _online_softmax(q_BxTxHxX, ckv_BxSxR, keys, values, pos_BxT, filled_B, Sk):
+  """Flash-style attention over the filled cache in blocks of Sk positions, in XLA: memory
+  O(T·Sk), and only blocks below the longest filled row are visited. keys/values map a
+  latent block [B, Sk, R] to what q contracts with ([B, Sk, R] or [B, Sk, H, D])."""
+  B, T, H, _ = q_BxTxHxX.shape
+  S = ckv_BxSxR.shape[1]
 
   def block(i, carry):
-    m_BxTxH, l_BxTxH, acc_BxTxHxX = carry
+    m_BxTxH, l_BxTxH, acc_BxTxHxY = carry
     start = jnp.minimum(i * Sk, S - Sk)  # the last block may overlap the one before: masked
     c_BxSkxR = jax.lax.dynamic_slice_in_dim(ckv_BxSxR, start, Sk, axis=1).astype(q_BxTxHxX.dtype)
     j_Sk = start + jnp.arange(Sk)
     visible_BxTxSk = ((j_Sk >= i * Sk) & (j_Sk <= pos_BxT[..., None])
                       & (j_Sk < filled_B[:, None, None]))
-    if absorbed:
-      s_BxTxHxSk = jnp.einsum("bthr,bsr->bths", q_BxTxHxX, c_BxSkxR,
-                              preferred_element_type=jnp.float32)
-    else:
-      k_BxSkxHxD = jnp.einsum("bsr,rhd->bshd", c_BxSkxR, w_kb_RxHxDqk)
-      s_BxTxHxSk = jnp.einsum("bthd,bshd->bths", q_BxTxHxX, k_BxSkxHxD,
-                              preferred_element_type=jnp.float32)
+    k_Bx = keys(c_BxSkxR)
+    spec = "bthx,bsx->bths" if k_Bx.ndim == 3 else "bthx,bshx->bths"
+    s_BxTxHxSk = jnp.einsum(spec, q_BxTxHxX, k_Bx, preferred_element_type=jnp.float32)
     s_BxTxHxSk = jnp.where(visible_BxTxSk[:, :, None], s_BxTxHxSk, -jnp.inf)
     m_new = jnp.maximum(m_BxTxH, s_BxTxHxSk.max(-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows with nothing visible yet
     p_BxTxHxSk = jnp.exp(s_BxTxHxSk - m_safe[..., None])
     corr_BxTxH = jnp.exp(m_BxTxH - m_safe)
-    if absorbed:
-      pv_BxTxHxX = jnp.einsum("bths,bsr->bthr", p_BxTxHxSk, c_BxSkxR.astype(jnp.float32))
-    else:
-      v_BxSkxHxD = jnp.einsum("bsr,rhd->bshd", c_BxSkxR, w_vb_RxHxDv)
-      pv_BxTxHxX = jnp.einsum("bths,bshd->bthd", p_BxTxHxSk, v_BxSkxHxD.astype(jnp.float32))
+    v_Bx = values(c_BxSkxR)
+    spec = "bths,bsy->bthy" if v_Bx.ndim == 3 else "bths,bshy->bthy"
+    pv_BxTxHxY = jnp.einsum(spec, p_BxTxHxSk.astype(v_Bx.dtype), v_Bx,
+                            preferred_element_type=jnp.float32)
     return (m_new, l_BxTxH * corr_BxTxH + p_BxTxHxSk.sum(-1),
-            acc_BxTxHxX * corr_BxTxH[..., None] + pv_BxTxHxX)
+            acc_BxTxHxY * corr_BxTxH[..., None] + pv_BxTxHxY)
 
-  init = (jnp.full((B, T, H), -jnp.inf), jnp.zeros((B, T, H)), jnp.zeros((B, T, H, X)))
+  Y = values(ckv_BxSxR[:, :1]).shape[-1]
+  init = (jnp.full((B, T, H), -jnp.inf), jnp.zeros((B, T, H)), jnp.zeros((B, T, H, Y)))
   n_blocks = (filled_B.max() + Sk - 1) // Sk
-  _, l_BxTxH, acc_BxTxHxX = jax.lax.fori_loop(0, n_blocks, block, init)
-  o_BxTxHxX = (acc_BxTxHxX / l_BxTxH[..., None]).astype(q_BxTxHxDqk.dtype)
-  if absorbed:
-    o_BxTxHxX = jnp.einsum("bthr,rhd->bthd", o_BxTxHxX, w_vb_RxHxDv)
-  return o_BxTxHxX, {"ckv": ckv_BxSxR}
+  _, l_BxTxH, acc_BxTxHxY = jax.lax.fori_loop(0, n_blocks, block, init)
+  return (acc_BxTxHxY / jnp.where(l_BxTxH == 0, 1.0, l_BxTxH)[..., None]).astype(q_BxTxHxX.dtype)

@@ -3,7 +3,9 @@
 Two single-device dispatch paths (model.moe.dispatch):
 
 * dropless: the N·k (token, expert) assignments are sorted by expert, run
-  through a grouped matmul, unsorted and summed with the combine weights.
+  through a grouped matmul, unsorted and summed with the combine weights. With
+  N·k ≤ E (decoding a few tokens) each assignment's expert weights are gathered
+  instead: one small einsum, no sort and no grouped-matmul kernel.
 * capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
   assignments (earlier tokens first); they are laid out [E, C, D] for batched
   dense matmuls. Assignments over capacity are dropped (counted in the stats):
@@ -77,6 +79,16 @@ def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=
   return combine(take_rows(y_AxD, inverse_permutation(order_A)), w_NxK, x_NxD.dtype)
 
 
+def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
+  """Dropless for a handful of tokens (decode): each assignment's expert weights are gathered
+  and applied directly, no sort and no grouped-matmul launch. Reads N·k experts' weights."""
+  gate_up_NxKxDx2xF, down_NxKxFxD = gate_up_ExDx2xF[idx_NxK], down_ExFxD[idx_NxK]
+  h_NxKx2xF = jnp.einsum("nd,nkdgf->nkgf", x_NxD, gate_up_NxKxDx2xF)
+  a_NxKxF = jax.nn.silu(h_NxKx2xF[:, :, 0]) * h_NxKx2xF[:, :, 1]
+  y_NxKxD = jnp.einsum("nkf,nkfd->nkd", a_NxKxF, down_NxKxFxD)
+  return combine(y_NxKxD.reshape(-1, y_NxKxD.shape[-1]), w_NxK, x_NxD.dtype)
+
+
 def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C: int):
   """Returns (y [N, D], number of dropped assignments)."""
   N, K = idx_NxK.shape
@@ -143,6 +155,9 @@ class MoE(nn.Module):
           x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
           capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
           implementation=mc.grouped_matmul)
+    elif mc.dispatch == "dropless" and B * T * K <= E:  # decode: fewer assignments than experts
+      y_NxD = gathered(x_NxD, idx_NxK, w_NxK, gate_up, down)
+      dropped = 0
     elif mc.dispatch == "dropless":
       y_NxD = dropless(x_NxD, idx_NxK, w_NxK, gate_up, down, mc.grouped_matmul)
       dropped = 0

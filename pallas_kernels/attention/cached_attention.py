@@ -1,0 +1,125 @@
+"""Flash attention of a chunk of queries over a key/value cache, forward only (Pallas;
+Triton lowering on GPU, `interpret=True` on CPU).
+
+The prefill step of long-context inference: the T new queries of row b sit at absolute
+positions q_start[b] + t and see the cache positions j ≤ q_start[b] + t with j < kv_len[b]
+(causal with an offset, plus the filled length). Keys past what any query of a block can
+see are never loaded, so a chunk's cost grows with the filled length, not with the
+preallocated cache. Nothing is differentiated here: inference only.
+
+  grid (B, H, T/BLOCK_Q): one block of queries, an online softmax over key blocks
+  [0, n_full) without a mask (every query of the block sees them all), then the masked
+  tail up to the block's last visible key.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+
+# Launch knobs for head dims ≤ 128 (H200).
+BLOCK_Q = 128
+BLOCK_K = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k):
+  BQ, BK = q_ref.shape[0], block_k
+  S = k_ref.shape[0]
+  q_start, kv_len = q_start_ref[0], kv_len_ref[0]
+  first_q = q_start + pl.program_id(2) * BQ
+  pos_Q = first_q + jax.lax.broadcasted_iota(jnp.int32, (BQ,), 0)
+  q_QxD = (q_ref[...].astype(F32) * scale).astype(k_ref.dtype)
+  # Blocks below n_full are visible to every query of the block; the rest up to n_all
+  # are partly visible.
+  n_full = jnp.maximum(jnp.minimum(first_q + 1, kv_len), 0) // BK
+  n_all = (jnp.maximum(jnp.minimum(first_q + BQ, kv_len), 0) + BK - 1) // BK
+
+  def body(masked, j, carry):
+    m_Q, l_Q, acc_QxDv = carry
+    # The last block may run past S: it then starts at S - BK, overlapping the one
+    # before, whose keys are masked out here.
+    start = jnp.minimum(j * BK, S - BK)
+    ks = pl.ds(start, BK)
+    k_KxD, v_KxDv = k_ref[ks, :], v_ref[ks, :]
+    s_QxK = jax.lax.dot_general(q_QxD, k_KxD, (((1,), (1,)), ((), ())),
+                                preferred_element_type=F32)
+    if masked:
+      j_K = start + jax.lax.broadcasted_iota(jnp.int32, (BK,), 0)
+      visible_QxK = ((j_K[None, :] >= j * BK) & (j_K[None, :] <= pos_Q[:, None])
+                     & (j_K[None, :] < kv_len))
+      s_QxK = jnp.where(visible_QxK, s_QxK, -jnp.inf)
+    m_new = jnp.maximum(m_Q, s_QxK.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # rows that see nothing yet
+    p_QxK = jnp.exp(s_QxK - m_safe[:, None])
+    corr_Q = jnp.exp(m_Q - m_safe)
+    acc_QxDv = acc_QxDv * corr_Q[:, None] + jnp.dot(
+        p_QxK.astype(v_KxDv.dtype), v_KxDv, preferred_element_type=F32)
+    return m_new, l_Q * corr_Q + p_QxK.sum(axis=1), acc_QxDv
+
+  Dv = v_ref.shape[-1]
+  carry = (jnp.full((BQ,), -jnp.inf, F32), jnp.zeros((BQ,), F32), jnp.zeros((BQ, Dv), F32))
+  carry = jax.lax.fori_loop(0, n_full, functools.partial(body, False), carry)
+  _, l_Q, acc_QxDv = jax.lax.fori_loop(n_full, n_all, functools.partial(body, True), carry)
+  o_ref[...] = (acc_QxDv / jnp.where(l_Q == 0.0, 1.0, l_Q)[:, None]).astype(o_ref.dtype)
+
+
+def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, scale=None,
+                     interpret=None):
+  """softmax(q·kᵀ·scale) v over the visible cache positions; [B, T, H, Dv] in q's dtype.
+
+  Query t of row b is at position q_start_B[b] + t and sees keys j ≤ that position with
+  j < kv_len_B[b]. A query that sees no key gets zeros.
+  """
+  B, T, H, D = q_BxTxHxD.shape
+  S, Dv = k_BxSxHxD.shape[1], v_BxSxHxDv.shape[-1]
+  if k_BxSxHxD.shape != (B, S, H, D) or v_BxSxHxDv.shape != (B, S, H, Dv):
+    raise ValueError(f"cached_attention: k {k_BxSxHxD.shape} and v {v_BxSxHxDv.shape} must be "
+                     f"[B={B}, S, H={H}, D] with q {q_BxTxHxD.shape}")
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  scale = D ** -0.5 if scale is None else scale
+  BQ = min(BLOCK_Q, pl.next_power_of_2(T))
+  Tp = pl.cdiv(T, BQ) * BQ
+  q_BxTxHxD = jnp.pad(q_BxTxHxD, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  if S < BLOCK_K:  # a block must fit in the cache; padded keys are past kv_len
+    pad = ((0, 0), (0, BLOCK_K - S), (0, 0), (0, 0))
+    k_BxSxHxD, v_BxSxHxDv, S = jnp.pad(k_BxSxHxD, pad), jnp.pad(v_BxSxHxDv, pad), BLOCK_K
+  row = pl.BlockSpec((1,), lambda b, h, i: (b,))
+  params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS,
+                                                          num_stages=NUM_STAGES)
+  o_BxTxHxDv = pl.pallas_call(
+      functools.partial(_kernel, scale=scale, block_k=BLOCK_K),
+      grid=(B, H, Tp // BQ),
+      in_specs=[row, row,
+                pl.BlockSpec((None, BQ, None, D), lambda b, h, i: (b, i, h, 0)),
+                pl.BlockSpec((None, S, None, D), lambda b, h, i: (b, 0, h, 0)),
+                pl.BlockSpec((None, S, None, Dv), lambda b, h, i: (b, 0, h, 0))],
+      out_specs=pl.BlockSpec((None, BQ, None, Dv), lambda b, h, i: (b, i, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dv), q_BxTxHxD.dtype),
+      interpret=interpret, name="cached_attention", compiler_params=params,
+  )(q_start_B.astype(jnp.int32), kv_len_B.astype(jnp.int32), q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv)
+  return o_BxTxHxDv[:, :T]
+
+
+def cached_attention_reference(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *,
+                               scale=None):
+  """The same in plain JAX, materialising all scores (tests only)."""
+  T, S, D = q_BxTxHxD.shape[1], k_BxSxHxD.shape[1], q_BxTxHxD.shape[-1]
+  scale = D ** -0.5 if scale is None else scale
+  s_BxHxTxS = jnp.einsum("bthd,bshd->bhts", q_BxTxHxD.astype(F32), k_BxSxHxD.astype(F32)) * scale
+  pos_BxT = q_start_B[:, None] + jnp.arange(T)
+  j_S = jnp.arange(S)
+  visible_BxTxS = (j_S <= pos_BxT[..., None]) & (j_S < kv_len_B[:, None, None])
+  s_BxHxTxS = jnp.where(visible_BxTxS[:, None], s_BxHxTxS, -jnp.inf)
+  p_BxHxTxS = jnp.exp(s_BxHxTxS - jnp.max(s_BxHxTxS, -1, keepdims=True))
+  p_BxHxTxS = jnp.where(visible_BxTxS[:, None], p_BxHxTxS, 0.0)
+  l_BxHxT = p_BxHxTxS.sum(-1, keepdims=True)
+  p_BxHxTxS = p_BxHxTxS / jnp.where(l_BxHxT == 0, 1.0, l_BxHxT)
+  o = jnp.einsum("bhts,bshd->bthd", p_BxHxTxS, v_BxSxHxDv.astype(F32))
+  return o.astype(q_BxTxHxD.dtype)
