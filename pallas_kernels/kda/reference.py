@@ -73,6 +73,9 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
     return S, jnp.einsum("bhkv,bhk->bhv", S, q_BxHxK) * scale
 
   xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, reset_BxT))
+  if T == 1:  # decode: no loop (a while loop costs a host round trip per step on GPU)
+    S_BxHxKxV, o_BxHxV = step(S_BxHxKxV, tuple(x[0] for x in xs))
+    return o_BxHxV[:, None], S_BxHxKxV
   S_BxHxKxV, o_TxBxHxV = jax.lax.scan(step, S_BxHxKxV, xs)
   return jnp.moveaxis(o_TxBxHxV, 0, 1), S_BxHxKxV
 

@@ -1,0 +1,104 @@
+"""Where decode time goes: one jitted decode step (T = 1, batch 1) for models of only KDA
+or only MLA layers, and the KDA op alone, on the long_context_1b shapes.
+
+  python scripts/profile_decode.py [--layers=4] [--filled=8192]
+"""
+
+import glob
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from configs import long_context_1b
+from moe_jax.infer.cache import init_cache
+from moe_jax.infer.generate import inference_model, make_step
+from moe_jax.train.state import frozen_model_config
+from pallas_kernels.kda import kda
+from scripts.timing import median_ms
+
+_LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
+_FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")
+_TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only step with the JAX "
+                             "profiler here and write xprof's per-op table (hlo_stats.json).")
+
+
+def step_ms(pattern, moe=True, trace=False, **model):
+  c = long_context_1b.get_config()
+  c.model.update({"dtype": "bfloat16", "n_layers": _LAYERS.value, "layer_pattern": pattern,
+                  **model})
+  if not moe:
+    c.model.moe.num_experts = 0
+  m = inference_model(frozen_model_config(c))
+  variables = nn.meta.unbox(jax.jit(m.init)(jax.random.key(0), {
+      "tokens": jnp.zeros((1, 64), jnp.int32), "segment_ids": jnp.ones((1, 64), jnp.int32)}))
+  variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
+  cache = init_cache(m.cfg, 1, 4 * _FILLED.value)
+  cache["length"] = jnp.full((1,), _FILLED.value, jnp.int32)
+  step = jax.jit(make_step(m))
+  tok, live = np.zeros((1, 1), np.int32), np.ones((1, 1), bool)
+  ms = median_ms(lambda: step(variables, tok, live, cache), (), 50)
+  if trace:
+    with jax.profiler.trace(_TRACE.value):
+      for _ in range(5):
+        jax.block_until_ready(step(variables, tok, live, cache))
+    with open(os.path.join(_TRACE.value, "decode_step.hlo.txt"), "w") as f:
+      f.write(step.lower(variables, tok, live, cache).compile().as_text())
+  return ms
+
+
+def write_xprof_tables(trace_dir):
+  """xprof's hlo_stats / kernel_stats of the trace (best effort: xprof is optional)."""
+  from xprof.convert import raw_to_tool_data
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  for tool in ("hlo_stats", "kernel_stats"):
+    data, _ = raw_to_tool_data.xspace_to_tool_data(paths, tool, {})
+    with open(os.path.join(trace_dir, f"{tool}.json"), "w" if isinstance(data, str) else "wb") as f:
+      f.write(data)
+  table = json.loads(open(os.path.join(trace_dir, "hlo_stats.json")).read())
+  cols = [c["id"] for c in table["cols"]]
+  rows = [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
+  rows.sort(key=lambda r: -(r.get("total_self_time") or 0))
+  print("\n| HLO op (KDA-only step, 5 steps) | category | n | self µs | framework op |")
+  print("|---|---|---|---|---|")
+  for r in rows[:25]:
+    print(f"| {r['hlo_op_name']} | {r['category']} | {r['occurrences']} | "
+          f"{r['total_self_time']:.0f} | {str(r['tf_op_name'])[-70:]} |")
+
+
+def kda_ms(impl, T=1):
+  B, H, K = 1, 16, 64
+  ks = jax.random.split(jax.random.key(0), 5)
+  q = jax.random.normal(ks[0], (B, T, H, K), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (B, T, H, K), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (B, T, H, K), jnp.bfloat16)
+  g = -jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, K)))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+  S0 = jnp.zeros((B, H, K, K))
+  f = jax.jit(lambda *a: kda(*a, initial_state=S0, output_final_state=True, lower_bound=-5.0,
+                             implementation=impl))
+  return median_ms(f, (q, k, v, g, beta), 50)
+
+
+def main(argv):
+  del argv
+  rows = [("KDA op alone, recurrent, T=1", kda_ms("recurrent")),
+          ("KDA op alone, xla chunked, T=1", kda_ms("xla")),
+          (f"{_LAYERS.value} KDA layers, MoE", step_ms("K", trace=bool(_TRACE.value))),
+          (f"{_LAYERS.value} MLA layers, MoE", step_ms("A")),
+          (f"{_LAYERS.value} KDA layers, dense FFN", step_ms("K", moe=False)),
+          (f"{_LAYERS.value} MLA layers, dense FFN", step_ms("A", moe=False))]
+  print(f"\n{jax.devices()[0]}; decode step at filled {_FILLED.value}, batch 1, bf16")
+  print("| probe | ms |\n|---|---|")
+  for name, ms in rows:
+    print(f"| {name} | {ms:.3f} |")
+  if _TRACE.value:
+    write_xprof_tables(_TRACE.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
