@@ -33,19 +33,20 @@ import json, sys
 from tests.conftest import make_small_config
 from moe_jax.train.loop import train_and_evaluate
 c = make_small_config()
-c.schedule.total_steps = 4
+c.schedule.total_steps = 5
 c.checkpoint.every_steps = 100
-c.mesh.data, c.mesh.fsdp, c.mesh.expert = (int(a) for a in sys.argv[1:4])
-out = train_and_evaluate(c, sys.argv[4], progress=False)
+c.mesh.data, c.mesh.fsdp, c.mesh.expert, c.mesh.sequence = (int(a) for a in sys.argv[1:5])
+out = train_and_evaluate(c, sys.argv[5], progress=False)
 print("LOSSES", json.dumps([l for _, l in out["history"]]))
 """
 
 
-def _losses(tmp_path, data, fsdp, devices, expert=1):
+def _losses(tmp_path, data, fsdp, devices, expert=1, sequence=1):
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
          "PYTHONPATH": ROOT}
   proc = subprocess.run([sys.executable, "-c", _RUN, str(data), str(fsdp), str(expert),
-                         str(tmp_path / f"{data}x{fsdp}x{expert}")], env=env,
+                         str(sequence), str(tmp_path / f"{data}x{fsdp}x{expert}x{sequence}")],
+                        env=env,
                         capture_output=True, text=True, cwd=ROOT, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("LOSSES")][0]
@@ -53,11 +54,13 @@ def _losses(tmp_path, data, fsdp, devices, expert=1):
 
 
 def test_sharded_training_equals_one_device(tmp_path):
-  """data=2 × fsdp=2, and data=2 × expert=2 (experts sharded, tokens moved by all-to-all),
-  on 4 fake CPU devices: the same 4 losses as one device (the small config has an MoE layer)."""
+  """data=2 × fsdp=2, data=2 × expert=2 (experts sharded, tokens moved by all-to-all), and
+  data=2 × sequence=4 on 8 (time sharded: ring attention for MLA, state passing for KDA),
+  on fake CPU devices: the same 5 losses as one device (the small config has an MoE layer)."""
   one = _losses(tmp_path, 1, 1, 1)
-  assert len(one) == 4
-  for data, fsdp, expert in ((2, 2, 1), (2, 1, 2)):
-    sharded = _losses(tmp_path, data, fsdp, 4, expert)
+  assert len(one) == 5
+  for data, fsdp, expert, sequence in ((2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 4)):
+    sharded = _losses(tmp_path, data, fsdp, data * fsdp * expert * sequence, expert, sequence)
+    assert len(sharded) == 5
     for a, b in zip(one, sharded):
-      assert abs(a - b) <= 1e-4 * abs(b), (data, fsdp, expert, one, sharded)
+      assert abs(a - b) <= 1e-4 * abs(b), (data, fsdp, expert, sequence, one, sharded)

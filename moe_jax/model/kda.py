@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model.layers import ShortConv, dense, l2_normalize, lp, out_scale, rms_norm
+from moe_jax.parallel.kda_sequence import kda_sequence_parallel
+from moe_jax.parallel.mesh import axis_size
 from pallas_kernels.kda import kda, kda_gate
 
 
@@ -58,11 +60,17 @@ class KDAMixer(nn.Module):
     impl = cfg.kda_implementation or None
     if cache is not None and T == 1:
       impl = "recurrent"  # decode: one state update per token
-    o_BxTxHxV, state = kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH,
-                           segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
-                           lower_bound=cfg.kda_lower_bound, implementation=impl,
-                           initial_state=None if cache is None else cache["state"],
-                           output_final_state=cache is not None)
+    if cache is None and axis_size("sequence") > 1:  # time sharded: pass states between shards
+      o_BxTxHxV, _ = kda_sequence_parallel(
+          q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, segment_ids_BxT,
+          chunk_size=cfg.kda_chunk_size, lower_bound=cfg.kda_lower_bound, implementation=impl)
+      state = None
+    else:
+      o_BxTxHxV, state = kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH,
+                             segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
+                             lower_bound=cfg.kda_lower_bound, implementation=impl,
+                             initial_state=None if cache is None else cache["state"],
+                             output_final_state=cache is not None)
 
     # Gated RMSNorm per head: norm(o) * sigmoid(low-rank gate(x)).
     gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model.layers import dense, out_scale, rms_norm
+from moe_jax.parallel.mesh import axis_size
+from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention.cached_attention import cached_attention
 
 
@@ -42,10 +44,13 @@ class MLAMixer(nn.Module):
 
     if cache is None:
       k_BxTxHxDqk, v_BxTxHxDv = k_b(ckv_BxTxR), v_b(ckv_BxTxR)
-      # Attend only within a segment; padding (id 0) attends to padding: no row is empty.
-      same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-      o_BxTxHxDv = jax.nn.dot_product_attention(
-          q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, mask=same_BxTxT[:, None], is_causal=True)
+      if axis_size("sequence") > 1:  # time sharded: K/V blocks go round the ring
+        o_BxTxHxDv = ring_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
+      else:
+        # Attend only within a segment; padding (id 0) attends to padding: no row is empty.
+        same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+        o_BxTxHxDv = jax.nn.dot_product_attention(
+            q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, mask=same_BxTxT[:, None], is_causal=True)
       new_cache = None
     else:
       o_BxTxHxDv, new_cache = _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT,

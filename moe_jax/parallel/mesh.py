@@ -47,3 +47,11 @@ def make_mesh(mesh_cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else devices
   sizes = axis_sizes(mesh_cfg, len(devices))
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def axis_size(name: str) -> int:
+  """Size of mesh axis `name` in the mesh set with jax.set_mesh (1 when none is set)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or name not in mesh.axis_names:
+    return 1
+  return mesh.shape[name]
