@@ -2,7 +2,6 @@
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.model.mla import MLAMixer
