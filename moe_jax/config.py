@@ -50,6 +50,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   impls = ("", "xla", "recurrent", "pallas_gpu", "pallas_tpu")
   if m.kda_implementation not in impls:
     _fail("model.kda_implementation", m.kda_implementation, f"one of {impls}")
+  if m.attn_res not in ("none", "block", "full", "mix"):
+    _fail("model.attn_res", m.attn_res, "one of ('none', 'block', 'full', 'mix')")
+  if not isinstance(m.attn_res_block_size, int) or m.attn_res_block_size < 1:
+    _fail("model.attn_res_block_size", m.attn_res_block_size, "a positive integer")
+  if not 0.1 <= m.attn_res_mix_coef <= 0.3:
+    _fail("model.attn_res_mix_coef", m.attn_res_mix_coef, "in [0.1, 0.3]")
   if m.mla_implementation not in ("", "xla", "gpu"):
     _fail("model.mla_implementation", m.mla_implementation, "one of ('', 'xla', 'gpu')")
 

@@ -15,7 +15,9 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
+from moe_jax.parallel import ring_attention as ra
 from moe_jax.parallel.ring_attention import ring_attention
+ra.SUB = 16  # shards of 64/32/16 positions run as 4/2/1 sub-blocks (causal skips inside)
 from pallas_kernels.kda import kda
 
 rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))

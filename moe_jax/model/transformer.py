@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax.numpy as jnp
 
+from moe_jax.model import attn_res
 from moe_jax.model.kda import KDAMixer
 from moe_jax.model.layers import SwiGLU, dtype_of, lp, rms_norm
 from moe_jax.model.mla import MLAMixer
@@ -35,27 +36,29 @@ class DenseFFN(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block: x + mixer(norm(x)), then + ffn(norm(·)).
+  """Pre-norm block: the mixer, then the FFN, each reading its input from the residual
+  state and writing its output back (model/attn_res.py: a plain residual stream, or
+  attention over depth).
 
-  Returns (x, routing stats), and the mixer's new cache as a third item when given one.
+  Returns (state, routing stats), and the mixer's new cache as a third item when given one.
   """
   cfg: object
   layer: int
 
   @nn.compact
-  def __call__(self, x_BxTxD, segment_ids_BxT, cache=None):
+  def __call__(self, res, segment_ids_BxT, cache=None):
     cfg = self.cfg
     mixer = MIXERS[mixer_kind(cfg, self.layer)](cfg, name="mixer")
-    h_BxTxD = rms_norm(cfg, "mixer_norm")(x_BxTxD)
+    h_BxTxD = rms_norm(cfg, "mixer_norm")(attn_res.read(cfg, res, "mixer_res"))
     if cache is None:
-      x_BxTxD = x_BxTxD + mixer(h_BxTxD, segment_ids_BxT)
+      y_BxTxD = mixer(h_BxTxD, segment_ids_BxT)
     else:
       y_BxTxD, cache = mixer(h_BxTxD, segment_ids_BxT, cache)
-      x_BxTxD = x_BxTxD + y_BxTxD
-    y_BxTxD, stats = make_ffn(cfg, self.layer)(rms_norm(cfg, "ffn_norm")(x_BxTxD))
-    if cache is None:
-      return x_BxTxD + y_BxTxD, stats
-    return x_BxTxD + y_BxTxD, stats, cache
+    res = attn_res.write(cfg, res, y_BxTxD, 2 * self.layer)
+    h_BxTxD = rms_norm(cfg, "ffn_norm")(attn_res.read(cfg, res, "ffn_res"))
+    y_BxTxD, stats = make_ffn(cfg, self.layer)(h_BxTxD)
+    res = attn_res.write(cfg, res, y_BxTxD, 2 * self.layer + 1)
+    return (res, stats) if cache is None else (res, stats, cache)
 
 
 class HybridMoE(nn.Module):
@@ -78,20 +81,20 @@ class HybridMoE(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype_of(cfg), param_dtype=jnp.float32,
                      embedding_init=lp(nn.initializers.normal(1.0), ("vocab", "embed")),
                      name="embed")
-    x_BxTxD = embed(tokens_BxT)
+    res = attn_res.init(cfg, embed(tokens_BxT))
     block = nn.remat(Block) if cfg.remat and cache is None else Block
     routing, new_layers = {}, {}
     for i in range(cfg.n_layers):
       name = f"layer_{i}"
       layer = block(cfg, i, name=name)
       if cache is None:
-        x_BxTxD, stats = layer(x_BxTxD, segment_ids_BxT)
+        res, stats = layer(res, segment_ids_BxT)
       else:
         layer_cache = {**cache["layers"][name], "length": cache["length"]}
-        x_BxTxD, stats, new_layers[name] = layer(x_BxTxD, segment_ids_BxT, layer_cache)
+        res, stats, new_layers[name] = layer(res, segment_ids_BxT, layer_cache)
       if stats:
         routing[name] = stats
-    x_BxTxD = rms_norm(cfg, "final_norm")(x_BxTxD)
+    x_BxTxD = rms_norm(cfg, "final_norm")(attn_res.read(cfg, res, "final_res"))
     if cfg.tie_embeddings:
       logits_BxTxV = embed.attend(x_BxTxD) / jnp.sqrt(cfg.d_model).astype(x_BxTxD.dtype)
     else:

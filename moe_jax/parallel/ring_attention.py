@@ -8,9 +8,10 @@ max and sum). The backward pass (custom VJP) makes the same trip again, recomput
 probabilities from the saved log-sum-exp, with the dK/dV accumulators travelling with
 their blocks and arriving home after n hops. Nothing of size T·(T/n) is ever stored.
 
-Masking uses global positions, so a block from a later shard contributes nothing; those
-steps still compute (no zig-zag load balancing yet: shard n−1 does all the useful work
-at every step, shard 0 only at the first).
+Inside a ring step the block is processed SUB × SUB positions at a time (scores never
+exceed [B, H, SUB, SUB]), and sub-blocks wholly in the causal future are skipped; a K/V
+block from a later shard costs nothing but its transfer. There is no zig-zag load
+balancing yet: the last shard does useful work at every step, shard 0 only at the first.
 """
 
 import functools
@@ -23,20 +24,82 @@ AXIS = "sequence"
 F32 = jnp.float32
 
 
-def _scores(q_BxTxHxD, k_BxSxHxD, seg_q_BxT, seg_k_BxS, q_block, k_block, scale):
-  """Scaled scores [B, H, T, S] in fp32 with invisible pairs at -inf, and the mask."""
-  T, S = q_BxTxHxD.shape[1], k_BxSxHxD.shape[1]
-  s_BxHxTxS = jnp.einsum("bthd,bshd->bhts", q_BxTxHxD, k_BxSxHxD,
+SUB = 512  # query and key positions per sub-block inside a ring step (scores [B,H,SUB,SUB])
+
+
+def _scores(q_BxCxHxD, k_BxCxHxD, seg_q_BxC, seg_k_BxC, pos_q_C, pos_k_C, scale):
+  """Scaled scores [B, H, Cq, Ck] in fp32 with invisible pairs at -inf, and the mask."""
+  s_BxHxCxC = jnp.einsum("bthd,bshd->bhts", q_BxCxHxD, k_BxCxHxD,
                          preferred_element_type=F32) * scale
-  pos_q_T = q_block * T + jnp.arange(T)
-  pos_k_S = k_block * S + jnp.arange(S)
-  visible_BxTxS = ((pos_k_S[None, None, :] <= pos_q_T[None, :, None])
-                   & (seg_q_BxT[:, :, None] == seg_k_BxS[:, None, :]))
-  return jnp.where(visible_BxTxS[:, None], s_BxHxTxS, -jnp.inf), visible_BxTxS
+  visible_BxCxC = ((pos_k_C[None, None, :] <= pos_q_C[None, :, None])
+                   & (seg_q_BxC[:, :, None] == seg_k_BxC[:, None, :]))
+  return jnp.where(visible_BxCxC[:, None], s_BxHxCxC, -jnp.inf), visible_BxCxC
 
 
 def _ring_perm(n):
   return [(i, (i + 1) % n) for i in range(n)]
+
+
+def _sub(T):
+  """Sub-block length for a shard of T positions."""
+  if T <= SUB:
+    return T
+  if T % SUB:
+    raise ValueError(f"ring attention: the per-shard length {T} must be at most or a multiple "
+                     f"of SUB={SUB}")
+  return SUB
+
+
+def _blocks(x, C):
+  """[B, T, ...] → [T/C, B, C, ...] (sub-blocks first, for lax.map / scan)."""
+  return jnp.moveaxis(x.reshape(x.shape[0], -1, C, *x.shape[2:]), 1, 0)
+
+
+def _unblocks(x):
+  """Inverse of _blocks."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _n_visible(q_first, k_first, C, n_k):
+  """Key sub-blocks [0, n) that hold any position ≤ the query sub-block's last position."""
+  return jnp.clip((q_first + C - 1 - k_first) // C + 1, 0, n_k)
+
+
+def _attend_block(q, k_blk, v_blk, seg, seg_blk, q_first, k_first, m, l, acc, scale):
+  """Merges one ring step's K/V block into the running (m [B,H,T], l, acc [B,T,H,Dv]),
+  SUB × SUB scores at a time, skipping key sub-blocks past each query sub-block."""
+  T = q.shape[1]
+  C = _sub(T)
+  n_k = T // C
+  k_b, v_b, segk_b = _blocks(k_blk, C), _blocks(v_blk, C), _blocks(seg_blk, C)
+
+  def per_q(args):
+    i, q_c, segq_c, m_c, l_c, acc_c = args
+    pos_q = q_first + i * C + jnp.arange(C)
+
+    def per_k(j, carry):
+      m_c, l_c, acc_c = carry
+      pos_k = k_first + j * C + jnp.arange(C)
+      s_BxHxCxC, _ = _scores(q_c, k_b[j], segq_c, segk_b[j], pos_q, pos_k, scale)
+      m_new = jnp.maximum(m_c, s_BxHxCxC.max(-1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      p_BxHxCxC = jnp.exp(s_BxHxCxC - m_safe[..., None])
+      corr_BxHxC = jnp.exp(m_c - m_safe)
+      pv_BxCxHxDv = jnp.einsum("bhts,bshd->bthd", p_BxHxCxC.astype(v_b.dtype), v_b[j],
+                               preferred_element_type=F32)
+      acc_c = acc_c * jnp.swapaxes(corr_BxHxC, 1, 2)[..., None] + pv_BxCxHxDv
+      return m_new, l_c * corr_BxHxC + p_BxHxCxC.sum(-1), acc_c
+
+    return jax.lax.fori_loop(0, _n_visible(q_first + i * C, k_first, C, n_k), per_k,
+                             (m_c, l_c, acc_c))
+
+  m_b = jnp.moveaxis(m.reshape(*m.shape[:2], -1, C), 2, 0)
+  l_b = jnp.moveaxis(l.reshape(*l.shape[:2], -1, C), 2, 0)
+  m_b, l_b, acc_b = jax.lax.map(per_q, (jnp.arange(T // C), _blocks(q, C), _blocks(seg, C),
+                                        m_b, l_b, _blocks(acc, C)))
+  unb = lambda x: jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], -1)
+  return unb(m_b), unb(l_b), _unblocks(acc_b)
 
 
 def _forward(q, k, v, seg, axis, scale):
@@ -47,17 +110,10 @@ def _forward(q, k, v, seg, axis, scale):
   def step(s, carry):
     m_BxHxT, l_BxHxT, acc_BxTxHxDv, k_blk, v_blk, seg_blk = carry
     src = (idx - s) % n
-    s_BxHxTxS, _ = _scores(q, k_blk, seg, seg_blk, idx, src, scale)
-    m_new = jnp.maximum(m_BxHxT, s_BxHxTxS.max(-1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p_BxHxTxS = jnp.exp(s_BxHxTxS - m_safe[..., None])
-    corr_BxHxT = jnp.exp(m_BxHxT - m_safe)
-    pv_BxTxHxDv = jnp.einsum("bhts,bshd->bthd", p_BxHxTxS.astype(v_blk.dtype), v_blk,
-                             preferred_element_type=F32)
-    acc_BxTxHxDv = acc_BxTxHxDv * jnp.swapaxes(corr_BxHxT, 1, 2)[..., None] + pv_BxTxHxDv
-    l_BxHxT = l_BxHxT * corr_BxHxT + p_BxHxTxS.sum(-1)
+    m_BxHxT, l_BxHxT, acc_BxTxHxDv = _attend_block(
+        q, k_blk, v_blk, seg, seg_blk, idx * T, src * T, m_BxHxT, l_BxHxT, acc_BxTxHxDv, scale)
     k_blk, v_blk, seg_blk = jax.lax.ppermute((k_blk, v_blk, seg_blk), axis, _ring_perm(n))
-    return m_new, l_BxHxT, acc_BxTxHxDv, k_blk, v_blk, seg_blk
+    return m_BxHxT, l_BxHxT, acc_BxTxHxDv, k_blk, v_blk, seg_blk
 
   init = (jnp.full((B, H, T), -jnp.inf, F32), jnp.zeros((B, H, T), F32),
           jnp.zeros((B, T, H, Dv), F32), k, v, seg)
@@ -83,26 +139,61 @@ def _fwd(q, k, v, seg, axis, scale):
   return o, (q, k, v, seg, o, lse)
 
 
+def _grad_block(q, do32, lse, delta, k_blk, v_blk, seg, seg_blk, q_first, k_first, dq, scale):
+  """One ring step of the backward: dq [B,T,H,D] (accumulated) and this K/V block's
+  (dk, dv), SUB × SUB at a time, query sub-blocks before a key sub-block skipped."""
+  T = q.shape[1]
+  C = _sub(T)
+  n_q = T // C
+  q_b, do_b, segq_b = _blocks(q, C), _blocks(do32, C), _blocks(seg, C)
+  lse_b = jnp.moveaxis(lse.reshape(*lse.shape[:2], -1, C), 2, 0)
+  delta_b = jnp.moveaxis(delta.reshape(*delta.shape[:2], -1, C), 2, 0)
+
+  def per_k(dq_b, args):
+    j, k_c, v_c, segk_c = args
+    pos_k = k_first + j * C + jnp.arange(C)
+    # First query sub-block whose last position reaches this key sub-block's first.
+    first_q = jnp.clip((k_first + j * C - q_first) // C, 0, n_q)
+
+    def per_q(i, carry):
+      dq_b, dk_c, dv_c = carry
+      pos_q = q_first + i * C + jnp.arange(C)
+      s_BxHxCxC, visible_BxCxC = _scores(q_b[i], k_c, segq_b[i], segk_c, pos_q, pos_k, scale)
+      p_BxHxCxC = jnp.where(visible_BxCxC[:, None],
+                            jnp.exp(s_BxHxCxC - lse_b[i][..., None]), 0.0)
+      dv_c = dv_c + jnp.einsum("bhts,bthd->bshd", p_BxHxCxC, do_b[i])
+      dp_BxHxCxC = jnp.einsum("bthd,bshd->bhts", do_b[i], v_c.astype(F32))
+      ds_BxHxCxC = p_BxHxCxC * (dp_BxHxCxC - delta_b[i][..., None]) * scale
+      dq_b = dq_b.at[i].add(jnp.einsum("bhts,bshd->bthd", ds_BxHxCxC, k_c.astype(F32)))
+      dk_c = dk_c + jnp.einsum("bhts,bthd->bshd", ds_BxHxCxC, q_b[i].astype(F32))
+      return dq_b, dk_c, dv_c
+
+    zeros = lambda x: jnp.zeros(x.shape, F32)
+    dq_b, dk_c, dv_c = jax.lax.fori_loop(first_q, n_q, per_q, (dq_b, zeros(k_c), zeros(v_c)))
+    return dq_b, (dk_c, dv_c)
+
+  dq_b, (dk_b, dv_b) = jax.lax.scan(per_k, _blocks(dq, C), (
+      jnp.arange(T // C), _blocks(k_blk, C), _blocks(v_blk, C), _blocks(seg_blk, C)))
+  return _unblocks(dq_b), _unblocks(dk_b), _unblocks(dv_b)
+
+
 def _bwd(axis, scale, res, do_BxTxHxDv):
   q, k, v, seg, o, lse_BxHxT = res
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   n, idx = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+  T = q.shape[1]
   do32 = do_BxTxHxDv.astype(F32)
   delta_BxHxT = jnp.einsum("bthd,bthd->bht", do32, o.astype(F32))
 
   def step(s, carry):
     dq_BxTxHxD, k_blk, v_blk, seg_blk, dk_blk, dv_blk = carry
     src = (idx - s) % n
-    s_BxHxTxS, visible_BxTxS = _scores(q, k_blk, seg, seg_blk, idx, src, scale)
-    p_BxHxTxS = jnp.where(visible_BxTxS[:, None], jnp.exp(s_BxHxTxS - lse_BxHxT[..., None]), 0.0)
-    dv_blk = dv_blk + jnp.einsum("bhts,bthd->bshd", p_BxHxTxS, do32)
-    dp_BxHxTxS = jnp.einsum("bthd,bshd->bhts", do32, v_blk.astype(F32))
-    ds_BxHxTxS = p_BxHxTxS * (dp_BxHxTxS - delta_BxHxT[..., None]) * scale
-    dq_BxTxHxD = dq_BxTxHxD + jnp.einsum("bhts,bshd->bthd", ds_BxHxTxS, k_blk.astype(F32))
-    dk_blk = dk_blk + jnp.einsum("bhts,bthd->bshd", ds_BxHxTxS, q.astype(F32))
+    dq_BxTxHxD, dk_step, dv_step = _grad_block(q, do32, lse_BxHxT, delta_BxHxT, k_blk, v_blk,
+                                               seg, seg_blk, idx * T, src * T, dq_BxTxHxD,
+                                               scale)
     # K/V move on to the next shard; their gradients travel with them.
     k_blk, v_blk, seg_blk, dk_blk, dv_blk = jax.lax.ppermute(
-        (k_blk, v_blk, seg_blk, dk_blk, dv_blk), axis, _ring_perm(n))
+        (k_blk, v_blk, seg_blk, dk_blk + dk_step, dv_blk + dv_step), axis, _ring_perm(n))
     return dq_BxTxHxD, k_blk, v_blk, seg_blk, dk_blk, dv_blk
 
   init = (jnp.zeros(q.shape, F32), k, v, seg, jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
