@@ -197,6 +197,9 @@ def test_kda_rejects_bad_input():
   (q, k, v, g, beta), _ = _inputs(1, 8, 2, 4, 4)
   with pytest.raises(ValueError, match=r"g is a log-decay and must be <= 0"):
     kda(q, k, v, -g + 0.1, beta)
+  bad_g = -g + 0.1  # concrete, but closed over by a jitted function: still checked
+  with pytest.raises(ValueError, match=r"g is a log-decay and must be <= 0"):
+    jax.jit(lambda q: kda(q, k, v, bad_g, beta)[0])(q)
   with pytest.raises(ValueError, match=r"g has values below lower_bound=-1.0"):
     kda(q, k, v, g - 2.0, beta, lower_bound=-1.0)
   with pytest.raises(ValueError, match=r"lower_bound must be in \[-5, 0\).*got -6"):

@@ -36,10 +36,13 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bo
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
   check_lower_bound(lower_bound)
   if not isinstance(g, jax.core.Tracer):  # checkable only on concrete arrays
-    if bool(jnp.any(g > 0)):
-      raise ValueError(f"g is a log-decay and must be <= 0; max is {float(jnp.max(g))}")
-    if lower_bound is not None and bool(jnp.any(g < lower_bound * (1 + 1e-6))):
-      raise ValueError(f"g has values below lower_bound={lower_bound} (min {float(jnp.min(g))});"
+    # Concrete g can still arrive inside a trace (closed over by a jitted function).
+    with jax.ensure_compile_time_eval():
+      g_max, g_min = float(jnp.max(g)), float(jnp.min(g))
+    if g_max > 0:
+      raise ValueError(f"g is a log-decay and must be <= 0; max is {g_max}")
+    if lower_bound is not None and g_min < lower_bound * (1 + 1e-6):
+      raise ValueError(f"g has values below lower_bound={lower_bound} (min {g_min});"
                        " pass lower_bound=None for unbounded (legacy) gates")
 
 

@@ -1,0 +1,122 @@
+"""Sequence parallelism on the GPUs of one host: ring attention and KDA state passing vs the
+single-device ops, forward+backward.
+
+  python scripts/bench_sequence.py [--lengths=65536,262144] [--out=$OUT]
+
+Mesh: every local device on the `sequence` axis (2 on nvidia-h200-x2). Batch 1, bf16, one
+document per row. Attention: 16 heads of 64 (the MLA shape of configs/long_context_1b.py),
+causal; the single-device baseline is cuDNN flash attention. KDA: 16 heads, K = V = 128,
+bounded gates; the baseline is kda(implementation=None) on one device. Memory per device is
+XLA's compiled estimate (arguments + outputs + temporaries) of the fwd+bwd program.
+A row whose program fails (out of memory) is recorded as such; results are written after
+every row.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_jax.parallel.kda_sequence import kda_sequence_parallel
+from moe_jax.parallel.ring_attention import ring_attention
+from pallas_kernels.kda import kda
+from scripts.timing import median_ms
+
+_LENGTHS = flags.DEFINE_string("lengths", "65536,262144", "Total sequence lengths.")
+_ITERS = flags.DEFINE_integer("iters", 5, "Timed runs (median).")
+_OUT = flags.DEFINE_string("out", None, "Folder for the JSON results.")
+_SMALL = flags.DEFINE_bool("small", False, "Tiny heads (a CPU smoke run of the script).")
+
+
+def _inputs(T, H, Dk, Dv, mesh):
+  ks = jax.random.split(jax.random.key(T), 5)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "sequence")))
+  q = put(jax.random.normal(ks[0], (1, T, H, Dk), jnp.bfloat16))
+  k = jax.random.normal(ks[1], (1, T, H, Dk), jnp.float32)
+  k = put((k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(jnp.bfloat16))
+  v = put(jax.random.normal(ks[2], (1, T, H, Dv), jnp.bfloat16))
+  g = put(-5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (1, T, H, Dk))))
+  beta = put(jax.nn.sigmoid(jax.random.normal(ks[4], (1, T, H))))
+  return q, k, v, g, beta
+
+
+def _timed(fn, args):
+  """(ms, GB per device) of a jitted fwd+bwd, or the error's last line."""
+  try:
+    compiled = jax.jit(fn).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    gb = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes) / 1e9
+    return median_ms(compiled, args, _ITERS.value), gb
+  except Exception as e:  # noqa: BLE001 — out of memory at long lengths is a result
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}", None
+
+
+def fwd_bwd(f):
+  """Sum of (output · fixed weights) differentiated w.r.t. every float input."""
+  def loss(*args):
+    o = f(*args)
+    return (o.astype(jnp.float32) * jnp.cos(o.astype(jnp.float32))).sum()
+  return jax.grad(loss, argnums=tuple(range(3)))
+
+
+def main(argv):
+  del argv
+  devices = jax.devices()
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("sequence",))
+  one = Mesh(np.array(devices[:1]), ("sequence",))
+  H, Da, Dk = (2, 16, 16) if _SMALL.value else (16, 64, 128)
+  rows = []
+
+  def save():
+    if _OUT.value:
+      os.makedirs(_OUT.value, exist_ok=True)
+      with open(os.path.join(_OUT.value, "bench_sequence.json"), "w") as f:
+        json.dump({"rows": rows, "devices": [str(d) for d in devices]}, f, indent=2)
+
+  for T in (int(x) for x in _LENGTHS.value.split(",")):
+    seg = jnp.ones((1, T), jnp.int32)
+    q, k, v, _, _ = _inputs(T, H, Da, Da, mesh)
+    with jax.set_mesh(mesh):
+      ms, gb = _timed(fwd_bwd(lambda q, k, v: ring_attention(q, k, v, seg)), (q, k, v))
+    impl = "xla" if _SMALL.value else "cudnn"
+    base = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                        implementation=impl)
+    q1, k1, v1 = (jax.device_put(x, devices[0]) for x in (q, k, v))
+    ms1, gb1 = _timed(fwd_bwd(base), (q1, k1, v1))
+    rows.append({"op": "attention", "T": T, "shards": n, "sharded_ms": ms, "sharded_gb": gb,
+                 "single_ms": ms1, "single_gb": gb1})
+    print(rows[-1], flush=True)
+    save()
+
+    q, k, v, g, beta = _inputs(T, H, Dk, Dk, mesh)
+    kw = dict(lower_bound=-5.0, chunk_size=64)
+    sp = lambda q, k, v: kda_sequence_parallel(q, k, v, g, beta, seg, **kw)[0]
+    with jax.set_mesh(mesh):
+      ms, gb = _timed(fwd_bwd(sp), (q, k, v))
+    g1, beta1 = (jax.device_put(x, devices[0]) for x in (g, beta))
+    single = lambda q, k, v: kda(q, k, v, g1, beta1, **kw)[0]
+    q1, k1, v1 = (jax.device_put(x, devices[0]) for x in (q, k, v))
+    with jax.set_mesh(one):
+      ms1, gb1 = _timed(fwd_bwd(single), (q1, k1, v1))
+    rows.append({"op": "kda", "T": T, "shards": n, "sharded_ms": ms, "sharded_gb": gb,
+                 "single_ms": ms1, "single_gb": gb1})
+    print(rows[-1], flush=True)
+    save()
+
+  fmt = lambda x: f"{x:.2f}" if isinstance(x, float) else f"— ({x})" if x else "—"
+  print(f"\n{n} × {devices[0].device_kind}; batch 1, bf16, fwd+bwd")
+  print("| op | T | shards | sharded ms | GB/device | single-device ms | GB |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['op']} | {r['T']} | {r['shards']} | {fmt(r['sharded_ms'])} | "
+          f"{fmt(r['sharded_gb'])} | {fmt(r['single_ms'])} | {fmt(r['single_gb'])} |")
+
+
+if __name__ == "__main__":
+  app.run(main)
