@@ -70,6 +70,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _positive_int("data.batch_size", d.batch_size)
   if not 0 < d.val_percent < 100:
     _fail("data.val_percent", d.val_percent, "in (0, 100)")
+  shards = max(c.mesh.sequence, 1)
+  if d.seq_len % shards:
+    _fail("data.seq_len", d.seq_len, f"a multiple of mesh.sequence = {shards}")
+  per_shard = d.seq_len // shards
+  if "A" in pattern and shards > 1 and per_shard > 512 and per_shard % 512:
+    _fail("data.seq_len", d.seq_len, f"such that seq_len / mesh.sequence ({per_shard}) is at "
+          "most or a multiple of 512 (ring attention's sub-block)")
   if "K" in pattern and d.seq_len % (chunk * max(c.mesh.sequence, 1)):
     _fail("data.seq_len", d.seq_len,
           f"a multiple of model.kda_chunk_size * mesh.sequence = {chunk * max(c.mesh.sequence, 1)}"
