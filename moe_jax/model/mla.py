@@ -46,6 +46,8 @@ class MLAMixer(nn.Module):
       k_BxTxHxDqk, v_BxTxHxDv = k_b(ckv_BxTxR), v_b(ckv_BxTxR)
       if axis_size("sequence") > 1:  # time sharded: K/V blocks go round the ring
         o_BxTxHxDv = ring_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
+      elif mla_implementation(cfg) == "gpu" and _flash_fits(q_BxTxHxDqk, v_BxTxHxDv):
+        o_BxTxHxDv = flash_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
       else:
         # Attend only within a segment; padding (id 0) attends to padding: no row is empty.
         same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
@@ -64,8 +66,29 @@ class MLAMixer(nn.Module):
 
 
 def mla_implementation(cfg) -> str:
-  """"gpu" (Pallas flash kernel for prefill over the cache) or "xla"; "" picks by platform."""
+  """"gpu" (Pallas flash kernels: training attention, prefill over the cache) or "xla";
+  "" picks by platform."""
   return cfg.mla_implementation or ("gpu" if jax.default_backend() == "gpu" else "xla")
+
+
+FLASH_BLOCK = 128  # query/key block of jax's Pallas flash attention (its default)
+
+
+def _flash_fits(q_BxTxHxDqk, v_BxTxHxDv) -> bool:
+  """jax's Pallas flash kernel needs one head dim for q, k, v and T in whole blocks."""
+  T, D = q_BxTxHxDqk.shape[1], q_BxTxHxDqk.shape[-1]
+  return D == v_BxTxHxDv.shape[-1] and T % min(FLASH_BLOCK, T) == 0
+
+
+def flash_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids_BxT):
+  """Causal, segment-masked flash attention, forward and backward: jax's Pallas GPU kernel
+  (Triton; interpret mode off GPU). Segment ids are native here; cuDNN through
+  jax.nn.dot_product_attention would need them as a dense [B, 1, T, T] mask."""
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+  return pallas_attention.mha(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids_BxT,
+                              sm_scale=q_BxTxHxD.shape[-1] ** -0.5, causal=True,
+                              interpret=jax.default_backend() != "gpu")
 
 
 KEY_BLOCK = 1024          # cache positions per step of the XLA online softmax (prefill)
