@@ -72,7 +72,8 @@ def test_flash_kernel_equals_xla_attention():
     assert rel_err(a, b) < 1e-5
 
 
-def test_flash_training_attention_lowers_to_triton(h200):  # noqa: F811
+def test_flash_training_attention_lowers_to_triton(h200, monkeypatch):  # noqa: F811
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # no interpret mode
   c = make_small_config()
   c.model.update({"dtype": "bfloat16", "mla_implementation": "gpu"})
   cfg = frozen_model_config(c)
