@@ -59,7 +59,7 @@ def test_block_model_at_init_reads_uniform_averages():
   h = attn_res.DepthMix(cfg).apply({"params": {"query": jnp.zeros(4)}},
                                    attn_res.sources(cfg, state))
   np.testing.assert_allclose(h, 2.0)
-  logits, _ = HybridMoE(cfg).apply(variables, batch)
+  logits, _ = jax.jit(HybridMoE(cfg).apply)(variables, batch)
   assert logits.shape == (2, 32, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
 
 
@@ -71,7 +71,7 @@ def test_gradients_reach_every_pseudo_query(mode):
     logits, _ = HybridMoE(cfg).apply({**variables, "params": params}, batch)
     return jax.nn.logsumexp(logits, -1).mean() - logits[..., 0].mean()
 
-  grads = jax.grad(loss)(variables["params"])
+  grads = jax.jit(jax.grad(loss))(variables["params"])
   queries = {jax.tree_util.keystr(p): float(jnp.abs(g).sum())
              for p, g in jax.tree_util.tree_leaves_with_path(grads) if p[-1].key == "query"}
   # 3 layers × (mixer, ffn) + the final read.
