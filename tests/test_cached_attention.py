@@ -1,5 +1,6 @@
-"""The Pallas prefill kernel (interpret mode) against attention that materialises every
-score; and its Triton lowering."""
+"""The Pallas inference attention kernels (interpret mode) against attention that
+materialises every score — prefill over the cache, and split-cache latent decode — and their
+Triton lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention import cached_attention as ca
+from pallas_kernels.attention import latent_decode as ld
 from tests.conftest import rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 
@@ -58,3 +60,35 @@ def test_lowers_to_triton(h200):  # noqa: F811
   fn = lambda *a: ca.cached_attention(*a, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "cached_attention" in text
+
+
+@pytest.mark.parametrize("B,Q,R,S,pos,kv_len", [
+    # Decode rows of two rows at different lengths, a cache that is not a multiple of the
+    # key block, and (small CHUNK) several chunks merged; a row that sees nothing.
+    (2, 4, 32, 300, [[90] * 4, [250] * 4], [91, 251]),
+    (1, 6, 16, 40, [[3, 3, 4, 4, 5, 5]], [6]),
+    (2, 2, 32, 200, [[10, 10], [0, 0]], [11, 0]),
+])
+def test_latent_decode_equals_materialised_attention(B, Q, R, S, pos, kv_len, monkeypatch):
+  monkeypatch.setattr(ld, "CHUNK", 128)
+  kq, kc = jax.random.split(jax.random.key(S + Q), 2)
+  q = jax.random.normal(kq, (B, Q, R)) * R ** -0.5
+  c = jax.random.normal(kc, (B, S, R))
+  pos, kv_len = jnp.array(pos), jnp.array(kv_len)
+  got = ld.latent_decode_attention(q, c, pos, kv_len, interpret=True)
+  s = jnp.einsum("bqr,bsr->bqs", q, c)
+  j = jnp.arange(S)
+  visible = (j <= pos[..., None]) & (j < kv_len[:, None, None])
+  p = jnp.where(visible, jnp.exp(s - jnp.where(visible, s, -jnp.inf).max(-1, keepdims=True)), 0)
+  l = p.sum(-1, keepdims=True)
+  ref = jnp.einsum("bqs,bsr->bqr", p / jnp.where(l == 0, 1, l), c)
+  assert got.shape == (B, Q, R) and np.isfinite(np.asarray(got)).all()
+  assert rel_err(got, ref) < 1e-5
+
+
+def test_latent_decode_lowers_to_triton(h200):  # noqa: F811
+  args = (jnp.zeros((1, 16, 256), jnp.bfloat16), jnp.zeros((1, 5000, 256), jnp.bfloat16),
+          jnp.zeros((1, 16), jnp.int32), jnp.ones(1, jnp.int32))
+  fn = lambda *a: ld.latent_decode_attention(*a, interpret=False)
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "latent_decode" in text

@@ -19,6 +19,7 @@ from moe_jax.infer.generate import decode, inference_model, make_step, prefill
 from moe_jax.model import mla
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
+from pallas_kernels.attention import latent_decode
 from tests.conftest import make_small_config, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,13 +49,23 @@ def test_inference_model_never_drops(hybrid):
   assert model.cfg.moe.dispatch == "dropless"
 
 
-@pytest.mark.parametrize("key_block", [1024, 8])
-def test_decode_reproduces_full_forward(hybrid, key_block, monkeypatch):
+def _with_mla_implementation(model, impl):
+  cfg = ml_collections.ConfigDict(model.cfg.to_dict())
+  cfg.mla_implementation = impl
+  return model.clone(cfg=ml_collections.FrozenConfigDict(cfg))
+
+
+@pytest.mark.parametrize("key_block,impl", [(1024, "xla"), (8, "xla"), (1024, "gpu")])
+def test_decode_reproduces_full_forward(hybrid, key_block, impl, monkeypatch):
   """Prefill prompts of 13/5/9 tokens in chunks of 4, then feed the true tokens one by one.
-  key_block 8: MLA's online softmax runs over several cache blocks (the last one partial)."""
+  key_block 8: MLA's online softmax runs over several cache blocks (the last one partial).
+  "gpu": the split-cache Pallas decode kernel (interpret mode), 4 chunks of 16 positions."""
   monkeypatch.setattr(mla, "KEY_BLOCK", key_block)
   monkeypatch.setattr(mla, "SCORE_BUDGET", 0)  # decode blocks of key_block too
+  monkeypatch.setattr(latent_decode, "CHUNK", 16)
+  monkeypatch.setattr(latent_decode, "BLOCK_K", 16)
   model, variables, tokens, full = hybrid
+  model = _with_mla_implementation(model, impl)
   step = make_step(model)
   prompt = np.array([13, 5, 9])
   cache = init_cache(model.cfg, 3, 64)
@@ -81,9 +92,7 @@ def test_chunked_prefill_equals_one_shot(hybrid, monkeypatch, impl):
   monkeypatch.setattr(mla, "SCORE_BUDGET", 0)
   monkeypatch.setattr(mla, "EXPAND_BLOCK", 16)
   model, variables, tokens, _ = hybrid
-  cfg = ml_collections.ConfigDict(model.cfg.to_dict())
-  cfg.mla_implementation = impl
-  model = model.clone(cfg=ml_collections.FrozenConfigDict(cfg))
+  model = _with_mla_implementation(model, impl)
   step = make_step(model)
   outs = [prefill(step, variables, init_cache(model.cfg, 3, 48), tokens, _LENGTHS, chunk=chunk)
           for chunk in (7, _T)]

@@ -19,6 +19,7 @@ from moe_jax.model.layers import dense, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention.cached_attention import cached_attention
+from pallas_kernels.attention.latent_decode import latent_decode_attention
 
 
 class MLAMixer(nn.Module):
@@ -95,15 +96,17 @@ KEY_BLOCK = 1024          # cache positions per step of the XLA online softmax (
 SCORE_BUDGET = 1 << 24    # fp32 scores per step in latent-space (decode) attention...
 MAX_KEY_BLOCK = 1 << 16   # ...up to this many positions: decode cost follows the filled length
 EXPAND_BLOCK = 1 << 16    # cache positions expanded to K/V per step for the Pallas kernel
+DECODE_ROWS = 64          # (new tokens × heads) up to which "gpu" decode uses the split kernel
 
 
 def _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT, cache, k_b, v_b, impl):
   """Writes the new latents at each row's length, then attends over the filled cache.
 
   Few queries (decode, T < R) attend in the latent space: k_b is absorbed into q and v_b
-  applied after, an online softmax over blocks of the filled cache. Many queries (prefill
-  chunks, T ≥ R) expand the filled latents to per-head K/V, which is cheaper then, and run
-  the Pallas flash kernel (impl "gpu") or the same block loop in XLA.
+  applied after; with impl "gpu" and few rows a Pallas kernel split over the cache
+  (flash-decoding), else an online softmax over blocks of the filled cache in XLA. Many
+  queries (prefill chunks, T ≥ R) expand the filled latents to per-head K/V, which is
+  cheaper then, and run the Pallas flash kernel (impl "gpu") or the same block loop in XLA.
   """
   B, T, H, Dqk = q_BxTxHxDqk.shape
   ckv_BxSxR = cache["ckv"]
@@ -119,10 +122,15 @@ def _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT, cache, k_b, v_
   q_BxTxHxDqk = q_BxTxHxDqk * jnp.asarray(Dqk ** -0.5, q_BxTxHxDqk.dtype)
   if T < R:
     q_BxTxHxR = jnp.einsum("bthd,rhd->bthr", q_BxTxHxDqk, w_kb_RxHxDqk)
-    key_block = min(S, max(KEY_BLOCK, min(MAX_KEY_BLOCK, SCORE_BUDGET // (B * T * H))))
-    o_BxTxHxR = _online_softmax(q_BxTxHxR, ckv_BxSxR, lambda c: c, lambda c: c, pos_BxT,
-                                filled_B, key_block)
-    o_BxTxHxDv = jnp.einsum("bthr,rhd->bthd", o_BxTxHxR, w_vb_RxHxDv)
+    if impl == "gpu" and T * H <= DECODE_ROWS and R & (R - 1) == 0:
+      pos_BxTH = jnp.repeat(pos_BxT, H, axis=1)
+      o_BxTxHxR = latent_decode_attention(q_BxTxHxR.reshape(B, T * H, R), ckv_BxSxR,
+                                          pos_BxTH, filled_B).reshape(B, T, H, R)
+    else:
+      key_block = min(S, max(KEY_BLOCK, min(MAX_KEY_BLOCK, SCORE_BUDGET // (B * T * H))))
+      o_BxTxHxR = _online_softmax(q_BxTxHxR, ckv_BxSxR, lambda c: c, lambda c: c, pos_BxT,
+                                  filled_B, key_block)
+    o_BxTxHxDv = jnp.einsum("bthr,rhd->bthd", o_BxTxHxR.astype(q_BxTxHxR.dtype), w_vb_RxHxDv)
   elif impl == "gpu":
     k_BxSxHxD, v_BxSxHxDv = _expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, filled_B)
     o_BxTxHxDv = cached_attention(q_BxTxHxDqk, k_BxSxHxD, v_BxSxHxDv, length_B, filled_B,

@@ -1,0 +1,108 @@
+"""Decode attention over an MLA latent cache, split over the cache (flash-decoding), in
+Pallas (Triton lowering on GPU, `interpret=True` on CPU).
+
+A decode step has a handful of query rows (T new tokens × H heads, k_b absorbed, so each
+row is a vector in the latent space of rank R) and a cache of S latents [S, R] that serve
+as both keys and values. One row block cannot fill a GPU, so the cache is split into
+chunks of CHUNK positions: program (b, c) runs an online softmax over chunk c (only up to
+the filled length; chunks past it exit at once) and writes its partial (max, sum, acc);
+a small XLA step merges the partials. The latent is read once per step, and the filled
+length is read inside the kernel, so the step has no loop that the host has to drive.
+
+  grid (B, ⌈S / CHUNK⌉), rows [Q, R] per program, key blocks of BLOCK_K positions.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+
+CHUNK = 4096      # cache positions per program
+BLOCK_K = 64      # positions per step of a program's online softmax
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def _kernel(kv_len_ref, pos_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, block_k, chunk):
+  Q, R = q_ref.shape
+  S = c_ref.shape[0]
+  kv_len = kv_len_ref[0]
+  pos_Q = pos_ref[...]
+  first = pl.program_id(1) * chunk
+  # Positions this chunk may need: below the filled length and the last query's position.
+  hi = jnp.minimum(jnp.minimum(kv_len, jnp.max(pos_Q) + 1), first + chunk)
+  n_blocks = (jnp.maximum(hi - first, 0) + block_k - 1) // block_k
+  q_QxR = q_ref[...]
+
+  def body(j, carry):
+    m_Q, l_Q, acc_QxR = carry
+    nominal = first + j * block_k
+    start = jnp.minimum(nominal, S - block_k)  # a block past S overlaps the one before
+    c_KxR = c_ref[pl.ds(start, block_k), :]
+    s_QxK = jax.lax.dot_general(q_QxR, c_KxR, (((1,), (1,)), ((), ())),
+                                preferred_element_type=F32)
+    j_K = start + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+    visible_QxK = ((j_K[None, :] >= nominal) & (j_K[None, :] < first + chunk)
+                   & (j_K[None, :] <= pos_Q[:, None]) & (j_K[None, :] < kv_len))
+    s_QxK = jnp.where(visible_QxK, s_QxK, -jnp.inf)
+    m_new = jnp.maximum(m_Q, s_QxK.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p_QxK = jnp.exp(s_QxK - m_safe[:, None])
+    corr_Q = jnp.exp(m_Q - m_safe)
+    acc_QxR = acc_QxR * corr_Q[:, None] + jnp.dot(p_QxK.astype(c_KxR.dtype), c_KxR,
+                                                  preferred_element_type=F32)
+    return m_new, l_Q * corr_Q + p_QxK.sum(axis=1), acc_QxR
+
+  init = (jnp.full((Q,), -jnp.inf, F32), jnp.zeros((Q,), F32), jnp.zeros((Q, R), F32))
+  m_Q, l_Q, acc_QxR = jax.lax.fori_loop(0, n_blocks, body, init)
+  m_ref[...], l_ref[...], acc_ref[...] = m_Q, l_Q, acc_QxR
+
+
+def latent_decode_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B, *, interpret=None):
+  """softmax(q · cᵀ) c over the visible cache positions, per row: [B, Q, R] fp32.
+
+  q_BxQxR: query rows already in the latent space and scaled (k_b absorbed).
+  pos_BxQ: each row's position (it sees cache positions j ≤ pos with j < kv_len_B[b]).
+  A row that sees nothing gets zeros.
+  """
+  B, Q, R = q_BxQxR.shape
+  S = ckv_BxSxR.shape[1]
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  Qp = max(16, pl.next_power_of_2(Q))   # matmul tiles need ≥ 16 rows
+  q_BxQxR = jnp.pad(q_BxQxR.astype(ckv_BxSxR.dtype), ((0, 0), (0, Qp - Q), (0, 0)))
+  pos_BxQ = jnp.pad(pos_BxQ.astype(jnp.int32), ((0, 0), (0, Qp - Q)), constant_values=-1)
+  if S < BLOCK_K:
+    ckv_BxSxR = jnp.pad(ckv_BxSxR, ((0, 0), (0, BLOCK_K - S), (0, 0)))
+    S = BLOCK_K
+  # Whole key blocks per chunk, and no more chunk than the cache needs.
+  chunk = min(max(BLOCK_K, CHUNK // BLOCK_K * BLOCK_K), pl.cdiv(S, BLOCK_K) * BLOCK_K)
+  n_chunks = pl.cdiv(S, chunk)
+  params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS,
+                                                          num_stages=NUM_STAGES)
+  part = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, c: (b, c) + (0,) * len(shape))
+  m_BxCxQ, l_BxCxQ, acc_BxCxQxR = pl.pallas_call(
+      functools.partial(_kernel, block_k=BLOCK_K, chunk=chunk),
+      grid=(B, n_chunks),
+      in_specs=[pl.BlockSpec((1,), lambda b, c: (b,)),
+                pl.BlockSpec((None, Qp), lambda b, c: (b, 0)),
+                pl.BlockSpec((None, Qp, R), lambda b, c: (b, 0, 0)),
+                pl.BlockSpec((None, S, R), lambda b, c: (b, 0, 0))],
+      out_specs=[part(Qp), part(Qp), part(Qp, R)],
+      out_shape=[jax.ShapeDtypeStruct((B, n_chunks, Qp), F32),
+                 jax.ShapeDtypeStruct((B, n_chunks, Qp), F32),
+                 jax.ShapeDtypeStruct((B, n_chunks, Qp, R), F32)],
+      interpret=interpret, name="latent_decode", compiler_params=params,
+  )(kv_len_B.astype(jnp.int32), pos_BxQ, q_BxQxR, ckv_BxSxR)
+  # Merge the chunks' partial softmaxes.
+  m_BxQ = m_BxCxQ.max(axis=1)
+  m_safe = jnp.where(m_BxQ == -jnp.inf, 0.0, m_BxQ)
+  w_BxCxQ = jnp.where(m_BxCxQ == -jnp.inf, 0.0, jnp.exp(m_BxCxQ - m_safe[:, None]))
+  l_BxQ = (w_BxCxQ * l_BxCxQ).sum(1)
+  acc_BxQxR = jnp.einsum("bcq,bcqr->bqr", w_BxCxQ, acc_BxCxQxR)
+  o_BxQxR = acc_BxQxR / jnp.where(l_BxQ == 0.0, 1.0, l_BxQ)[..., None]
+  return o_BxQxR[:, :Q]
