@@ -3,7 +3,7 @@
   python scripts/bench_long_context.py --out=$OUT [--contexts=8192,65536,262144,1048576]
 
 configs/long_context_1b.py (≈1.15B total, 3:1 KDA:MLA, MoE) and its `:all_mla` variant,
-bf16, batch 1, random weights and tokens. Each variant preallocates one cache for the
+bf16, batch --batch (1), random weights and tokens. Each variant preallocates one cache for the
 longest context (attention only visits the filled part), so its prefill step and decode
 loop compile once, before timing. Per context: the prompt is prefilled in chunks of
 --prefill_chunk, then --decode_tokens tokens are decoded greedily. Peak device memory is
@@ -35,6 +35,8 @@ _DECODE = flags.DEFINE_integer("decode_tokens", 128, "Tokens decoded after the p
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", 240.0, "Skip longer contexts past this.")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON and markdown results.")
 _SMALL = flags.DEFINE_bool("small", False, "Shrink the model (a CPU smoke run of the script).")
+_BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the full context); "
+                              "decode ms/token is per step, i.e. per token of every row.")
 
 
 def model_config(variant):
@@ -54,9 +56,10 @@ def peak_bytes():
 
 
 def run(variant, L, variables, model, jstep, jdecode, max_len, chunk):
-  tokens = np.random.default_rng(L).integers(0, 256, (1, L)).astype(np.int32)
-  live = np.ones((1, chunk), bool)
-  cache = init_cache(model.cfg, 1, max_len)
+  B = _BATCH.value
+  tokens = np.random.default_rng(L).integers(0, 256, (B, L)).astype(np.int32)
+  live = np.ones((B, chunk), bool)
+  cache = init_cache(model.cfg, B, max_len)
   t0 = time.perf_counter()
   for c in range(L // chunk):
     logits, cache = jstep(variables, tokens[:, c * chunk:(c + 1) * chunk], live, cache)
@@ -66,8 +69,8 @@ def run(variant, L, variables, model, jstep, jdecode, max_len, chunk):
   out, _, cache = jdecode(variables, cache, logits[:, -1])
   jax.block_until_ready(out)
   decode_s = time.perf_counter() - t0
-  return {"variant": variant, "context": L, "prefill_s": prefill_s,
-          "prefill_tok_s": L / prefill_s, "decode_ms_per_token": 1e3 * decode_s / _DECODE.value,
+  return {"variant": variant, "context": L, "batch": B, "prefill_s": prefill_s,
+          "prefill_tok_s": B * L / prefill_s, "decode_ms_per_token": 1e3 * decode_s / _DECODE.value,
           "filled_cache_gb": filled_cache_bytes(cache, (L + _DECODE.value) / max_len) / 1e9,
           "peak_gb": peak_bytes() / 1e9}
 
@@ -117,6 +120,7 @@ def main(argv):
       variables = nn.meta.unbox(jax.jit(model.init)(
           jax.random.key(0), {"tokens": jnp.zeros((1, T), jnp.int32),
                               "segment_ids": jnp.ones((1, T), jnp.int32)}))
+      B = _BATCH.value
       variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x,
                                variables)
       jstep = jax.jit(step, donate_argnums=3)
@@ -124,8 +128,8 @@ def main(argv):
           step, v, cache, logits, jax.random.key(0), max_new=_DECODE.value, temperature=0.0,
           stop_tokens=(-1,)), donate_argnums=1)
       t0 = time.perf_counter()  # compile both on a scratch cache
-      logits, scratch = jstep(variables, np.zeros((1, chunk), np.int32),
-                              np.ones((1, chunk), bool), init_cache(model.cfg, 1, max_len))
+      logits, scratch = jstep(variables, np.zeros((B, chunk), np.int32),
+                              np.ones((B, chunk), bool), init_cache(model.cfg, B, max_len))
       jax.block_until_ready(jdecode(variables, scratch, logits[:, -1]))
       print(f"{variant}: compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     except Exception:  # noqa: BLE001
@@ -145,7 +149,7 @@ def main(argv):
         print(errors[-1], flush=True)
         break
   save()
-  print(f"\n{jax.devices()[0]}; batch 1, bf16, prefill chunk {chunk}, {_DECODE.value} decoded "
+  print(f"\n{jax.devices()[0]}; batch {_BATCH.value}, bf16, prefill chunk {chunk}, {_DECODE.value} decoded "
         "tokens; ¹ cache bytes for the filled length")
   print("\n".join(e.splitlines()[0] for e in errors))
   print(table(rows))
