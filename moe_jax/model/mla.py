@@ -67,8 +67,8 @@ class MLAMixer(nn.Module):
 
 
 def mla_implementation(cfg) -> str:
-  """"gpu" (Pallas flash kernels: training attention, prefill over the cache) or "xla";
-  "" picks by platform."""
+  """"gpu" (Pallas kernels: training attention, prefill and decode over the cache) or
+  "xla"; "" picks by platform."""
   return cfg.mla_implementation or ("gpu" if jax.default_backend() == "gpu" else "xla")
 
 
