@@ -5,7 +5,8 @@ single-device ops, forward+backward.
 
 Mesh: every local device on the `sequence` axis (2 on nvidia-h200-x2). Batch 1, bf16, one
 document per row. Attention: 16 heads of 64 (the MLA shape of configs/long_context_1b.py),
-causal; the single-device baseline is cuDNN flash attention. KDA: 16 heads, K = V = 128,
+causal, at each --subs sub-block size (the fastest is in the table, all in the JSON); the
+single-device baseline is cuDNN flash attention. KDA: 16 heads, K = V = 128,
 bounded gates; the baseline is kda(implementation=None) on one device. Memory per device is
 XLA's compiled estimate (arguments + outputs + temporaries) of the fwd+bwd program.
 A row whose program fails (out of memory) is recorded as such; results are written after
@@ -22,6 +23,7 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moe_jax.parallel import ring_attention as ring_attention_lib
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.kda import kda
@@ -31,6 +33,7 @@ _LENGTHS = flags.DEFINE_string("lengths", "65536,262144", "Total sequence length
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed runs (median).")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON results.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny heads (a CPU smoke run of the script).")
+_SUBS = flags.DEFINE_string("subs", "512,2048", "Ring attention sub-block sizes to compare.")
 
 
 def _inputs(T, H, Dk, Dv, mesh):
@@ -82,15 +85,21 @@ def main(argv):
   for T in (int(x) for x in _LENGTHS.value.split(",")):
     seg = jnp.ones((1, T), jnp.int32)
     q, k, v, _, _ = _inputs(T, H, Da, Da, mesh)
-    with jax.set_mesh(mesh):
-      ms, gb = _timed(fwd_bwd(lambda q, k, v: ring_attention(q, k, v, seg)), (q, k, v))
+    ring = {}
+    for sub in (int(x) for x in _SUBS.value.split(",")):
+      ring_attention_lib.SUB = sub
+      with jax.set_mesh(mesh):
+        ring[sub] = _timed(fwd_bwd(lambda q, k, v: ring_attention(q, k, v, seg)), (q, k, v))
+    sub, (ms, gb) = min(ring.items(), key=lambda kv: kv[1][0] if isinstance(kv[1][0], float)
+                        else float("inf"))
     impl = "xla" if _SMALL.value else "cudnn"
     base = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation=impl)
     q1, k1, v1 = (jax.device_put(x, devices[0]) for x in (q, k, v))
     ms1, gb1 = _timed(fwd_bwd(base), (q1, k1, v1))
-    rows.append({"op": "attention", "T": T, "shards": n, "sharded_ms": ms, "sharded_gb": gb,
-                 "single_ms": ms1, "single_gb": gb1})
+    rows.append({"op": f"attention (SUB {sub})", "T": T, "shards": n, "sharded_ms": ms,
+                 "sharded_gb": gb, "single_ms": ms1, "single_gb": gb1,
+                 "ring_by_sub": {str(k): v for k, v in ring.items()}})
     print(rows[-1], flush=True)
     save()
 
