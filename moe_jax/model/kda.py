@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from moe_jax.model.layers import ShortConv, dense, l2_normalize, lp, out_scale, rms_norm
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
-from moe_jax.parallel.mesh import axis_size
+from moe_jax.parallel.mesh import axis_size, per_device
 from pallas_kernels.kda import kda, kda_gate
 
 
@@ -65,12 +65,18 @@ class KDAMixer(nn.Module):
           q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, segment_ids_BxT,
           chunk_size=cfg.kda_chunk_size, lower_bound=cfg.kda_lower_bound, implementation=impl)
       state = None
+    elif cache is None:  # training / full forward: each device scans its own rows
+      run = lambda q, k, v, g, beta, seg: kda(
+          q, k, v, g, beta, segment_ids=seg, chunk_size=cfg.kda_chunk_size,
+          lower_bound=cfg.kda_lower_bound, implementation=impl)[0]
+      o_BxTxHxV = per_device(run, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH,
+                             segment_ids_BxT)
+      state = None
     else:
       o_BxTxHxV, state = kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH,
                              segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
                              lower_bound=cfg.kda_lower_bound, implementation=impl,
-                             initial_state=None if cache is None else cache["state"],
-                             output_final_state=cache is not None)
+                             initial_state=cache["state"], output_final_state=True)
 
     # Gated RMSNorm per head: norm(o) * sigmoid(low-rank gate(x)).
     gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)

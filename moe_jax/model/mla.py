@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model.layers import dense, out_scale, rms_norm
-from moe_jax.parallel.mesh import axis_size
+from moe_jax.parallel.mesh import axis_size, per_device
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention.cached_attention import cached_attention
 from pallas_kernels.attention.latent_decode import latent_decode_attention
@@ -48,7 +48,8 @@ class MLAMixer(nn.Module):
       if axis_size("sequence") > 1:  # time sharded: K/V blocks go round the ring
         o_BxTxHxDv = ring_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
       elif mla_implementation(cfg) == "gpu" and _flash_fits(q_BxTxHxDqk, v_BxTxHxDv):
-        o_BxTxHxDv = flash_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
+        o_BxTxHxDv = per_device(flash_attention, q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv,
+                                segment_ids_BxT)
       else:
         # Attend only within a segment; padding (id 0) attends to padding: no row is empty.
         same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]

@@ -6,6 +6,7 @@ import jax
 import ml_collections
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.config import MESH_AXES
 
@@ -55,3 +56,25 @@ def axis_size(name: str) -> int:
   if mesh.empty or name not in mesh.axis_names:
     return 1
   return mesh.shape[name]
+
+
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
+def per_device(fn, *arrays_BxT):
+  """fn on each device's slice when a mesh with more than one device is set, else fn.
+
+  Arrays are [B, T] or [B, T, H, ...]: the batch splits over data·fsdp·expert and heads
+  over tensor (time whole: sequence-sharded layers have their own shard_map). Pallas GPU
+  kernels are opaque custom calls to XLA's partitioner, which would gather their operands
+  onto every device; under shard_map each device runs the kernel on its own rows.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn(*arrays_BxT)
+  bax = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+  hax = "tensor" if "tensor" in mesh.axis_names else None
+  spec = lambda x: P(bax, None, *([hax] + [None] * (x.ndim - 3) if x.ndim > 2 else []))
+  out = jax.eval_shape(fn, *arrays_BxT)
+  return jax.shard_map(fn, in_specs=tuple(spec(x) for x in arrays_BxT),
+                       out_specs=jax.tree.map(spec, out), check_vma=False)(*arrays_BxT)
