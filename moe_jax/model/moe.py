@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from moe_jax.model import experts, router
 from moe_jax.model.layers import SwiGLU, dtype_of, lp, out_scale
+from moe_jax.parallel.mesh import axis_size
 
 
 def sort_by_group(group_A, num_groups: int):
@@ -107,14 +108,6 @@ def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C
   return combine(y_AxD, w_NxK, x_NxD.dtype), (~keep_A).sum()
 
 
-def expert_axis_size() -> int:
-  """Size of the `expert` axis of the mesh set with jax.set_mesh (1 when none is set)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or "expert" not in mesh.axis_names:
-    return 1
-  return mesh.shape["expert"]
-
-
 class MoE(nn.Module):
   """Routed experts (+ shared). Returns (y [B,T,D], routing stats of this batch)."""
   cfg: object
@@ -147,7 +140,7 @@ class MoE(nn.Module):
                       jnp.float32).astype(dtype)
 
     x_NxD = x_NxD.astype(dtype)
-    ep = expert_axis_size()
+    ep = axis_size("expert")
     if ep > 1:
       from moe_jax.parallel import expert as expert_parallel  # it imports this module
 

@@ -21,8 +21,7 @@ to a reduce-scatter).
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-
+from moe_jax.parallel.mesh import activation_spec, state_spec
 from pallas_kernels.kda import kda
 
 AXIS = "sequence"
@@ -69,22 +68,18 @@ def kda_shard(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, segment_id
 
 
 def kda_sequence_parallel(q, k, v, g, beta, segment_ids, initial_state=None, *, mesh=None,
-                          batch_axes=("data", "fsdp", "expert"), head_axis="tensor",
                           axis=AXIS, **kda_kw):
   """kda() on [B, T, H, ·] arrays sharded over `axis` along T (shard_map over the mesh set
   with jax.set_mesh, or `mesh`). Returns (o [B, T, H, V], final state [B, H, K, V] fp32)."""
   mesh = mesh or jax.sharding.get_abstract_mesh()
-  names = set(mesh.axis_names)
-  bax = tuple(a for a in batch_axes if a in names) or None
-  hax = head_axis if head_axis in names else None
-  x4, x3 = P(bax, axis, hax, None), P(bax, axis, hax)
-  state = P(bax, hax, None, None)
+  x4, x3, x2 = (activation_spec(mesh, n, axis) for n in (4, 3, 2))
+  state = state_spec(mesh, 4)
   if segment_ids is None:
     segment_ids = jnp.ones(q.shape[:2], jnp.int32)
-  body = lambda q, k, v, g, beta, seg, s0: kda_shard(q, k, v, g, beta, seg, s0, axis=axis,
-                                                     **kda_kw)
   if initial_state is None:
     initial_state = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-  return jax.shard_map(body, mesh=mesh, in_specs=(x4, x4, x4, x4, x3, P(bax, axis), state),
+  body = lambda q, k, v, g, beta, seg, s0: kda_shard(q, k, v, g, beta, seg, s0, axis=axis,
+                                                     **kda_kw)
+  return jax.shard_map(body, mesh=mesh, in_specs=(x4, x4, x4, x4, x3, x2, state),
                        out_specs=(x4, state), check_vma=False)(
                            q, k, v, g, beta, segment_ids, initial_state)

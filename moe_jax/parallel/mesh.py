@@ -61,20 +61,31 @@ def axis_size(name: str) -> int:
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
+def activation_spec(mesh, ndim: int, time_axis=None) -> P:
+  """shard_map spec of a [B, T] / [B, T, H, ...] activation: batch over data·fsdp·expert,
+  time over `time_axis`, heads over tensor (the axes `mesh` has)."""
+  bax = tuple(a for a in BATCH_AXES if a in mesh.axis_names) or None
+  hax = "tensor" if "tensor" in mesh.axis_names else None
+  return P(bax, time_axis, *([hax] + [None] * (ndim - 3) if ndim > 2 else []))
+
+
+def state_spec(mesh, ndim: int) -> P:
+  """shard_map spec of a [B, H, ...] state: batch and heads as in activation_spec."""
+  spec = activation_spec(mesh, ndim + 1)
+  return P(spec[0], *spec[2:])
+
+
 def per_device(fn, *arrays_BxT):
   """fn on each device's slice when a mesh with more than one device is set, else fn.
 
-  Arrays are [B, T] or [B, T, H, ...]: the batch splits over data·fsdp·expert and heads
-  over tensor (time whole: sequence-sharded layers have their own shard_map). Pallas GPU
-  kernels are opaque custom calls to XLA's partitioner, which would gather their operands
-  onto every device; under shard_map each device runs the kernel on its own rows.
+  Arrays are [B, T] or [B, T, H, ...], and fn returns one array laid out like the first:
+  the batch splits over data·fsdp·expert and heads over tensor (time whole: sequence-sharded
+  layers have their own shard_map). Pallas GPU kernels are opaque custom calls to XLA's
+  partitioner, which would gather their operands onto every device; under shard_map each
+  device runs the kernel on its own rows.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return fn(*arrays_BxT)
-  bax = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-  hax = "tensor" if "tensor" in mesh.axis_names else None
-  spec = lambda x: P(bax, None, *([hax] + [None] * (x.ndim - 3) if x.ndim > 2 else []))
-  out = jax.eval_shape(fn, *arrays_BxT)
-  return jax.shard_map(fn, in_specs=tuple(spec(x) for x in arrays_BxT),
-                       out_specs=jax.tree.map(spec, out), check_vma=False)(*arrays_BxT)
+  specs = tuple(activation_spec(mesh, x.ndim) for x in arrays_BxT)
+  return jax.shard_map(fn, in_specs=specs, out_specs=specs[0], check_vma=False)(*arrays_BxT)

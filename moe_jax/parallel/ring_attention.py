@@ -18,7 +18,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+
+from moe_jax.parallel.mesh import activation_spec
 
 AXIS = "sequence"
 F32 = jnp.float32
@@ -204,16 +205,12 @@ def _bwd(axis, scale, res, do_BxTxHxDv):
 ring_attention_shard.defvjp(_fwd, _bwd)
 
 
-def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=None,
-                   batch_axes=("data", "fsdp", "expert"), head_axis="tensor", axis=AXIS,
+def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=None, axis=AXIS,
                    scale=None):
   """Causal, segment-masked attention on [B, T, H, ·] arrays sharded over `axis` along T
   (shard_map over the mesh set with jax.set_mesh, or `mesh`)."""
   mesh = mesh or jax.sharding.get_abstract_mesh()
-  names = set(mesh.axis_names)
-  bax = tuple(a for a in batch_axes if a in names) or None
-  hax = head_axis if head_axis in names else None
-  x4 = P(bax, axis, hax, None)
+  x4, x2 = activation_spec(mesh, 4, axis), activation_spec(mesh, 2, axis)
   body = lambda q, k, v, seg: ring_attention_shard(q, k, v, seg, axis, scale)
-  return jax.shard_map(body, mesh=mesh, in_specs=(x4, x4, x4, P(bax, axis)), out_specs=x4,
+  return jax.shard_map(body, mesh=mesh, in_specs=(x4, x4, x4, x2), out_specs=x4,
                        check_vma=False)(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT)
