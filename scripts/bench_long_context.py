@@ -35,6 +35,10 @@ _DECODE = flags.DEFINE_integer("decode_tokens", 128, "Tokens decoded after the p
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", 240.0, "Skip longer contexts past this.")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON and markdown results.")
 _SMALL = flags.DEFINE_bool("small", False, "Shrink the model (a CPU smoke run of the script).")
+_DECODE_ONLY = flags.DEFINE_bool(
+    "decode_only", False, "Skip the prefill: decode over a cache filled to each context with "
+    "random latents and states (decode cost depends on the shapes and the filled length, not "
+    "the values), so contexts and batches whose prefill would take minutes can be timed.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the full context); "
                               "decode ms/token is per step, i.e. per token of every row.")
 
@@ -75,6 +79,34 @@ def run(variant, L, variables, model, jstep, jdecode, max_len, chunk):
           "peak_gb": peak_bytes() / 1e9}
 
 
+def random_cache(cfg, B, max_len, L):
+  """A cache filled to length L with random values: MLA latents of unit scale, KDA states
+  and conv tails small (what a prefill leaves has the same shapes and no special values)."""
+  shapes = jax.eval_shape(lambda: init_cache(cfg, B, max_len))  # nothing allocated twice
+  leaves, tree = jax.tree.flatten(shapes["layers"])
+  keys = jax.random.split(jax.random.key(L), len(leaves))
+  fill = jax.jit(lambda key, shape, dtype: (
+      jax.random.normal(key, shape, dtype) * (1.0 if len(shape) == 3 else 0.1)
+      if jnp.issubdtype(dtype, jnp.floating) else jnp.ones(shape, dtype)), static_argnums=(1, 2))
+  leaves = [fill(key, x.shape, x.dtype) for key, x in zip(keys, leaves)]
+  return {"length": jnp.full((B,), L, jnp.int32), "layers": jax.tree.unflatten(tree, leaves)}
+
+
+def run_decode_only(variant, L, variables, model, jdecode, max_len):
+  B = _BATCH.value
+  cache = random_cache(model.cfg, B, max_len, L)
+  logits = jax.random.normal(jax.random.key(1), (B, model.cfg.vocab_size), jnp.float32)
+  jax.block_until_ready(cache)
+  t0 = time.perf_counter()
+  out, _, cache = jdecode(variables, cache, logits)
+  jax.block_until_ready(out)
+  decode_s = time.perf_counter() - t0
+  return {"variant": variant, "context": L, "batch": B, "prefill_s": float("nan"),
+          "prefill_tok_s": float("nan"), "decode_ms_per_token": 1e3 * decode_s / _DECODE.value,
+          "filled_cache_gb": filled_cache_bytes(cache, (L + _DECODE.value) / max_len) / 1e9,
+          "peak_gb": peak_bytes() / 1e9}
+
+
 def filled_cache_bytes(cache, fraction):
   """KDA state and conv tails in full, MLA latents for the filled fraction of positions."""
   total = 0
@@ -86,13 +118,13 @@ def filled_cache_bytes(cache, fraction):
 
 def table(rows):
   by = {(r["variant"], r["context"]): r for r in rows}
-  lines = ["| context | variant | prefill tok/s | decode ms/token | MLA+KDA cache GB ¹ | "
-           "peak GB | decode: hybrid × faster |", "|---|---|---|---|---|---|---|"]
+  lines = ["| context | batch | variant | prefill tok/s | decode ms/token | MLA+KDA cache GB ¹ | "
+           "peak GB | decode: hybrid × faster |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     other = by.get(("all_mla", r["context"]))
     ratio = (f"{other['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}"
              if r["variant"] == "hybrid" and other else "")
-    lines.append(f"| {r['context']} | {r['variant']} | {r['prefill_tok_s']:.0f} | "
+    lines.append(f"| {r['context']} | {r['batch']} | {r['variant']} | {r['prefill_tok_s']:.0f} | "
                  f"{r['decode_ms_per_token']:.3f} | {r['filled_cache_gb']:.2f} | "
                  f"{r['peak_gb']:.1f} | {ratio} |")
   return "\n".join(lines)
@@ -127,10 +159,15 @@ def main(argv):
       jdecode = jax.jit(lambda v, cache, logits: decode(
           step, v, cache, logits, jax.random.key(0), max_new=_DECODE.value, temperature=0.0,
           stop_tokens=(-1,)), donate_argnums=1)
-      t0 = time.perf_counter()  # compile both on a scratch cache
-      logits, scratch = jstep(variables, np.zeros((B, chunk), np.int32),
-                              np.ones((B, chunk), bool), init_cache(model.cfg, B, max_len))
+      t0 = time.perf_counter()  # compile on a scratch cache
+      if _DECODE_ONLY.value:
+        logits = jnp.zeros((B, 1, model.cfg.vocab_size), jnp.float32)
+        scratch = random_cache(model.cfg, B, max_len, chunk)
+      else:
+        logits, scratch = jstep(variables, np.zeros((B, chunk), np.int32),
+                                np.ones((B, chunk), bool), init_cache(model.cfg, B, max_len))
       jax.block_until_ready(jdecode(variables, scratch, logits[:, -1]))
+      del scratch
       print(f"{variant}: compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     except Exception:  # noqa: BLE001
       errors.append(f"{variant} compile:\n{traceback.format_exc()[-2000:]}")
@@ -138,7 +175,9 @@ def main(argv):
       continue
     for L in contexts:
       try:
-        rows.append(run(variant, L, variables, model, jstep, jdecode, max_len, chunk))
+        rows.append(run_decode_only(variant, L, variables, model, jdecode, max_len)
+                    if _DECODE_ONLY.value else
+                    run(variant, L, variables, model, jstep, jdecode, max_len, chunk))
         print(rows[-1], flush=True)
         save()
         if rows[-1]["prefill_s"] > _MAX_SECONDS.value:

@@ -4,8 +4,6 @@ or only MLA layers, and the KDA op alone, on the long_context_1b shapes.
   python scripts/profile_decode.py [--layers=4] [--filled=8192]
 """
 
-import glob
-import json
 import os
 
 import flax.linen as nn
@@ -20,6 +18,7 @@ from moe_jax.infer.generate import inference_model, make_step
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.kda import kda
 from scripts.timing import median_ms
+from scripts.xprof_tables import hlo_op_table
 
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
 _FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")
@@ -51,25 +50,6 @@ def step_ms(pattern, moe=True, trace=False, **model):
   return ms
 
 
-def write_xprof_tables(trace_dir):
-  """xprof's hlo_stats / kernel_stats of the trace (best effort: xprof is optional)."""
-  from xprof.convert import raw_to_tool_data
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  for tool in ("hlo_stats", "kernel_stats"):
-    data, _ = raw_to_tool_data.xspace_to_tool_data(paths, tool, {})
-    with open(os.path.join(trace_dir, f"{tool}.json"), "w" if isinstance(data, str) else "wb") as f:
-      f.write(data)
-  table = json.loads(open(os.path.join(trace_dir, "hlo_stats.json")).read())
-  cols = [c["id"] for c in table["cols"]]
-  rows = [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
-  rows.sort(key=lambda r: -(r.get("total_self_time") or 0))
-  print("\n| HLO op (KDA-only step, 5 steps) | category | n | self µs | framework op |")
-  print("|---|---|---|---|---|")
-  for r in rows[:25]:
-    print(f"| {r['hlo_op_name']} | {r['category']} | {r['occurrences']} | "
-          f"{r['total_self_time']:.0f} | {str(r['tf_op_name'])[-70:]} |")
-
-
 def kda_ms(impl, T=1):
   B, H, K = 1, 16, 64
   ks = jax.random.split(jax.random.key(0), 5)
@@ -97,7 +77,7 @@ def main(argv):
   for name, ms in rows:
     print(f"| {name} | {ms:.3f} |")
   if _TRACE.value:
-    write_xprof_tables(_TRACE.value)
+    print(hlo_op_table(_TRACE.value, "KDA-only step, 5 steps"))
 
 
 if __name__ == "__main__":

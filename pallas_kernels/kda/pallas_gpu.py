@@ -88,7 +88,8 @@ def _chunk_gates(G_ref, seg_ref):
 def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, block_k):
   """One 16-row sub-chunk a (program axis 2 = chunk·S + a) against every sub-chunk b ≤ a of
   its chunk: A_ab (strictly causal) and Aqk_ab, K contracted in `block_k` columns so
-  only [16, block_k] tiles are live. Blocks b > a are written as zeros."""
+  only [16, block_k] tiles are live. Blocks b > a are skipped (written as zeros), so the
+  exponents never see the future rows that could overflow."""
   C, K = q_ref.shape
   L, S = SUB, C // SUB
   a = pl.program_id(2) % S
@@ -96,25 +97,33 @@ def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, bloc
   seg_a = seg_ref[rows_a]
   i_LL = a * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
   for b in range(S):
-    j_LL = b * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
-    same = seg_a[:, None] == seg_ref[pl.ds(b * L, L)][None, :]
-    A_LL = jnp.zeros((L, L), F32)
-    Aqk_LL = jnp.zeros((L, L), F32)
-    for kb in range(K // block_k):
-      cols = pl.ds(kb * block_k, block_k)
-      G_a = G_ref[rows_a, cols].astype(F32)
-      G_b = G_ref[pl.ds(b * L, L), cols].astype(F32)
-      # Exponents capped so blocks above the diagonal (masked out) cannot overflow.
-      anchor = _anchor(G_ref, a, b, cols)
-      left = jnp.exp(jnp.minimum(G_a - anchor, 60.0))
-      right = jnp.exp(jnp.minimum(anchor - G_b, 60.0))
-      k_right = k_ref[pl.ds(b * L, L), cols].astype(F32) * right
-      A_LL += _dot_t(k_ref[rows_a, cols].astype(F32) * left, k_right)
-      Aqk_LL += _dot_t(q_ref[rows_a, cols].astype(F32) * left, k_right)
-    A_LL = jnp.where(same & (i_LL > j_LL), A_LL, 0.0)
-    Aqk_LL = jnp.where(same & (i_LL >= j_LL), Aqk_LL, 0.0) * scale
-    Akk_ref[:, pl.ds(b * L, L)] = A_LL.astype(Akk_ref.dtype)
-    Aqk_ref[:, pl.ds(b * L, L)] = Aqk_LL.astype(Aqk_ref.dtype)
+    blk = pl.ds(b * L, L)
+
+    @pl.when(b <= a)
+    def _tile():
+      j_LL = b * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+      same = seg_a[:, None] == seg_ref[blk][None, :]
+      A_LL = jnp.zeros((L, L), F32)
+      Aqk_LL = jnp.zeros((L, L), F32)
+      for kb in range(K // block_k):
+        cols = pl.ds(kb * block_k, block_k)
+        G_a = G_ref[rows_a, cols].astype(F32)
+        G_b = G_ref[blk, cols].astype(F32)
+        anchor = _anchor(G_ref, a, b, cols)
+        left = jnp.exp(G_a - anchor)
+        right = jnp.exp(anchor - G_b)
+        k_right = k_ref[blk, cols].astype(F32) * right
+        A_LL += _dot_t(k_ref[rows_a, cols].astype(F32) * left, k_right)
+        Aqk_LL += _dot_t(q_ref[rows_a, cols].astype(F32) * left, k_right)
+      A_LL = jnp.where(same & (i_LL > j_LL), A_LL, 0.0)
+      Aqk_LL = jnp.where(same & (i_LL >= j_LL), Aqk_LL, 0.0) * scale
+      Akk_ref[:, blk] = A_LL.astype(Akk_ref.dtype)
+      Aqk_ref[:, blk] = Aqk_LL.astype(Aqk_ref.dtype)
+
+    @pl.when(b > a)   # above the diagonal: nothing to compute
+    def _zeros():
+      Akk_ref[:, blk] = jnp.zeros((L, L), Akk_ref.dtype)
+      Aqk_ref[:, blk] = jnp.zeros((L, L), Aqk_ref.dtype)
 
 
 def _solve_kernel(A_ref, beta_ref, T_ref):

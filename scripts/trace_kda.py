@@ -1,0 +1,69 @@
+"""Where KDA's time goes, kernel by kernel: pallas_gpu under the JAX profiler (xprof's
+per-op table) and fla's chunk_kda under the torch profiler, same shape and inputs.
+
+  python scripts/trace_kda.py --shape=4x8192x16 --out=$OUT
+
+Each side runs forward and forward+backward 5 times inside its trace; the tables list the
+ops/kernels by total device time (divide by 5 for one call).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from scripts.bench_kda import fla_fns, inputs, jax_fns
+from scripts.xprof_tables import hlo_op_table
+
+_SHAPE = flags.DEFINE_string("shape", "4x8192x16", "BxTxH (K=V=128).")
+_OUT = flags.FLAGS["out"]  # defined by bench_kda: here the folder for traces and tables
+_FLA = flags.DEFINE_bool("fla", True, "Also trace fla (its backward autotunes for minutes).")
+_REPS = 5
+
+
+def trace_ours(inp, folder):
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  args = [bf(inp["q"]), bf(inp["k"]), bf(inp["v"]), bf(inp["x"]), bf(inp["beta"]),
+          jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
+  fwd, fwd_bwd = jax_fns("pallas_gpu")
+  for name, fn, a in (("fwd", fwd, args), ("fwd_bwd", fwd_bwd, args + [bf(inp["do"])])):
+    jax.block_until_ready(fn(*a))
+    d = os.path.join(folder, f"pallas_gpu_{name}")
+    with jax.profiler.trace(d):
+      for _ in range(_REPS):
+        jax.block_until_ready(fn(*a))
+    print(hlo_op_table(d, f"pallas_gpu {name}, {_REPS} calls"), flush=True)
+
+
+def trace_fla(inp):
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  f, fb = fla_fns(inp)
+  for name, fn in (("fwd", f), ("fwd_bwd", fb)):
+    for _ in range(3):
+      fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+      for _ in range(_REPS):
+        fn()
+      torch.cuda.synchronize()
+    print(f"\nfla {name}, {_REPS} calls")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60),
+          flush=True)
+
+
+def main(argv):
+  del argv
+  B, T, H = map(int, _SHAPE.value.split("x"))
+  inp = inputs(B, T, H)
+  trace_ours(inp, _OUT.value or "/tmp/trace_kda")
+  if _FLA.value:
+    try:
+      trace_fla(inp)
+    except Exception as e:  # noqa: BLE001 — fla is optional
+      print(f"fla not traced: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)
