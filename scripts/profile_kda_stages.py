@@ -1,4 +1,5 @@
-"""Where pallas_gpu's KDA time goes: each stage timed alone, under a few launch knobs.
+"""Where pallas_gpu's KDA time goes: each stage timed alone, under a few kernel knobs
+(fused or separate stage-1 kernels, warps, block sizes).
 
   python scripts/profile_kda_stages.py --shape=1x8192x16
 
@@ -45,12 +46,17 @@ def main(argv):
       q, k, v, g, beta, reset, C)
   S0 = jnp.zeros((B, H, 128, 128), jnp.float32)
   rows = []
-  for intra_warps, rec_warps, bv in [(4, 4, 32), (8, 4, 64), (2, 8, 128)][:_VARIANTS.value]:
-    P.INTRA_WARPS, P.RECURRENCE_WARPS, P.BLOCK_V = intra_warps, rec_warps, bv
+  knobs = [  # (fused stage 1, stage-1 warps, recurrence warps, BLOCK_V, BWD_BLOCK_K)
+      (True, 4, 4, 32, 32), (False, 4, 4, 32, 32), (True, 4, 4, 32, 16), (True, 8, 4, 32, 32)]
+  for fused, intra_warps, rec_warps, bv, bwd_bk in knobs[:_VARIANTS.value]:
+    P.FUSED_INTRA, P.INTRA_WARPS, P.RECURRENCE_WARPS = fused, intra_warps, rec_warps
+    P.BLOCK_V, P.BWD_BLOCK_K = bv, bwd_bk
     intra = jax.jit(lambda *a: P.intra_pallas(*a, scale=scale, chunk_size=C, interpret=False)[0])
     try:
       st = intra(q, k, v, G, beta, seg)
-    except Exception:  # still time the recurrence on the XLA stage-1 outputs
+    except Exception as e:  # still time the recurrence on the XLA stage-1 outputs
+      print(f"stage 1 failed ({type(e).__name__}: {str(e)[:300]}); recurrence on XLA's",
+            flush=True)
       st = P._intra_xla(q, k, v, G, beta, seg, scale, C)
     rec = jax.jit(lambda st, S0: P._recurrence_call(st, S0, chunk_size=C, with_states=False,
                                                     interpret=False))
@@ -65,7 +71,8 @@ def main(argv):
       return P.intra_bwd_pallas(q, k, v, G, beta, seg, A, T, st, scale=scale, chunk_size=C,
                                 interpret=False)
 
-    row = {"knobs": f"intra_warps={intra_warps} rec_warps={rec_warps} BV={bv}"}
+    row = {"knobs": f"fused={fused} intra_warps={intra_warps} rec_warps={rec_warps} BV={bv} "
+                    f"bwd_BK={bwd_bk}"}
     for name, fn, args in [("intra", intra, (q, k, v, G, beta, seg)),
                            ("intra fwd+bwd", jax.jit(intra_bwd), (q, k, v, G, beta, st)),
                            ("recurrence", rec, (st, S0)),

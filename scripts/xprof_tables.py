@@ -23,4 +23,15 @@ def hlo_op_table(trace_dir: str, title: str, top: int = 25) -> str:
   for r in rows[:top]:
     lines.append(f"| {r['hlo_op_name']} | {r['category']} | {r['occurrences']} | "
                  f"{r['total_self_time']:.0f} | {str(r['tf_op_name'])[-70:]} |")
+  # Per kernel as well: hlo_stats can come back empty on GPU (seen for Pallas-only programs).
+  table = json.loads(open(os.path.join(trace_dir, "kernel_stats.json")).read())
+  cols = [c["id"] for c in table["cols"]]
+  rows = [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
+  rows.sort(key=lambda r: -float(r.get("total_duration_us") or 0))
+  lines += ["", f"| kernel ({title}) | n | total µs | regs/thread | occupancy % | grid |",
+            "|---|---|---|---|---|---|"]
+  for r in rows[:top]:
+    lines.append(f"| {str(r['kernel_name'])[:60]} | {r['occurrences']} | "
+                 f"{float(r['total_duration_us']):.0f} | {r['registers_per_thread']} | "
+                 f"{r['occupancy_pct']} | {r['grid_dim']} |")
   return "\n".join(lines)

@@ -157,6 +157,85 @@ def _wu_kernel(T_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   decay_ref[...] = decay.reshape(-1).astype(decay_ref.dtype)
 
 
+def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
+                        W_ref, U0_ref, Qg_ref, Kd_ref, decay_ref, Aqk_ref, A_ref, T_ref,
+                        *, scale, block_k, block_v):
+  """All of stage 1 for one chunk in one program: the anchored tiles of A and Aqk, the
+  solve, then W, U0, Qg, Kd and the decay. K and V are visited in column blocks, so what
+  is live is [16, block] operand tiles plus the 4×4 grids of [16, 16] A / Aqk / T tiles;
+  A and T also go out (the backward pass keeps them)."""
+  C, K = q_ref.shape
+  V = v_ref.shape[1]
+  L, S = SUB, C // SUB
+  rows = [pl.ds(a * L, L) for a in range(S)]
+  seg = [seg_ref[rows[a]] for a in range(S)]
+  beta = [beta_ref[rows[a]].astype(F32)[:, None] for a in range(S)]
+  i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
+  j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+  load = lambda ref, a, cols: ref[rows[a], cols].astype(F32)
+
+  # 1. Tiles (b ≤ a), anchored as in reference._sub_chunk_decays: the last row of b below
+  #    the diagonal (both factors ≤ 1), the middle row of a on it (both within e^±40).
+  A, Aqk = {}, {}
+  for kb in range(K // block_k):
+    cols = pl.ds(kb * block_k, block_k)
+    G = [load(G_ref, a, cols) for a in range(S)]
+    k = [load(k_ref, a, cols) for a in range(S)]
+    q = [load(q_ref, a, cols) for a in range(S)]
+    for b in range(S):
+      for a in range(b, S):
+        anchor = G_ref[pl.ds(a * L + L // 2 if a == b else b * L + L - 1, 1), cols].astype(F32)
+        left, k_right = jnp.exp(G[a] - anchor), k[b] * jnp.exp(anchor - G[b])
+        A_ab, Aqk_ab = _dot_t(k[a] * left, k_right), _dot_t(q[a] * left, k_right)
+        A[a, b] = A_ab if kb == 0 else A[a, b] + A_ab
+        Aqk[a, b] = Aqk_ab if kb == 0 else Aqk[a, b] + Aqk_ab
+  for a in range(S):
+    for b in range(S):
+      blk = pl.ds(b * L, L)
+      if b > a:
+        A_ref[rows[a], blk] = jnp.zeros((L, L), A_ref.dtype)
+        Aqk_ref[rows[a], blk] = jnp.zeros((L, L), Aqk_ref.dtype)
+        continue
+      same = seg[a][:, None] == seg[b][None, :]
+      A[a, b] = jnp.where(same & (i_LL > j_LL) if a == b else same, A[a, b], 0.0)
+      Aqk_ab = jnp.where(same & (i_LL >= j_LL) if a == b else same, Aqk[a, b], 0.0) * scale
+      A_ref[rows[a], blk] = A[a, b].astype(A_ref.dtype)
+      Aqk_ref[rows[a], blk] = Aqk_ab.astype(Aqk_ref.dtype)
+
+  # 2. T = (I + Diag(β)A)^-1 block by block (as _solve_kernel).
+  T = {}
+  for a in range(S):
+    T[a, a] = _inv_unit_lower(beta[a] * A[a, a])
+    for b in range(a):
+      T[a, b] = -_dot(T[a, a], sum(_dot(beta[a] * A[a, c], T[c, b]) for c in range(b, a)))
+    for b in range(S):
+      T_ref[rows[a], pl.ds(b * L, L)] = (
+          T[a, b] if b <= a else jnp.zeros((L, L), F32)).astype(T_ref.dtype)
+
+  # 3. W = T·Diag(β)(K⊙Γ), Qg, Kd, decay per K block; U0 = T·Diag(β)V per V block.
+  seg_end = seg_ref[pl.ds(C - 1, 1)]
+  for kb in range(K // block_k):
+    cols = pl.ds(kb * block_k, block_k)
+    G_end = G_ref[pl.ds(C - 1, 1), cols].astype(F32)
+    X = []
+    for a in range(S):
+      G_a, k_a = load(G_ref, a, cols), load(k_ref, a, cols)
+      gamma = jnp.where((seg[a] == 0)[:, None], jnp.exp(G_a), 0.0)
+      to_end = jnp.where((seg[a] == seg_end)[:, None], jnp.exp(G_end - G_a), 0.0)
+      Qg_ref[rows[a], cols] = (load(q_ref, a, cols) * gamma * scale).astype(Qg_ref.dtype)
+      Kd_ref[rows[a], cols] = (k_a * to_end).astype(Kd_ref.dtype)
+      X.append(beta[a] * k_a * gamma)
+    for a in range(S):
+      W_ref[rows[a], cols] = sum(_dot(T[a, b], X[b]) for b in range(a + 1)).astype(W_ref.dtype)
+    decay_ref[cols] = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0).reshape(-1).astype(
+        decay_ref.dtype)
+  for vb in range(V // block_v):
+    cols = pl.ds(vb * block_v, block_v)
+    Y = [beta[b] * load(v_ref, b, cols) for b in range(S)]
+    for a in range(S):
+      U0_ref[rows[a], cols] = sum(_dot(T[a, b], Y[b]) for b in range(a + 1)).astype(U0_ref.dtype)
+
+
 def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
                    dW_ref, dU0_ref, dQg_ref, dKd_ref, ddecay_ref,
                    dA_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, *, scale):
@@ -231,6 +310,112 @@ def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk
       dG_ref[pl.ds(a * L, L), cols] = dG[a].astype(dG_ref.dtype)
 
 
+def _intra_bwd_fused_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
+                            dW_ref, dU0_ref, dQg_ref, dKd_ref, ddecay_ref, dAqk_ref,
+                            dq_ref, dk_ref, dv_ref, dG_ref, dbeta_ref,
+                            *, scale, block_k, block_v):
+  """All of stage 1's backward for one chunk in one program, on [16, 16] tiles of the
+  lower triangle (upper tiles of T and A are zero, and so is their effect):
+    1. dT_ab = Σ dW_a X_bᵀ + dU0_a Y_bᵀ over K and V blocks (X = β k Γ, Y = β v);
+    2. dL = -Tᵀ (dT Tᵀ), dA = β dL on A's support, dβ += rowsum(dL ⊙ A);
+    3. per K block: dX = Tᵀ dW and the Qg / Kd / decay terms (as _wu_bwd_kernel) plus the
+       anchored tiles transposed (as _tiles_bwd_kernel), summed and written once;
+    4. per V block: dY = Tᵀ dU0, dv = β dY, dβ += rowsum(dY ⊙ v)."""
+  C, K = q_ref.shape
+  V = v_ref.shape[1]
+  L, S = SUB, C // SUB
+  rows = [pl.ds(a * L, L) for a in range(S)]
+  seg = [seg_ref[rows[a]] for a in range(S)]
+  beta = [beta_ref[rows[a]].astype(F32)[:, None] for a in range(S)]
+  seg_end = seg_ref[pl.ds(C - 1, 1)]
+  i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
+  j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
+  last_L1 = jax.lax.broadcasted_iota(jnp.int32, (L, 1), 0) == L - 1
+  load = lambda ref, a, cols: ref[rows[a], cols].astype(F32)
+  tile = lambda ref, a, b: ref[rows[a], pl.ds(b * L, L)].astype(F32)
+  lower = [(a, b) for a in range(S) for b in range(a + 1)]
+  T = {ab: tile(T_ref, *ab) for ab in lower}
+
+  # 1. dT on the lower tiles.
+  dT = {ab: jnp.zeros((L, L), F32) for ab in lower}
+  for kb in range(K // block_k):
+    cols = pl.ds(kb * block_k, block_k)
+    dW = [load(dW_ref, a, cols) for a in range(S)]
+    X = [beta[b] * load(k_ref, b, cols) * jnp.where((seg[b] == 0)[:, None],
+                                                    jnp.exp(load(G_ref, b, cols)), 0.0)
+         for b in range(S)]
+    for a, b in lower:
+      dT[a, b] += _dot_t(dW[a], X[b])
+  for vb in range(V // block_v):
+    cols = pl.ds(vb * block_v, block_v)
+    dU0 = [load(dU0_ref, a, cols) for a in range(S)]
+    Y = [beta[b] * load(v_ref, b, cols) for b in range(S)]
+    for a, b in lower:
+      dT[a, b] += _dot_t(dU0[a], Y[b])
+
+  # 2. dL = -Tᵀ M with M = dT Tᵀ (M_cb for c ≥ b), then dA and dβ's A term.
+  M = {(c, b): sum(_dot_t(dT[c, d], T[b, d]) for d in range(b + 1))
+       for b in range(S) for c in range(b, S)}
+  dA, dbeta = {}, [jnp.zeros((L,), F32) for _ in range(S)]
+  for a, b in lower:
+    dL = -sum(_t_dot(T[c, a], M[c, b]) for c in range(a, S))
+    same = seg[a][:, None] == seg[b][None, :]
+    dA[a, b] = jnp.where(same & (i_LL > j_LL) if a == b else same, beta[a] * dL, 0.0)
+    dbeta[a] += jnp.sum(dL * tile(A_ref, a, b), axis=1)
+
+  # 3. Per K block: W/Qg/Kd/decay terms, then the tiles' transposes; one write each.
+  for kb in range(K // block_k):
+    cols = pl.ds(kb * block_k, block_k)
+    G = [load(G_ref, a, cols) for a in range(S)]
+    k = [load(k_ref, a, cols) for a in range(S)]
+    q = [load(q_ref, a, cols) for a in range(S)]
+    G_end = G_ref[pl.ds(C - 1, 1), cols].astype(F32)
+    dq, dk, dG = [], [], []
+    P_sum = jnp.zeros((1, block_k), F32)
+    for b in range(S):
+      dW_T = sum(_t_dot(T[a, b], load(dW_ref, a, cols)) for a in range(b, S))   # (Tᵀ dW)_b
+      gamma = jnp.where((seg[b] == 0)[:, None], jnp.exp(G[b]), 0.0)
+      to_end = jnp.where((seg[b] == seg_end)[:, None], jnp.exp(G_end - G[b]), 0.0)
+      dQg, dKd = load(dQg_ref, b, cols), load(dKd_ref, b, cols)
+      P = dKd * k[b] * to_end                                 # d/dG of Kd = k e^{G_end - G}
+      P_sum += jnp.sum(P, axis=0, keepdims=True)
+      dbeta[b] += jnp.sum(dW_T * k[b] * gamma, axis=1)
+      dq.append(dQg * scale * gamma)
+      dk.append(dW_T * beta[b] * gamma + dKd * to_end)
+      dG.append((dW_T * beta[b] * k[b] + dQg * scale * q[b]) * gamma - P)
+    decay = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0)
+    dG_end = P_sum + ddecay_ref[cols].reshape(1, -1).astype(F32) * decay
+    dG[S - 1] = dG[S - 1] + jnp.where(last_L1, dG_end, 0.0)
+    for a, b in lower:
+      anchor = G_ref[pl.ds(a * L + L // 2 if a == b else b * L + L - 1, 1), cols].astype(F32)
+      left, right = jnp.exp(G[a] - anchor), jnp.exp(anchor - G[b])
+      kl, ql, kr = k[a] * left, q[a] * left, k[b] * right
+      same = seg[a][:, None] == seg[b][None, :]
+      dAqk = jnp.where(same & (i_LL >= j_LL) if a == b else same,
+                       tile(dAqk_ref, a, b), 0.0) * scale
+      d_kl, d_ql = _dot(dA[a, b], kr), _dot(dAqk, kr)
+      d_kr = _t_dot(dA[a, b], kl) + _t_dot(dAqk, ql)
+      dk[a] += d_kl * left
+      dq[a] += d_ql * left
+      dG[a] += d_kl * kl + d_ql * ql
+      dk[b] += d_kr * right
+      dG[b] -= d_kr * kr
+    for a in range(S):
+      dq_ref[rows[a], cols] = dq[a].astype(dq_ref.dtype)
+      dk_ref[rows[a], cols] = dk[a].astype(dk_ref.dtype)
+      dG_ref[rows[a], cols] = dG[a].astype(dG_ref.dtype)
+
+  # 4. Per V block.
+  for vb in range(V // block_v):
+    cols = pl.ds(vb * block_v, block_v)
+    for b in range(S):
+      dY = sum(_t_dot(T[a, b], load(dU0_ref, a, cols)) for a in range(b, S))
+      dv_ref[rows[b], cols] = (beta[b] * dY).astype(dv_ref.dtype)
+      dbeta[b] += jnp.sum(dY * load(v_ref, b, cols), axis=1)
+  for a in range(S):
+    dbeta_ref[rows[a]] = dbeta[a].astype(dbeta_ref.dtype)
+
+
 def _recurrence_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, S0_ref,
                        O_ref, S_ref, *states_ref, chunk_size):
   C = chunk_size
@@ -288,15 +473,18 @@ def _params(num_warps, num_stages, interpret):
 
 
 # Launch knobs (tuned by scripts/profile_kda_stages.py on the H200).
+FUSED_INTRA = True   # stage 1 as one kernel per chunk (else tiles, solve, W/U as three)
 BLOCK_K = 32
+BWD_BLOCK_K = 32     # K / V columns per step of the fused stage-1 backward
 INTRA_WARPS = 4
 RECURRENCE_WARPS = 4
-BLOCK_V = 32
+BLOCK_V = 32         # V columns per recurrence program; the forward-only call widens it
+WIDE_BLOCK_V = 64    # ... to this when the grid at BLOCK_V would not fit in one wave
 
 
 def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
-  """Stage 1 as three Pallas kernels: (outputs of reference.chunk_intra(bounded=True),
-  A, T), the last two kept for the backward pass."""
+  """Stage 1: (outputs of reference.chunk_intra(bounded=True), A, T), the last two kept
+  for the backward pass. One fused kernel (FUSED_INTRA) or three."""
   B, Tp, H, K = q.shape
   V = v.shape[-1]
   C, N = chunk_size, Tp // chunk_size
@@ -305,6 +493,23 @@ def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
   chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
   chunk_1d = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
   chunk_seg = pl.BlockSpec((None, C), lambda b, h, n: (b, n))
+  rows = lambda D, dtype: jax.ShapeDtypeStruct((B, Tp, H, D), dtype)
+  decay_spec = pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))
+  if FUSED_INTRA:
+    W, U0, Qg, Kd, decay, Aqk, A, T = pl.pallas_call(
+        functools.partial(_intra_fused_kernel, scale=scale, block_k=min(K, BLOCK_K),
+                          block_v=min(V, BLOCK_K)),
+        grid=(B, H, N),
+        in_specs=[chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d, chunk_seg],
+        out_specs=[chunk(K), chunk(V), chunk(K), chunk(K), decay_spec, chunk(C), chunk(C),
+                   chunk(C)],
+        out_shape=[rows(K, dt), rows(V, dt), rows(K, dt), rows(K, dt),
+                   jax.ShapeDtypeStruct((B, N, H, K), F32), rows(C, dt), rows(C, F32),
+                   rows(C, F32)],
+        interpret=interpret, name="kda_intra_fused",
+        compiler_params=_params(INTRA_WARPS, 1, interpret),
+    )(q, k, v, G, beta, seg)
+    return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
 
   # Program r = n·S + a reads chunk n whole and writes rows a of it.
   in_chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, r: (b, r // S, h, 0))
@@ -338,7 +543,8 @@ def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
 
 
 def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
-  """Cotangents (dq, dk, dv, dG, dβ) of stage 1 from those of its outputs, two kernels."""
+  """Cotangents (dq, dk, dv, dG, dβ) of stage 1 from those of its outputs: one fused
+  kernel (FUSED_INTRA) or two."""
   B, Tp, H, K = q.shape
   V = v.shape[-1]
   C, N = chunk_size, Tp // chunk_size
@@ -346,6 +552,21 @@ def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, in
   chunk_1d = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
   chunk_seg = pl.BlockSpec((None, C), lambda b, h, n: (b, n))
   rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), F32)
+  decay_spec = pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))
+  if FUSED_INTRA:
+    dq, dk, dv, dG, dbeta = pl.pallas_call(
+        functools.partial(_intra_bwd_fused_kernel, scale=scale, block_k=min(K, BWD_BLOCK_K),
+                          block_v=min(V, BWD_BLOCK_K)),
+        grid=(B, H, N),
+        in_specs=[chunk(C), chunk(C), chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d,
+                  chunk_seg, chunk(K), chunk(V), chunk(K), chunk(K), decay_spec, chunk(C)],
+        out_specs=[chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d],
+        out_shape=[rows(K), rows(K), rows(V), rows(K), jax.ShapeDtypeStruct((B, Tp, H), F32)],
+        interpret=interpret, name="kda_intra_bwd_fused",
+        compiler_params=_params(INTRA_WARPS, 1, interpret),
+    )(T, A, q, k, v, G, beta, seg, d_st["W"], d_st["U0"], d_st["Qg"], d_st["Kd"],
+      d_st["decay"], d_st["Aqk"])
+    return dq, dk, dv, dG, dbeta
   dA, dq0, dk0, dv, dbeta, dG0 = pl.pallas_call(
       functools.partial(_wu_bwd_kernel, scale=scale),
       grid=(B, H, N),
@@ -368,18 +589,30 @@ def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, in
   return dq0 + dq1, dk0 + dk1, dv, dG0 + dG1, dbeta
 
 
-def _block_v(V):
+def _num_sms():
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def _block_v(B, H, V, with_states):
+  """BLOCK_V, or WIDE_BLOCK_V for the forward-only call when B·H·V/BLOCK_V programs exceed
+  one wave: each program walks the whole sequence, so fewer, wider programs finish first
+  (H200, 4×8192×16: 0.69 ms at 64 vs 1.20 ms at 32; at 1×8192×16, one wave, 32 is faster).
+  The backward and the chunk-state call stay at BLOCK_V (64 exceeds shared memory)."""
+  if not with_states and B * H * pl.cdiv(V, BLOCK_V) > _num_sms():
+    return min(V, WIDE_BLOCK_V)
   return min(V, BLOCK_V)
 
 
 def _recurrence_call(st, S0, *, chunk_size, with_states, interpret):
   B, Tp, H, K = st["W"].shape
   V = st["U0"].shape[-1]
-  C, N, BV = chunk_size, Tp // chunk_size, _block_v(V)
+  C, N, BV = chunk_size, Tp // chunk_size, _block_v(B, H, V, with_states)
   full = lambda D: pl.BlockSpec((None, Tp, None, D), lambda b, h, j: (b, 0, h, 0))
   vblk = pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j))
   state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
-  out_shape = [jax.ShapeDtypeStruct((B, Tp, H, V), F32), jax.ShapeDtypeStruct((B, H, K, V), F32)]
+  # O in the inputs' dtype: one rounding, as a cast after the kernel would do.
+  out_shape = [jax.ShapeDtypeStruct((B, Tp, H, V), st["U0"].dtype),
+               jax.ShapeDtypeStruct((B, H, K, V), F32)]
   out_specs = [vblk, state]
   if with_states:
     out_shape.append(jax.ShapeDtypeStruct((B, H, N, K, V), F32))
@@ -397,7 +630,7 @@ def _recurrence_call(st, S0, *, chunk_size, with_states, interpret):
 def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
   B, Tp, H, K = st["W"].shape
   V = st["U0"].shape[-1]
-  C, N, BV = chunk_size, Tp // chunk_size, _block_v(V)
+  C, N, BV = chunk_size, Tp // chunk_size, _block_v(B, H, V, with_states=True)
   J = V // BV
   full = lambda D: pl.BlockSpec((None, Tp, None, D), lambda b, h, j: (b, 0, h, 0))
   vblk = pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j))
@@ -429,7 +662,8 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def recurrence(st, S0, chunk_size, interpret):
-  """Stage 2 with a Pallas forward and backward. Returns (o fp32 [B,Tp,H,V], S fp32)."""
+  """Stage 2 with a Pallas forward and backward. Returns (o [B,Tp,H,V] in the stage-1
+  dtype, S fp32)."""
   O, S = _recurrence_call(st, S0, chunk_size=chunk_size, with_states=False, interpret=interpret)
   return O, S
 
