@@ -116,7 +116,7 @@ def test_pallas_long_sequence_fp32():
 
 
 def test_fused_stage1_equals_separate_kernels(monkeypatch):
-  """The one-kernel stage 1 (default) and the tiles/solve/W-U kernels give the same
+  """The one-kernel stage 1 (FUSED_INTRA) and the tiles/solve/W-U kernels give the same
   stage-1 tensors, and their backward kernels the same cotangents, with a document
   boundary and padding inside a chunk."""
   from pallas_kernels.kda import pallas_gpu

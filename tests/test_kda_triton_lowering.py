@@ -25,6 +25,7 @@ def h200(monkeypatch):
                                                        (64, 32, 200, True, False)])
 def test_forward_and_backward_lower_to_triton(h200, monkeypatch, K, V, T, with_segments, fused):
   monkeypatch.setattr(pallas_gpu, "FUSED_INTRA", fused)
+  jax.clear_caches()   # custom_vjp traces are cached: the switch must be seen
   B, H = 1, 2
   bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
   seg = jnp.ones((B, T), jnp.int32) if with_segments else None

@@ -18,6 +18,11 @@ Stage 2 (reference.chunk_recurrence):
 Backward: stage 1 by _wu_bwd_kernel (solve and W/U0 terms, grid (B, H, N)) and
 _tiles_bwd_kernel (the anchored tiles transposed); stage 2 by the recurrence kernels (chunk
 states recomputed, not stored by the forward). A and T are kept from stage 1's forward.
+
+FUSED_INTRA (off, see there) swaps stage 1 for one kernel per chunk each way,
+_intra_fused_kernel and _intra_bwd_fused_kernel: the same math on [16, 16] tiles of the
+lower triangle with K and V in column blocks, nothing round-tripping through memory but
+what the backward keeps.
 """
 
 import functools
@@ -157,13 +162,25 @@ def _wu_kernel(T_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   decay_ref[...] = decay.reshape(-1).astype(decay_ref.dtype)
 
 
+def _col_loop(n_blocks, block, body, carry):
+  """body(cols, carry) over `n_blocks` column blocks of width `block`, as a rolled loop:
+  the kernel's code (and its compile time) stays the same size whatever K and V are."""
+  return jax.lax.fori_loop(
+      0, n_blocks, lambda i, c: body(pl.ds(pl.multiple_of(i * block, block), block), c), carry)
+
+
+def _lower_tiles(S):
+  """(a, b) for the lower-triangular grid of 16×16 tiles, b ≤ a."""
+  return [(a, b) for a in range(S) for b in range(a + 1)]
+
+
 def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
                         W_ref, U0_ref, Qg_ref, Kd_ref, decay_ref, Aqk_ref, A_ref, T_ref,
                         *, scale, block_k, block_v):
   """All of stage 1 for one chunk in one program: the anchored tiles of A and Aqk, the
   solve, then W, U0, Qg, Kd and the decay. K and V are visited in column blocks, so what
-  is live is [16, block] operand tiles plus the 4×4 grids of [16, 16] A / Aqk / T tiles;
-  A and T also go out (the backward pass keeps them)."""
+  is live is [16, block] operand tiles plus the lower-triangular [16, 16] A / Aqk / T
+  tiles; A and T also go out (the backward pass keeps them)."""
   C, K = q_ref.shape
   V = v_ref.shape[1]
   L, S = SUB, C // SUB
@@ -173,34 +190,35 @@ def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
   j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
   load = lambda ref, a, cols: ref[rows[a], cols].astype(F32)
+  lower = _lower_tiles(S)
 
   # 1. Tiles (b ≤ a), anchored as in reference._sub_chunk_decays: the last row of b below
   #    the diagonal (both factors ≤ 1), the middle row of a on it (both within e^±40).
-  A, Aqk = {}, {}
-  for kb in range(K // block_k):
-    cols = pl.ds(kb * block_k, block_k)
+  def tiles(cols, acc):
     G = [load(G_ref, a, cols) for a in range(S)]
     k = [load(k_ref, a, cols) for a in range(S)]
     q = [load(q_ref, a, cols) for a in range(S)]
-    for b in range(S):
-      for a in range(b, S):
-        anchor = G_ref[pl.ds(a * L + L // 2 if a == b else b * L + L - 1, 1), cols].astype(F32)
-        left, k_right = jnp.exp(G[a] - anchor), k[b] * jnp.exp(anchor - G[b])
-        A_ab, Aqk_ab = _dot_t(k[a] * left, k_right), _dot_t(q[a] * left, k_right)
-        A[a, b] = A_ab if kb == 0 else A[a, b] + A_ab
-        Aqk[a, b] = Aqk_ab if kb == 0 else Aqk[a, b] + Aqk_ab
+    A_acc, Aqk_acc = [], []
+    for (a, b), A_ab, Aqk_ab in zip(lower, *acc):
+      anchor = G_ref[pl.ds(a * L + L // 2 if a == b else b * L + L - 1, 1), cols].astype(F32)
+      left, k_right = jnp.exp(G[a] - anchor), k[b] * jnp.exp(anchor - G[b])
+      A_acc.append(A_ab + _dot_t(k[a] * left, k_right))
+      Aqk_acc.append(Aqk_ab + _dot_t(q[a] * left, k_right))
+    return tuple(A_acc), tuple(Aqk_acc)
+
+  zeros = tuple(jnp.zeros((L, L), F32) for _ in lower)
+  A_acc, Aqk_acc = _col_loop(K // block_k, block_k, tiles, (zeros, zeros))
+  A = {}
+  for (a, b), A_ab, Aqk_ab in zip(lower, A_acc, Aqk_acc):
+    same = seg[a][:, None] == seg[b][None, :]
+    A[a, b] = jnp.where(same & (i_LL > j_LL) if a == b else same, A_ab, 0.0)
+    Aqk_ab = jnp.where(same & (i_LL >= j_LL) if a == b else same, Aqk_ab, 0.0) * scale
+    A_ref[rows[a], pl.ds(b * L, L)] = A[a, b].astype(A_ref.dtype)
+    Aqk_ref[rows[a], pl.ds(b * L, L)] = Aqk_ab.astype(Aqk_ref.dtype)
   for a in range(S):
-    for b in range(S):
-      blk = pl.ds(b * L, L)
-      if b > a:
-        A_ref[rows[a], blk] = jnp.zeros((L, L), A_ref.dtype)
-        Aqk_ref[rows[a], blk] = jnp.zeros((L, L), Aqk_ref.dtype)
-        continue
-      same = seg[a][:, None] == seg[b][None, :]
-      A[a, b] = jnp.where(same & (i_LL > j_LL) if a == b else same, A[a, b], 0.0)
-      Aqk_ab = jnp.where(same & (i_LL >= j_LL) if a == b else same, Aqk[a, b], 0.0) * scale
-      A_ref[rows[a], blk] = A[a, b].astype(A_ref.dtype)
-      Aqk_ref[rows[a], blk] = Aqk_ab.astype(Aqk_ref.dtype)
+    for b in range(a + 1, S):
+      A_ref[rows[a], pl.ds(b * L, L)] = jnp.zeros((L, L), A_ref.dtype)
+      Aqk_ref[rows[a], pl.ds(b * L, L)] = jnp.zeros((L, L), Aqk_ref.dtype)
 
   # 2. T = (I + Diag(β)A)^-1 block by block (as _solve_kernel).
   T = {}
@@ -214,8 +232,8 @@ def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
 
   # 3. W = T·Diag(β)(K⊙Γ), Qg, Kd, decay per K block; U0 = T·Diag(β)V per V block.
   seg_end = seg_ref[pl.ds(C - 1, 1)]
-  for kb in range(K // block_k):
-    cols = pl.ds(kb * block_k, block_k)
+
+  def w_block(cols, carry):
     G_end = G_ref[pl.ds(C - 1, 1), cols].astype(F32)
     X = []
     for a in range(S):
@@ -229,11 +247,16 @@ def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
       W_ref[rows[a], cols] = sum(_dot(T[a, b], X[b]) for b in range(a + 1)).astype(W_ref.dtype)
     decay_ref[cols] = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0).reshape(-1).astype(
         decay_ref.dtype)
-  for vb in range(V // block_v):
-    cols = pl.ds(vb * block_v, block_v)
+    return carry
+
+  def u_block(cols, carry):
     Y = [beta[b] * load(v_ref, b, cols) for b in range(S)]
     for a in range(S):
       U0_ref[rows[a], cols] = sum(_dot(T[a, b], Y[b]) for b in range(a + 1)).astype(U0_ref.dtype)
+    return carry
+
+  _col_loop(K // block_k, block_k, w_block, 0)
+  _col_loop(V // block_v, block_v, u_block, 0)
 
 
 def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
@@ -333,25 +356,25 @@ def _intra_bwd_fused_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, 
   last_L1 = jax.lax.broadcasted_iota(jnp.int32, (L, 1), 0) == L - 1
   load = lambda ref, a, cols: ref[rows[a], cols].astype(F32)
   tile = lambda ref, a, b: ref[rows[a], pl.ds(b * L, L)].astype(F32)
-  lower = [(a, b) for a in range(S) for b in range(a + 1)]
+  lower = _lower_tiles(S)
   T = {ab: tile(T_ref, *ab) for ab in lower}
 
   # 1. dT on the lower tiles.
-  dT = {ab: jnp.zeros((L, L), F32) for ab in lower}
-  for kb in range(K // block_k):
-    cols = pl.ds(kb * block_k, block_k)
+  def dT_k(cols, dT):
     dW = [load(dW_ref, a, cols) for a in range(S)]
     X = [beta[b] * load(k_ref, b, cols) * jnp.where((seg[b] == 0)[:, None],
                                                     jnp.exp(load(G_ref, b, cols)), 0.0)
          for b in range(S)]
-    for a, b in lower:
-      dT[a, b] += _dot_t(dW[a], X[b])
-  for vb in range(V // block_v):
-    cols = pl.ds(vb * block_v, block_v)
+    return tuple(d + _dot_t(dW[a], X[b]) for (a, b), d in zip(lower, dT))
+
+  def dT_v(cols, dT):
     dU0 = [load(dU0_ref, a, cols) for a in range(S)]
     Y = [beta[b] * load(v_ref, b, cols) for b in range(S)]
-    for a, b in lower:
-      dT[a, b] += _dot_t(dU0[a], Y[b])
+    return tuple(d + _dot_t(dU0[a], Y[b]) for (a, b), d in zip(lower, dT))
+
+  dT = tuple(jnp.zeros((L, L), F32) for _ in lower)
+  dT = _col_loop(V // block_v, block_v, dT_v, _col_loop(K // block_k, block_k, dT_k, dT))
+  dT = dict(zip(lower, dT))
 
   # 2. dL = -Tᵀ M with M = dT Tᵀ (M_cb for c ≥ b), then dA and dβ's A term.
   M = {(c, b): sum(_dot_t(dT[c, d], T[b, d]) for d in range(b + 1))
@@ -364,8 +387,8 @@ def _intra_bwd_fused_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, 
     dbeta[a] += jnp.sum(dL * tile(A_ref, a, b), axis=1)
 
   # 3. Per K block: W/Qg/Kd/decay terms, then the tiles' transposes; one write each.
-  for kb in range(K // block_k):
-    cols = pl.ds(kb * block_k, block_k)
+  def k_block(cols, dbeta):
+    dbeta = list(dbeta)
     G = [load(G_ref, a, cols) for a in range(S)]
     k = [load(k_ref, a, cols) for a in range(S)]
     q = [load(q_ref, a, cols) for a in range(S)]
@@ -404,14 +427,19 @@ def _intra_bwd_fused_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, 
       dq_ref[rows[a], cols] = dq[a].astype(dq_ref.dtype)
       dk_ref[rows[a], cols] = dk[a].astype(dk_ref.dtype)
       dG_ref[rows[a], cols] = dG[a].astype(dG_ref.dtype)
+    return tuple(dbeta)
 
   # 4. Per V block.
-  for vb in range(V // block_v):
-    cols = pl.ds(vb * block_v, block_v)
+  def v_block(cols, dbeta):
+    dbeta = list(dbeta)
     for b in range(S):
       dY = sum(_t_dot(T[a, b], load(dU0_ref, a, cols)) for a in range(b, S))
       dv_ref[rows[b], cols] = (beta[b] * dY).astype(dv_ref.dtype)
       dbeta[b] += jnp.sum(dY * load(v_ref, b, cols), axis=1)
+    return tuple(dbeta)
+
+  dbeta = _col_loop(K // block_k, block_k, k_block, tuple(dbeta))
+  dbeta = _col_loop(V // block_v, block_v, v_block, dbeta)
   for a in range(S):
     dbeta_ref[rows[a]] = dbeta[a].astype(dbeta_ref.dtype)
 
@@ -473,7 +501,12 @@ def _params(num_warps, num_stages, interpret):
 
 
 # Launch knobs (tuned by scripts/profile_kda_stages.py on the H200).
-FUSED_INTRA = True   # stage 1 as one kernel per chunk (else tiles, solve, W/U as three)
+# Stage 1 as one kernel per chunk forward and one backward (else five kernels). Off: correct
+# in interpret mode and lowered to Triton, but on the H200 (2026-11-29) no program using
+# its first version finished within 2 minutes, with its K/V loops unrolled (150+ [16,16]
+# dots); they are rolled loops now (_col_loop), not yet timed. Time it with
+# scripts/profile_kda_stages.py before turning it on.
+FUSED_INTRA = False
 BLOCK_K = 32
 BWD_BLOCK_K = 32     # K / V columns per step of the fused stage-1 backward
 INTRA_WARPS = 4
