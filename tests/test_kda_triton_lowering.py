@@ -42,5 +42,5 @@ def test_forward_and_backward_lower_to_triton(h200, monkeypatch, K, V, T, with_s
   stage1 = (("kda_intra_fused", "kda_intra_bwd_fused") if fused else
             ("kda_intra_tiles", "kda_intra_solve", "kda_intra_wu", "kda_intra_wu_bwd",
              "kda_intra_tiles_bwd"))
-  for kernel in stage1 + ("kda_recurrence", "kda_recurrence_bwd"):
+  for kernel in stage1 + ("kda_recurrence", "kda_recurrence_bwd", "kda_recurrence_grads"):
     assert kernel in text

@@ -11,9 +11,10 @@ Stage 2 (reference.chunk_recurrence):
   _recurrence_kernel      grid (B, H, V/BV): the state S [K, BV] stays in registers across
                           all chunks (one launch for the sequence); emits O, the final state
                           and, for the backward pass only, each chunk's start state.
-  _recurrence_bwd_kernel  the same loop in reverse carrying dS; emits the cotangents of the
-                          stage-1 tensors (V-block partial sums where they contract over V)
-                          and of S0.
+  _recurrence_bwd_kernel  the same loop in reverse carrying dS; emits dU0, each chunk's U and
+                          the dS at each chunk's end, and the cotangent of S0.
+  _recurrence_grads_kernel  grid (B, H, N): the cotangents that contract over V (of W, Qg,
+                          Kd, Aqk, decay), chunk by chunk over the whole of V.
 
 Backward: stage 1 by _wu_bwd_kernel (solve and W/U0 terms, grid (B, H, N)) and
 _tiles_bwd_kernel (the anchored tiles transposed); stage 2 by the recurrence kernels (chunk
@@ -465,9 +466,10 @@ def _recurrence_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, S0_ref
 
 
 def _recurrence_bwd_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, states_ref,
-                           dO_ref, dSN_ref,
-                           dW_ref, dU0_ref, dQg_ref, dKd_ref, dAqk_ref, ddecay_ref, dS0_ref,
-                           *, chunk_size):
+                           dO_ref, dSN_ref, dU0_ref, U_ref, dstates_ref, dS0_ref, *, chunk_size):
+  """The sequential part of stage 2's backward: dS carried from the last chunk to the
+  first. Per chunk it emits dU0 = Aqkᵀ dO + Kd dS, the chunk's U = U0 - W S and the dS
+  flowing into the chunk's end, for _recurrence_grads_kernel to contract over all of V."""
   C = chunk_size
   N = W_ref.shape[0] // C
   dot_dtype = W_ref.dtype
@@ -477,22 +479,50 @@ def _recurrence_bwd_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, st
     n = N - 1 - i
     t = pl.ds(pl.multiple_of(n * C, C), C)
     S_KV = states_ref[pl.ds(n, 1), :, :].reshape(S_KV_shape)
+    dstates_ref[pl.ds(n, 1), :, :] = dS_KV[None]
     W, Qg, Kd, Aqk = W_ref[t, :], Qg_ref[t, :], Kd_ref[t, :], Aqk_ref[t, :]
     dO = dO_ref[t, :].astype(dot_dtype)
     S_d, dS_d = S_KV.astype(dot_dtype), dS_KV.astype(dot_dtype)
-    U_CV = U0_ref[t, :].astype(F32) - _dot(W, S_d)
+    U_ref[t, :] = (U0_ref[t, :].astype(F32) - _dot(W, S_d)).astype(U_ref.dtype)
     dU_CV = _t_dot(Aqk, dO) + _dot(Kd, dS_d)
-    dU_d = dU_CV.astype(dot_dtype)
-    dAqk_ref[t, :] = _dot_t(dO, U_CV.astype(dot_dtype)).astype(dAqk_ref.dtype)
-    dQg_ref[t, :] = _dot_t(dO, S_d).astype(dQg_ref.dtype)
-    dKd_ref[t, :] = _dot_t(U_CV.astype(dot_dtype), dS_d).astype(dKd_ref.dtype)
-    dW_ref[t, :] = (-_dot_t(dU_d, S_d)).astype(dW_ref.dtype)
     dU0_ref[t, :] = dU_CV.astype(dU0_ref.dtype)
-    ddecay_ref[pl.ds(n, 1), :] = jnp.sum(S_KV * dS_KV, axis=1)[None, :].astype(ddecay_ref.dtype)
     decay_K1 = decay_ref[pl.ds(n, 1), :].reshape(-1, 1)
-    return decay_K1 * dS_KV + _t_dot(Qg, dO) - _t_dot(W, dU_d)
+    return decay_K1 * dS_KV + _t_dot(Qg, dO) - _t_dot(W, dU_CV.astype(dot_dtype))
 
   dS0_ref[...] = jax.lax.fori_loop(0, N, body, dSN_ref[...].astype(F32)).astype(dS0_ref.dtype)
+
+
+def _recurrence_grads_kernel(S_ref, dS_ref, dO_ref, U_ref, dU_ref,
+                             dW_ref, dQg_ref, dKd_ref, dAqk_ref, ddecay_ref, *, block):
+  """The parallel part, one chunk per program: with S its start state and dS the cotangent
+  of its end state, dQg = dO Sᵀ, dKd = U dSᵀ, dW = -dU Sᵀ, dAqk = dO Uᵀ and
+  d(decay) = Σ_v S ⊙ dS, each contracted over the whole of V here (no partial sums over
+  V blocks to write and add up)."""
+  K, V = S_ref.shape
+  C = dO_ref.shape[0]
+  dt = U_ref.dtype
+
+  def k_block(kc, carry):
+    def v_block(vc, acc):
+      dQg, dKd, dW, dd = acc
+      S, dS = S_ref[kc, vc], dS_ref[kc, vc]
+      S_d, dS_d = S.astype(dt), dS.astype(dt)
+      dO, U, dU = dO_ref[:, vc].astype(dt), U_ref[:, vc], dU_ref[:, vc].astype(dt)
+      return (dQg + _dot_t(dO, S_d), dKd + _dot_t(U, dS_d), dW - _dot_t(dU, S_d),
+              dd + jnp.sum(S * dS, axis=1))
+
+    zeros = jnp.zeros((C, block), F32)
+    dQg, dKd, dW, dd = _col_loop(V // block, block, v_block,
+                                 (zeros, zeros, zeros, jnp.zeros((block,), F32)))
+    dQg_ref[:, kc], dKd_ref[:, kc], dW_ref[:, kc] = (
+        x.astype(r.dtype) for x, r in ((dQg, dQg_ref), (dKd, dKd_ref), (dW, dW_ref)))
+    ddecay_ref[kc] = dd.astype(ddecay_ref.dtype)
+    return carry
+
+  _col_loop(K // block, block, k_block, 0)
+  dAqk = _col_loop(V // block, block, lambda vc, acc: acc + _dot_t(
+      dO_ref[:, vc].astype(dt), U_ref[:, vc]), jnp.zeros((C, C), F32))
+  dAqk_ref[...] = dAqk.astype(dAqk_ref.dtype)
 
 
 def _params(num_warps, num_stages, interpret):
@@ -513,6 +543,7 @@ INTRA_WARPS = 4
 RECURRENCE_WARPS = 4
 BLOCK_V = 32         # V columns per recurrence program; the forward-only call widens it
 WIDE_BLOCK_V = 64    # ... to this when the grid at BLOCK_V would not fit in one wave
+GRADS_BLOCK = 32     # K and V block of the per-chunk gradient kernel (stage 2 backward)
 
 
 def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
@@ -664,33 +695,39 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
   B, Tp, H, K = st["W"].shape
   V = st["U0"].shape[-1]
   C, N, BV = chunk_size, Tp // chunk_size, _block_v(B, H, V, with_states=True)
-  J = V // BV
+  dt = st["W"].dtype
   full = lambda D: pl.BlockSpec((None, Tp, None, D), lambda b, h, j: (b, 0, h, 0))
   vblk = pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j))
-  part = lambda D: pl.BlockSpec((None, None, Tp, None, D), lambda b, h, j: (j, b, 0, h, 0))
   state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
-  decay_spec = pl.BlockSpec((None, N, None, K), lambda b, h, j: (b, 0, h, 0))
-  out_shape = (jax.ShapeDtypeStruct((J, B, Tp, H, K), F32),   # dW (partial over V blocks)
-               jax.ShapeDtypeStruct((B, Tp, H, V), F32),      # dU0
-               jax.ShapeDtypeStruct((J, B, Tp, H, K), F32),   # dQg
-               jax.ShapeDtypeStruct((J, B, Tp, H, K), F32),   # dKd
-               jax.ShapeDtypeStruct((J, B, Tp, H, C), F32),   # dAqk
-               jax.ShapeDtypeStruct((J, B, N, H, K), F32),    # ddecay
-               jax.ShapeDtypeStruct((B, H, K, V), F32))       # dS0
-  outs = pl.pallas_call(
+  chunk_states = pl.BlockSpec((None, None, N, K, BV), lambda b, h, j: (b, h, 0, 0, j))
+  dU0, U, dstates, dS0 = pl.pallas_call(
       functools.partial(_recurrence_bwd_kernel, chunk_size=C),
-      grid=(B, H, J),
-      in_specs=[full(K), vblk, full(K), full(K), full(C), decay_spec,
-                pl.BlockSpec((None, None, N, K, BV), lambda b, h, j: (b, h, 0, 0, j)),
-                vblk, state],
-      out_specs=[part(K), vblk, part(K), part(K), part(C),
-                 pl.BlockSpec((None, None, N, None, K), lambda b, h, j: (j, b, 0, h, 0)), state],
-      out_shape=out_shape, interpret=interpret, name="kda_recurrence_bwd",
+      grid=(B, H, V // BV),
+      in_specs=[full(K), vblk, full(K), full(K), full(C),
+                pl.BlockSpec((None, N, None, K), lambda b, h, j: (b, 0, h, 0)),
+                chunk_states, vblk, state],
+      out_specs=[vblk, vblk, chunk_states, state],
+      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), F32),       # dU0
+                 jax.ShapeDtypeStruct((B, Tp, H, V), dt),        # U, for the grads kernel
+                 jax.ShapeDtypeStruct((B, H, N, K, V), F32),     # dS at each chunk's end
+                 jax.ShapeDtypeStruct((B, H, K, V), F32)],       # dS0
+      interpret=interpret, name="kda_recurrence_bwd",
       compiler_params=_params(RECURRENCE_WARPS, 2, interpret),
   )(st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO, dSN)
-  dW, dU0, dQg, dKd, dAqk, ddecay, dS0 = outs
-  return ({"W": dW.sum(0), "U0": dU0, "Qg": dQg.sum(0), "Kd": dKd.sum(0), "Aqk": dAqk.sum(0),
-           "decay": ddecay.sum(0)}, dS0)
+  chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+  one_state = pl.BlockSpec((None, None, None, K, V), lambda b, h, n: (b, h, n, 0, 0))
+  rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), F32)
+  dW, dQg, dKd, dAqk, ddecay = pl.pallas_call(
+      functools.partial(_recurrence_grads_kernel, block=min(K, V, GRADS_BLOCK)),
+      grid=(B, H, N),
+      in_specs=[one_state, one_state, chunk(V), chunk(V), chunk(V)],
+      out_specs=[chunk(K), chunk(K), chunk(K), chunk(C),
+                 pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))],
+      out_shape=[rows(K), rows(K), rows(K), rows(C), jax.ShapeDtypeStruct((B, N, H, K), F32)],
+      interpret=interpret, name="kda_recurrence_grads",
+      compiler_params=_params(RECURRENCE_WARPS, 1, interpret),
+  )(states, dstates, dO, U, dU0)
+  return ({"W": dW, "U0": dU0, "Qg": dQg, "Kd": dKd, "Aqk": dAqk, "decay": ddecay}, dS0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
