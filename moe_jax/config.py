@@ -74,9 +74,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if d.seq_len % shards:
     _fail("data.seq_len", d.seq_len, f"a multiple of mesh.sequence = {shards}")
   per_shard = d.seq_len // shards
-  if "A" in pattern and shards > 1 and per_shard > 512 and per_shard % 512:
+  from moe_jax.parallel import ring_attention  # here: the parallel package imports this module
+  if ("A" in pattern and shards > 1 and per_shard > ring_attention.SUB
+      and per_shard % ring_attention.MIN_SUB):
     _fail("data.seq_len", d.seq_len, f"such that seq_len / mesh.sequence ({per_shard}) is at "
-          "most or a multiple of 512 (ring attention's sub-block)")
+          f"most {ring_attention.SUB} or a multiple of {ring_attention.MIN_SUB} (ring "
+          "attention's sub-blocks)")
   if "K" in pattern and d.seq_len % (chunk * max(c.mesh.sequence, 1)):
     _fail("data.seq_len", d.seq_len,
           f"a multiple of model.kda_chunk_size * mesh.sequence = {chunk * max(c.mesh.sequence, 1)}"

@@ -78,12 +78,14 @@ def test_invalid_fields_raise_naming_field_value_and_accepted(field, value, matc
 def test_sequence_shards_must_fit_ring_sub_blocks():
   c = tiny.get_config()
   c.mesh.sequence, c.mesh.data = 2, 1
-  c.data.seq_len = 2 * 1568  # 1568 per shard: over 512 and not a multiple of it
+  c.data.seq_len = 2 * 2080  # 2080 per shard: over 2048 and not a multiple of 512
   with pytest.raises(ValueError, match=r"data\.seq_len must be such that seq_len / "
-                                       r"mesh\.sequence \(1568\) is at most or a multiple of 512"):
+                                       r"mesh\.sequence \(2080\) is at most 2048 or a multiple "
+                                       r"of 512"):
     config_lib.validate(c)
-  c.data.seq_len = 2 * 1536
-  config_lib.validate(c)
+  for ok in (1568, 2560):   # a whole sub-block, and five of 512
+    c.data.seq_len = 2 * ok
+    config_lib.validate(c)
 
 
 def test_files_source_needs_paths():

@@ -70,6 +70,14 @@ for n in (2, 4, 8):
             "kda_out": rel(ko, kref_o), "kda_state": rel(kS, kref_S),
             "kda_grads": [rel(a, b) for a, b in zip(kg, kref_g)],
             "finite": bool(jnp.isfinite(o).all() and jnp.isfinite(ko).all())}
+  if n == 4:  # bf16 inputs: the backward's matmuls run in bf16 with fp32 accumulation
+    bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    with jax.set_mesh(mesh):
+      o = jax.jit(lambda *a: ring_attention(*a, seg))(*bf)
+      gr = jax.jit(jax.grad(lambda *a: (ring_attention(*a, seg).astype(jnp.float32) * w).sum(),
+                            argnums=(0, 1, 2)))(*bf)
+    out[n]["ring_bf16_out"] = rel(o.astype(jnp.float32), ref)
+    out[n]["ring_bf16_grads"] = [rel(a.astype(jnp.float32), b) for a, b in zip(gr, ref_g)]
 print("RESULT", json.dumps(out))
 """
 
@@ -91,6 +99,8 @@ def test_ring_attention_equals_dense(results, n):
   assert r["finite"]
   assert r["ring_out"] < 1e-5, r
   assert max(r["ring_grads"]) < 1e-5, r   # dq, dk, dv
+  if n == "4":   # bf16 inputs against the fp32 reference
+    assert r["ring_bf16_out"] < 1e-2 and max(r["ring_bf16_grads"]) < 2e-2, r
 
 
 @pytest.mark.parametrize("n", ["2", "4", "8"])
