@@ -120,7 +120,7 @@ def test_fused_stage1_equals_separate_kernels(monkeypatch):
   stage-1 tensors, and their backward kernels the same cotangents, with a document
   boundary and padding inside a chunk."""
   from pallas_kernels.kda import pallas_gpu
-  (q, k, v, g, beta), _ = _inputs(1, 128, 2, 64, 32, seed=7)
+  (q, k, v, g, beta), _ = _inputs(1, 128, 1, 64, 32, seed=7)
   seg = jnp.asarray([[1] * 40 + [2] + [3] * 60 + [0] * 27])
   x = reference.prepare(*(a.astype(jnp.float32) for a in (q, k, v, g, beta)), seg)
   q, k, v, beta, G, sg = reference.chunk_layout(*x, 64)

@@ -93,18 +93,15 @@ def results():
   return json.loads(line.split(" ", 1)[1])
 
 
-@pytest.mark.parametrize("n", ["2", "4", "8"])
-def test_ring_attention_equals_dense(results, n):
-  r = results[n]
-  assert r["finite"]
-  assert r["ring_out"] < 1e-5, r
-  assert max(r["ring_grads"]) < 1e-5, r   # dq, dk, dv
-  if n == "4":   # bf16 inputs against the fp32 reference
-    assert r["ring_bf16_out"] < 1e-2 and max(r["ring_bf16_grads"]) < 2e-2, r
-
-
-@pytest.mark.parametrize("n", ["2", "4", "8"])
-def test_kda_state_passing_equals_single_device(results, n):
-  r = results[n]
-  assert r["kda_out"] < 1e-4 and r["kda_state"] < 1e-4, r
-  assert len(r["kda_grads"]) == 6 and max(r["kda_grads"]) < 1e-4, r  # q k v g beta S0
+def test_ring_attention_and_kda_state_passing_equal_single_device(results):
+  """One test, so the 8-device subprocess runs once (a fixture per xdist worker would run
+  it on each)."""
+  for n in ("2", "4", "8"):
+    r = results[n]
+    assert r["finite"], n
+    assert r["ring_out"] < 1e-5, (n, r)
+    assert max(r["ring_grads"]) < 1e-5, (n, r)   # dq, dk, dv
+    assert r["kda_out"] < 1e-4 and r["kda_state"] < 1e-4, (n, r)
+    assert len(r["kda_grads"]) == 6 and max(r["kda_grads"]) < 1e-4, (n, r)  # q k v g beta S0
+  r = results["4"]   # bf16 inputs against the fp32 reference
+  assert r["ring_bf16_out"] < 1e-2 and max(r["ring_bf16_grads"]) < 2e-2, r
