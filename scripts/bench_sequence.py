@@ -5,8 +5,9 @@ single-device ops, forward+backward.
 
 Mesh: every local device on the `sequence` axis (2 on nvidia-h200-x2). Batch 1, bf16, one
 document per row. Attention: 16 heads of 64 (the MLA shape of configs/long_context_1b.py),
-causal, at each --subs sub-block size (the fastest is in the table, all in the JSON); the
-single-device baseline is cuDNN flash attention. KDA: 16 heads, K = V = 128,
+causal: ring steps as Pallas flash kernels, and as XLA score blocks at each --subs sub-block
+size (the fastest variant is in the table, all in the JSON); the single-device baselines are
+cuDNN flash attention and the model's Pallas flash kernel. KDA: 16 heads, K = V = 128,
 bounded gates; the baseline is kda(implementation=None) on one device. Memory per device is
 XLA's compiled estimate (arguments + outputs + temporaries) of the fwd+bwd program.
 A row whose program fails (out of memory) is recorded as such; results are written after
@@ -89,10 +90,14 @@ def main(argv):
     if "attention" in _OPS.value:
       q, k, v, _, _ = _inputs(T, H, Da, Da, mesh)
       ring = {}
+      with jax.set_mesh(mesh):  # each step as flash kernels (Pallas), then the XLA blocks
+        ring["pallas"] = _timed(fwd_bwd(lambda q, k, v: ring_attention(
+            q, k, v, seg, implementation="pallas")), (q, k, v))
       for sub in (int(x) for x in _SUBS.value.split(",")):
         ring_attention_lib.SUB = sub
         with jax.set_mesh(mesh):
-          ring[sub] = _timed(fwd_bwd(lambda q, k, v: ring_attention(q, k, v, seg)), (q, k, v))
+          ring[f"xla SUB {sub}"] = _timed(fwd_bwd(lambda q, k, v: ring_attention(
+              q, k, v, seg, implementation="xla")), (q, k, v))
       sub, (ms, gb) = min(ring.items(), key=lambda kv: kv[1][0] if isinstance(kv[1][0], float)
                           else float("inf"))
       impl = "xla" if _SMALL.value else "cudnn"
@@ -104,10 +109,10 @@ def main(argv):
       seg1 = jax.device_put(seg, devices[0])
       flash_ms, _ = _timed(fwd_bwd(lambda q, k, v: mla.flash_attention(q, k, v, seg1)),
                            (q1, k1, v1))
-      rows.append({"op": f"attention (SUB {sub})", "T": T, "shards": n, "sharded_ms": ms,
+      rows.append({"op": f"attention, ring ({sub})", "T": T, "shards": n, "sharded_ms": ms,
                    "sharded_gb": gb, "single_ms": ms1, "single_gb": gb1,
                    "single_pallas_flash_ms": flash_ms,
-                   "ring_by_sub": {str(k): v for k, v in ring.items()}})
+                   "ring_by_variant": ring})
       print(rows[-1], flush=True)
       save()
 

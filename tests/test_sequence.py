@@ -66,7 +66,13 @@ for n in (2, 4, 8):
     ko, kS = jax.jit(lambda *a: kda_sequence_parallel(*a, seg, S0, **kw))(kq, kk, kv, g, beta)
     kg = jax.jit(jax.grad(lambda q, k, v, g, beta, s0: kda_loss(*kda_sequence_parallel(
         q, k, v, g, beta, seg, s0, **kw)), argnums=range(6)))(kq, kk, kv, g, beta, S0)
+  with jax.set_mesh(mesh):  # each ring step as the flash kernels (interpret mode on CPU)
+    ring_p = lambda *a: ring_attention(*a, seg, implementation="pallas")
+    op = jax.jit(ring_p)(q, k, v)
+    grp = jax.jit(jax.grad(lambda *a: (ring_p(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
   out[n] = {"ring_out": rel(o, ref), "ring_grads": [rel(a, b) for a, b in zip(gr, ref_g)],
+            "ring_pallas_out": rel(op, ref),
+            "ring_pallas_grads": [rel(a, b) for a, b in zip(grp, ref_g)],
             "kda_out": rel(ko, kref_o), "kda_state": rel(kS, kref_S),
             "kda_grads": [rel(a, b) for a, b in zip(kg, kref_g)],
             "finite": bool(jnp.isfinite(o).all() and jnp.isfinite(ko).all())}
@@ -101,6 +107,7 @@ def test_ring_attention_and_kda_state_passing_equal_single_device(results):
     assert r["finite"], n
     assert r["ring_out"] < 1e-5, (n, r)
     assert max(r["ring_grads"]) < 1e-5, (n, r)   # dq, dk, dv
+    assert r["ring_pallas_out"] < 1e-5 and max(r["ring_pallas_grads"]) < 1e-5, (n, r)
     assert r["kda_out"] < 1e-4 and r["kda_state"] < 1e-4, (n, r)
     assert len(r["kda_grads"]) == 6 and max(r["kda_grads"]) < 1e-4, (n, r)  # q k v g beta S0
   r = results["4"]   # bf16 inputs against the fp32 reference

@@ -46,7 +46,9 @@ class MLAMixer(nn.Module):
     if cache is None:
       k_BxTxHxDqk, v_BxTxHxDv = k_b(ckv_BxTxR), v_b(ckv_BxTxR)
       if axis_size("sequence") > 1:  # time sharded: K/V blocks go round the ring
-        o_BxTxHxDv = ring_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
+        o_BxTxHxDv = ring_attention(
+            q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT,
+            implementation="pallas" if mla_implementation(cfg) == "gpu" else "xla")
       elif mla_implementation(cfg) == "gpu" and _flash_fits(q_BxTxHxDqk, v_BxTxHxDv):
         o_BxTxHxDv = per_device(flash_attention, q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv,
                                 segment_ids_BxT)

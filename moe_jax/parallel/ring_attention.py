@@ -12,6 +12,10 @@ Inside a ring step the block is processed up to SUB × SUB positions at a time (
 exceed [B, H, SUB, SUB]), and sub-blocks wholly in the causal future are skipped; a K/V
 block from a later shard costs nothing but its transfer. There is no zig-zag load
 balancing yet: the last shard does useful work at every step, shard 0 only at the first.
+
+implementation="pallas" (the GPU default) runs each step as flash kernels instead
+(pallas_kernels/attention/ring_step.py): per-step output and log-sum-exp merged across
+steps, and the backward from the final log-sum-exp; no score block is ever materialised.
 """
 
 import functools
@@ -20,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.parallel.mesh import activation_spec
+from pallas_kernels.attention import ring_step
 
 AXIS = "sequence"
 F32 = jnp.float32
@@ -110,7 +115,36 @@ def _attend_block(q, k_blk, v_blk, seg, seg_blk, q_first, k_first, m, l, acc, sc
   return unb(m_b), unb(l_b), _unblocks(acc_b)
 
 
-def _forward(q, k, v, seg, axis, scale):
+def _forward_pallas(q, k, v, seg, axis, scale):
+  """The forward with each step one flash kernel (ring_step), merged by log-sum-exp."""
+  n, idx = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+  B, T, H, _ = q.shape
+
+  def step(s, carry):
+    o_BxTxHxDv, lse_BxHxT, k_blk, v_blk, seg_blk = carry
+    src = (idx - s) % n
+    o_s, lse_s = ring_step.ring_step_forward(q, k_blk, v_blk, seg, seg_blk, idx * T, src * T,
+                                             scale=scale)
+    m = jnp.maximum(lse_BxHxT, lse_s)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w_old, w_new = jnp.exp(lse_BxHxT - m_safe), jnp.exp(lse_s - m_safe)
+    total = w_old + w_new
+    to_rows = lambda x: jnp.swapaxes(x, 1, 2)[..., None]        # [B,H,T] → [B,T,H,1]
+    o_BxTxHxDv = ((o_BxTxHxDv * to_rows(w_old) + o_s * to_rows(w_new))
+                  / to_rows(jnp.where(total > 0, total, 1.0)))
+    lse_BxHxT = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)),
+                          -jnp.inf)
+    k_blk, v_blk, seg_blk = jax.lax.ppermute((k_blk, v_blk, seg_blk), axis, _ring_perm(n))
+    return o_BxTxHxDv, lse_BxHxT, k_blk, v_blk, seg_blk
+
+  init = (jnp.zeros((B, T, H, v.shape[-1]), F32), jnp.full((B, H, T), -jnp.inf, F32), k, v, seg)
+  o_BxTxHxDv, lse_BxHxT, *_ = jax.lax.fori_loop(0, n, step, init)
+  return o_BxTxHxDv.astype(q.dtype), lse_BxHxT
+
+
+def _forward(q, k, v, seg, axis, scale, impl):
+  if impl == "pallas":
+    return _forward_pallas(q, k, v, seg, axis, scale)
   n, idx = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
   B, T, H, _ = q.shape
   Dv = v.shape[-1]
@@ -132,18 +166,18 @@ def _forward(q, k, v, seg, axis, scale):
   return o_BxTxHxDv.astype(q.dtype), lse_BxHxT
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def ring_attention_shard(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, axis=AXIS,
-                         scale=None):
+                         scale=None, impl="xla"):
   """Per-shard body (inside shard_map over `axis`): causal attention of this shard's queries
   over every earlier position in the same segment. [B, T/n, H, Dv]."""
   scale = q_BxTxHxD.shape[-1] ** -0.5 if scale is None else scale
-  return _forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, axis, scale)[0]
+  return _forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, axis, scale, impl)[0]
 
 
-def _fwd(q, k, v, seg, axis, scale):
+def _fwd(q, k, v, seg, axis, scale, impl):
   scale_ = q.shape[-1] ** -0.5 if scale is None else scale
-  o, lse = _forward(q, k, v, seg, axis, scale_)
+  o, lse = _forward(q, k, v, seg, axis, scale_, impl)
   return o, (q, k, v, seg, o, lse)
 
 
@@ -191,7 +225,7 @@ def _grad_block(q, do32, lse, delta, k_blk, v_blk, seg, seg_blk, q_first, k_firs
   return _unblocks(dq_b), _unblocks(dk_b), _unblocks(dv_b)
 
 
-def _bwd(axis, scale, res, do_BxTxHxDv):
+def _bwd(axis, scale, impl, res, do_BxTxHxDv):
   q, k, v, seg, o, lse_BxHxT = res
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   n, idx = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
@@ -202,9 +236,15 @@ def _bwd(axis, scale, res, do_BxTxHxDv):
   def step(s, carry):
     dq_BxTxHxD, k_blk, v_blk, seg_blk, dk_blk, dv_blk = carry
     src = (idx - s) % n
-    dq_BxTxHxD, dk_step, dv_step = _grad_block(q, do32, lse_BxHxT, delta_BxHxT, k_blk, v_blk,
-                                               seg, seg_blk, idx * T, src * T, dq_BxTxHxD,
-                                               scale)
+    if impl == "pallas":
+      dq_step, dk_step, dv_step = ring_step.ring_step_backward(
+          q, k_blk, v_blk, seg, seg_blk, idx * T, src * T, do_BxTxHxDv, lse_BxHxT, delta_BxHxT,
+          scale=scale)
+      dq_BxTxHxD = dq_BxTxHxD + dq_step
+    else:
+      dq_BxTxHxD, dk_step, dv_step = _grad_block(q, do32, lse_BxHxT, delta_BxHxT, k_blk,
+                                                 v_blk, seg, seg_blk, idx * T, src * T,
+                                                 dq_BxTxHxD, scale)
     # K/V move on to the next shard; their gradients travel with them.
     k_blk, v_blk, seg_blk, dk_blk, dv_blk = jax.lax.ppermute(
         (k_blk, v_blk, seg_blk, dk_blk + dk_step, dv_blk + dv_step), axis, _ring_perm(n))
@@ -218,12 +258,23 @@ def _bwd(axis, scale, res, do_BxTxHxDv):
 ring_attention_shard.defvjp(_fwd, _bwd)
 
 
+IMPLEMENTATIONS = ("xla", "pallas")
+
+
 def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=None, axis=AXIS,
-                   scale=None):
+                   scale=None, implementation=None):
   """Causal, segment-masked attention on [B, T, H, ·] arrays sharded over `axis` along T
-  (shard_map over the mesh set with jax.set_mesh, or `mesh`)."""
+  (shard_map over the mesh set with jax.set_mesh, or `mesh`).
+
+  implementation: "pallas" runs each ring step as flash kernels (ring_step.py; the GPU
+  default, interpret mode elsewhere), "xla" as SUB × SUB score blocks in XLA (the default
+  off GPU, e.g. TPU)."""
+  impl = implementation or ("pallas" if jax.default_backend() == "gpu" else "xla")
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"ring_attention implementation must be one of {IMPLEMENTATIONS}, got "
+                     f"{implementation!r}")
   mesh = mesh or jax.sharding.get_abstract_mesh()
   x4, x2 = activation_spec(mesh, 4, axis), activation_spec(mesh, 2, axis)
-  body = lambda q, k, v, seg: ring_attention_shard(q, k, v, seg, axis, scale)
+  body = lambda q, k, v, seg: ring_attention_shard(q, k, v, seg, axis, scale, impl)
   return jax.shard_map(body, mesh=mesh, in_specs=(x4, x4, x4, x2), out_specs=x4,
                        check_vma=False)(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT)

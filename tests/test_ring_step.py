@@ -1,0 +1,81 @@
+"""The ring-step flash kernels (interpret mode) against attention written out in fp32, and
+their Triton lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import ring_step
+from tests.conftest import rel_err
+from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
+
+B, T, H, D, DV = 2, 40, 2, 16, 8   # T = 40: not whole 64-blocks, so padding is exercised
+
+
+def _inputs(seed):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, k = (jax.random.normal(ks[i], (B, T, H, D)) for i in (0, 1))
+  v = jax.random.normal(ks[2], (B, T, H, DV))
+  seg_q = np.ones((B, T), np.int32)
+  seg_q[0, 20:], seg_q[1, 35:] = 2, 0        # a boundary, and trailing padding in row 1
+  seg_k = np.ones((B, T), np.int32)
+  seg_k[0, 30:] = 2
+  return q, k, v, jnp.asarray(seg_q), jnp.asarray(seg_k), jax.random.normal(ks[3], (B, T, H, DV))
+
+
+def _dense(q, k, v, seg_q, seg_k, q_first, k_first):
+  """(o, lse) of one step written out: all scores, masked, softmax over the visible ones."""
+  pos_q, pos_k = q_first + jnp.arange(T), k_first + jnp.arange(T)
+  visible = (pos_k[None, None, :] <= pos_q[None, :, None]) & (seg_q[:, :, None] == seg_k[:, None, :])
+  s = jnp.where(visible[:, None], jnp.einsum("bthd,bshd->bhts", q, k) * D ** -0.5, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  p = jnp.where(visible[:, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0)
+  return jnp.einsum("bhts,bshd->bthd", p, v), lse
+
+
+@pytest.mark.parametrize("q_first,k_first", [(40, 0), (40, 40), (40, 20), (0, 40)],
+                         ids=["earlier-block", "diagonal", "overlapping", "future-block"])
+def test_forward_matches_written_out_attention(q_first, k_first):
+  q, k, v, seg_q, seg_k, _ = _inputs(q_first + 7 * k_first)
+  o, lse = ring_step.ring_step_forward(q, k, v, seg_q, seg_k, jnp.int32(q_first),
+                                       jnp.int32(k_first), scale=D ** -0.5, interpret=True)
+  o_ref, lse_ref = _dense(q, k, v, seg_q, seg_k, q_first, k_first)
+  assert o.shape == (B, T, H, DV) and lse.shape == (B, H, T)
+  assert rel_err(o, o_ref) < 1e-5
+  seen = np.isfinite(np.asarray(lse_ref))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)   # -inf exactly where unseen
+  assert rel_err(jnp.where(seen, lse, 0.0), jnp.where(seen, lse_ref, 0.0)) < 1e-5
+  assert float(jnp.abs(jnp.where(seen.transpose(0, 2, 1)[..., None], 0.0, o)).max()) == 0.0
+
+
+def test_backward_of_a_whole_step_matches_autodiff():
+  """On the diagonal step with the same segments for q and k, the step is the whole causal
+  attention, so its lse is the final one and its (dq, dk, dv) the full gradient."""
+  q, k, v, seg, _, w = _inputs(3)
+  dense = lambda q, k, v: _dense(q, k, v, seg, seg, 0, 0)[0]
+  o, vjp = jax.vjp(dense, q, k, v)
+  grads_ref = vjp(w)
+  lse = _dense(q, k, v, seg, seg, 0, 0)[1]
+  delta = jnp.einsum("bthd,bthd->bht", w, o)
+  grads = ring_step.ring_step_backward(q, k, v, seg, seg, jnp.int32(0), jnp.int32(0), w, lse,
+                                       delta, scale=D ** -0.5, interpret=True)
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+    assert rel_err(g, g_ref) < 1e-5, name
+
+
+def test_forward_and_backward_lower_to_triton(h200):  # noqa: F811
+  bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  seg = jnp.ones((B, 128), jnp.int32)
+  q, k, v, do = bf(B, 128, H, 64), bf(B, 128, H, 64), bf(B, 128, H, 64), bf(B, 128, H, 64)
+  rows = jnp.zeros((B, H, 128))
+
+  def both(q, k, v, do):
+    o, lse = ring_step.ring_step_forward(q, k, v, seg, seg, jnp.int32(128), jnp.int32(0),
+                                         scale=0.125, interpret=False)
+    return o, ring_step.ring_step_backward(q, k, v, seg, seg, jnp.int32(128), jnp.int32(0), do,
+                                           rows, rows, scale=0.125, interpret=False)
+
+  text = jax.jit(both).trace(q, k, v, do).lower(lowering_platforms=("cuda",)).as_text()
+  for kernel in ("ring_step_fwd", "ring_step_dq", "ring_step_dkv"):
+    assert kernel in text
