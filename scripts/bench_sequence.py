@@ -109,9 +109,13 @@ def main(argv):
       seg1 = jax.device_put(seg, devices[0])
       flash_ms, _ = _timed(fwd_bwd(lambda q, k, v: mla.flash_attention(q, k, v, seg1)),
                            (q1, k1, v1))
+      # Our ring-step kernels on one device (a ring of one): a candidate for that path.
+      with jax.set_mesh(one):
+        ring1_ms, _ = _timed(fwd_bwd(lambda q, k, v: ring_attention(
+            q, k, v, seg1, implementation="pallas")), (q1, k1, v1))
       rows.append({"op": f"attention, ring ({sub})", "T": T, "shards": n, "sharded_ms": ms,
                    "sharded_gb": gb, "single_ms": ms1, "single_gb": gb1,
-                   "single_pallas_flash_ms": flash_ms,
+                   "single_pallas_flash_ms": flash_ms, "single_ring_step_ms": ring1_ms,
                    "ring_by_variant": ring})
       print(rows[-1], flush=True)
       save()
@@ -135,12 +139,12 @@ def main(argv):
   fmt = lambda x: f"{x:.2f}" if isinstance(x, float) else f"— ({x})" if x else "—"
   print(f"\n{n} × {devices[0].device_kind}; batch 1, bf16, fwd+bwd")
   print("| op | T | shards | sharded ms | GB/device | single-device ms ¹ | GB | "
-        "single, Pallas flash ms |")
-  print("|---|---|---|---|---|---|---|---|")
+        "single, jax Pallas flash ms | single, ring-step kernels ms |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['op']} | {r['T']} | {r['shards']} | {fmt(r['sharded_ms'])} | "
           f"{fmt(r['sharded_gb'])} | {fmt(r['single_ms'])} | {fmt(r['single_gb'])} | "
-          f"{fmt(r.get('single_pallas_flash_ms'))} |")
+          f"{fmt(r.get('single_pallas_flash_ms'))} | {fmt(r.get('single_ring_step_ms'))} |")
   print("¹ attention: cuDNN; KDA: kda() with the platform default (pallas_gpu)")
 
 
