@@ -47,6 +47,13 @@ def xla_loop(q_BxTxHxD, kv_BxSx2HD, q_start_B, kv_len_B):
                              min(mla.KEY_BLOCK, kv_BxSx2HD.shape[1]))
 
 
+def save(name, rows, knobs):
+  if _OUT.value:
+    os.makedirs(_OUT.value, exist_ok=True)
+    with open(os.path.join(_OUT.value, name), "w") as f:
+      json.dump({"rows": rows, "device": str(jax.devices()[0]), "knobs": knobs}, f, indent=2)
+
+
 def decode_main():
   H, R = 16, 256
   rows = []
@@ -69,11 +76,7 @@ def decode_main():
       rows.append(row)
       print(row, flush=True)
       del c
-  if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, "bench_latent_decode.json"), "w") as f:
-      json.dump({"rows": rows, "device": str(jax.devices()[0]),
-                 "knobs": [ld.CHUNK, ld.BLOCK_K, ld.NUM_WARPS, ld.NUM_STAGES]}, f, indent=2)
+  save("bench_latent_decode.json", rows, [ld.CHUNK, ld.BLOCK_K, ld.NUM_WARPS, ld.NUM_STAGES])
   print(f"\n{jax.devices()[0]}; decode: 1 token × {H} heads, latent R={R}, bf16, cache {_S.value}")
   print("| batch | filled | pallas ms | % of byte floor | xla ms | speed-up | rel err |")
   print("|---|---|---|---|---|---|---|")
@@ -111,11 +114,7 @@ def main(argv):
     row["rel_err"] = err
     rows.append(row)
     print(row, flush=True)
-  if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, "bench_cached_attention.json"), "w") as f:
-      json.dump({"rows": rows, "device": str(jax.devices()[0]),
-                 "knobs": [ca.BLOCK_Q, ca.BLOCK_K, ca.NUM_WARPS, ca.NUM_STAGES]}, f, indent=2)
+  save("bench_cached_attention.json", rows, [ca.BLOCK_Q, ca.BLOCK_K, ca.NUM_WARPS, ca.NUM_STAGES])
   print(f"\n{jax.devices()[0]}; T={T} queries, H={H}, D={D}, bf16, cache {S}")
   print("| filled | pallas ms | TFLOP/s | % of 762 | xla loop ms | TFLOP/s | speed-up | rel err |")
   print("|---|---|---|---|---|---|---|---|")

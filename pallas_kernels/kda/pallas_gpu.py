@@ -175,6 +175,12 @@ def _lower_tiles(S):
   return [(a, b) for a in range(S) for b in range(a + 1)]
 
 
+def _sub_chunk_rows(C, seg_ref, beta_ref):
+  """Row slices of a chunk's 16-row sub-chunks, with their segment ids and β [16, 1]."""
+  rows = [pl.ds(a * SUB, SUB) for a in range(C // SUB)]
+  return rows, [seg_ref[r] for r in rows], [beta_ref[r].astype(F32)[:, None] for r in rows]
+
+
 def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
                         W_ref, U0_ref, Qg_ref, Kd_ref, decay_ref, Aqk_ref, A_ref, T_ref,
                         *, scale, block_k, block_v):
@@ -185,9 +191,7 @@ def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   C, K = q_ref.shape
   V = v_ref.shape[1]
   L, S = SUB, C // SUB
-  rows = [pl.ds(a * L, L) for a in range(S)]
-  seg = [seg_ref[rows[a]] for a in range(S)]
-  beta = [beta_ref[rows[a]].astype(F32)[:, None] for a in range(S)]
+  rows, seg, beta = _sub_chunk_rows(C, seg_ref, beta_ref)
   i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
   j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
   load = lambda ref, a, cols: ref[rows[a], cols].astype(F32)
@@ -348,9 +352,7 @@ def _intra_bwd_fused_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, 
   C, K = q_ref.shape
   V = v_ref.shape[1]
   L, S = SUB, C // SUB
-  rows = [pl.ds(a * L, L) for a in range(S)]
-  seg = [seg_ref[rows[a]] for a in range(S)]
-  beta = [beta_ref[rows[a]].astype(F32)[:, None] for a in range(S)]
+  rows, seg, beta = _sub_chunk_rows(C, seg_ref, beta_ref)
   seg_end = seg_ref[pl.ds(C - 1, 1)]
   i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
   j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
