@@ -205,7 +205,7 @@ def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
     q = [load(q_ref, a, cols) for a in range(S)]
     A_acc, Aqk_acc = [], []
     for (a, b), A_ab, Aqk_ab in zip(lower, *acc):
-      anchor = G_ref[pl.ds(a * L + L // 2 if a == b else b * L + L - 1, 1), cols].astype(F32)
+      anchor = _anchor(G_ref, a, b, cols)
       left, k_right = jnp.exp(G[a] - anchor), k[b] * jnp.exp(anchor - G[b])
       A_acc.append(A_ab + _dot_t(k[a] * left, k_right))
       Aqk_acc.append(Aqk_ab + _dot_t(q[a] * left, k_right))
@@ -298,11 +298,24 @@ def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   dG_ref[...] = dG.astype(dG_ref.dtype)
 
 
+def _tile_bwd(q, k, G, a, b, anchor, dA, dAqk, dq, dk, dG):
+  """Adds one anchored tile pair's cotangents into the per-sub-chunk lists dq, dk, dG. For
+  a tile X_a·left (Y_b·right)ᵀ with cotangent D: d(X_a·left) = D (Y_b·right), d(Y_b·right)
+  = Dᵀ (X_a·left); the anchor carries no gradient. dAqk is already masked and scaled."""
+  left, right = jnp.exp(G[a] - anchor), jnp.exp(anchor - G[b])
+  kl, ql, kr = k[a] * left, q[a] * left, k[b] * right
+  d_kl, d_ql = _dot(dA, kr), _dot(dAqk, kr)
+  d_kr = _t_dot(dA, kl) + _t_dot(dAqk, ql)
+  dk[a] += d_kl * left
+  dq[a] += d_ql * left
+  dG[a] += d_kl * kl + d_ql * ql
+  dk[b] += d_kr * right
+  dG[b] -= d_kr * kr
+
+
 def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk_ref, dG_ref,
                       *, scale, block_k):
-  """Backward of _tiles_kernel, one chunk: the same anchored tiles, transposed. For a tile
-  X_a·left (Y_b·right)ᵀ with cotangent D: d(X_a·left) = D (Y_b·right), d(Y_b·right) =
-  Dᵀ (X_a·left); the anchor carries no gradient, so dG_a += X_a⊙left⊙(…), dG_b -= …"""
+  """Backward of _tiles_kernel, one chunk: the same anchored tiles, transposed (_tile_bwd)."""
   C, K = q_ref.shape
   L, S = SUB, C // SUB
   i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
@@ -317,21 +330,12 @@ def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk
     dG = [jnp.zeros((L, block_k), F32) for _ in range(S)]
     for a in range(S):
       for b in range(a + 1):
-        anchor = _anchor(G_ref, a, b, cols)
-        left, right = jnp.exp(G[a] - anchor), jnp.exp(anchor - G[b])
-        kl, ql, kr = k[a] * left, q[a] * left, k[b] * right
         blk = (pl.ds(a * L, L), pl.ds(b * L, L))
-        dA = dA_ref[blk].astype(F32)
         keep = (i_LL >= j_LL) if a == b else (i_LL >= 0)
         same = seg_ref[pl.ds(a * L, L)][:, None] == seg_ref[pl.ds(b * L, L)][None, :]
         dAqk = jnp.where(keep & same, dAqk_ref[blk].astype(F32), 0.0) * scale
-        d_kl, d_ql = _dot(dA, kr), _dot(dAqk, kr)
-        d_kr = _t_dot(dA, kl) + _t_dot(dAqk, ql)
-        dk[a] += d_kl * left
-        dq[a] += d_ql * left
-        dG[a] += d_kl * kl + d_ql * ql
-        dk[b] += d_kr * right
-        dG[b] -= d_kr * kr
+        _tile_bwd(q, k, G, a, b, _anchor(G_ref, a, b, cols), dA_ref[blk].astype(F32), dAqk,
+                  dq, dk, dG)
     for a in range(S):
       dq_ref[pl.ds(a * L, L), cols] = dq[a].astype(dq_ref.dtype)
       dk_ref[pl.ds(a * L, L), cols] = dk[a].astype(dk_ref.dtype)
@@ -413,19 +417,10 @@ def _intra_bwd_fused_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, 
     dG_end = P_sum + ddecay_ref[cols].reshape(1, -1).astype(F32) * decay
     dG[S - 1] = dG[S - 1] + jnp.where(last_L1, dG_end, 0.0)
     for a, b in lower:
-      anchor = G_ref[pl.ds(a * L + L // 2 if a == b else b * L + L - 1, 1), cols].astype(F32)
-      left, right = jnp.exp(G[a] - anchor), jnp.exp(anchor - G[b])
-      kl, ql, kr = k[a] * left, q[a] * left, k[b] * right
       same = seg[a][:, None] == seg[b][None, :]
       dAqk = jnp.where(same & (i_LL >= j_LL) if a == b else same,
                        tile(dAqk_ref, a, b), 0.0) * scale
-      d_kl, d_ql = _dot(dA[a, b], kr), _dot(dAqk, kr)
-      d_kr = _t_dot(dA[a, b], kl) + _t_dot(dAqk, ql)
-      dk[a] += d_kl * left
-      dq[a] += d_ql * left
-      dG[a] += d_kl * kl + d_ql * ql
-      dk[b] += d_kr * right
-      dG[b] -= d_kr * kr
+      _tile_bwd(q, k, G, a, b, _anchor(G_ref, a, b, cols), dA[a, b], dAqk, dq, dk, dG)
     for a in range(S):
       dq_ref[rows[a], cols] = dq[a].astype(dq_ref.dtype)
       dk_ref[rows[a], cols] = dk[a].astype(dk_ref.dtype)
