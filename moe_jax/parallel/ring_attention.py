@@ -181,14 +181,14 @@ def _fwd(q, k, v, seg, axis, scale, impl):
   return o, (q, k, v, seg, o, lse)
 
 
-def _grad_block(q, do32, lse, delta, k_blk, v_blk, seg, seg_blk, q_first, k_first, dq, scale):
+def _grad_block(q, do, lse, delta, k_blk, v_blk, seg, seg_blk, q_first, k_first, dq, scale):
   """One ring step of the backward: dq [B,T,H,D] (accumulated) and this K/V block's
   (dk, dv), SUB × SUB at a time, query sub-blocks before a key sub-block skipped."""
   T = q.shape[1]
   C = _sub(T)
   n_q = T // C
   dt = q.dtype
-  q_b, do_b, segq_b = _blocks(q, C), _blocks(do32.astype(dt), C), _blocks(seg, C)
+  q_b, do_b, segq_b = _blocks(q, C), _blocks(do.astype(dt), C), _blocks(seg, C)
   lse_b = jnp.moveaxis(lse.reshape(*lse.shape[:2], -1, C), 2, 0)
   delta_b = jnp.moveaxis(delta.reshape(*delta.shape[:2], -1, C), 2, 0)
 
@@ -242,7 +242,7 @@ def _bwd(axis, scale, impl, res, do_BxTxHxDv):
           scale=scale)
       dq_BxTxHxD = dq_BxTxHxD + dq_step
     else:
-      dq_BxTxHxD, dk_step, dv_step = _grad_block(q, do32, lse_BxHxT, delta_BxHxT, k_blk,
+      dq_BxTxHxD, dk_step, dv_step = _grad_block(q, do_BxTxHxDv, lse_BxHxT, delta_BxHxT, k_blk,
                                                  v_blk, seg, seg_blk, idx * T, src * T,
                                                  dq_BxTxHxD, scale)
     # K/V move on to the next shard; their gradients travel with them.
