@@ -35,7 +35,7 @@ _LENGTHS = flags.DEFINE_string("lengths", "65536,262144", "Total sequence length
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed runs (median).")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON results.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny heads (a CPU smoke run of the script).")
-_SUBS = flags.DEFINE_string("subs", "512,2048", "Ring attention sub-block sizes to compare.")
+_SUBS = flags.DEFINE_string("subs", "512,2048", "Ring attention (XLA steps) sub-block sizes to compare; empty: none.")
 _OPS = flags.DEFINE_list("ops", ["attention", "kda"], "Which ops to time.")
 
 
@@ -93,7 +93,7 @@ def main(argv):
       with jax.set_mesh(mesh):  # each step as flash kernels (Pallas), then the XLA blocks
         ring["pallas"] = _timed(fwd_bwd(lambda q, k, v: ring_attention(
             q, k, v, seg, implementation="pallas")), (q, k, v))
-      for sub in (int(x) for x in _SUBS.value.split(",")):
+      for sub in (int(x) for x in _SUBS.value.split(",") if x):
         ring_attention_lib.SUB = sub
         with jax.set_mesh(mesh):
           ring[f"xla SUB {sub}"] = _timed(fwd_bwd(lambda q, k, v: ring_attention(

@@ -1,10 +1,11 @@
-"""Where pallas_gpu's KDA time goes: each stage timed alone, under a few kernel knobs
-(fused or separate stage-1 kernels, warps, block sizes).
+"""Where pallas_gpu's KDA time goes: each kernel timed alone, under each launch width.
 
-  python scripts/profile_kda_stages.py --shape=1x8192x16
+  python scripts/profile_kda_stages.py --shape=4x8192x16 --warps=1,2,4,8
 
-Stages: stage-1 Pallas kernel (intra), recurrence forward, recurrence forward with
-chunk states + backward kernel, and the XLA VJP of stage 1 used by the backward pass.
+Stage 1 kernels (tiles, solve, wu forward; wu_bwd, tiles_bwd backward) each at every
+--warps, then stage 2 (the recurrence forward; chunk states + backward kernels), then,
+with --xla, the XLA stage 1 and its VJP. Each number is the median of --iters runs after
+a warm-up. --fused also times the one-kernel stage 1 (FUSED_INTRA) each way.
 """
 
 import statistics
@@ -12,14 +13,16 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
 from pallas_kernels.kda import pallas_gpu as P, reference
 from scripts.bench_kda import inputs
 
 _SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH (K=V=128).")
-_VARIANTS = flags.DEFINE_integer("variants", 3, "How many launch-knob sets to try (1 = defaults).")
-_XLA = flags.DEFINE_bool("xla", True, "Also time the XLA stage 1 and its VJP.")
+_WARPS = flags.DEFINE_list("warps", ["1", "2", "4", "8"], "num_warps values to try per kernel.")
+_XLA = flags.DEFINE_bool("xla", False, "Also time the XLA stage 1 and its VJP.")
+_FUSED = flags.DEFINE_bool("fused", False, "Also time the one-kernel stage 1 (FUSED_INTRA).")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
 
 
@@ -33,6 +36,13 @@ def median_ms(fn, *args):
   return statistics.median(ts) * 1e3
 
 
+def timed(fn, *args):
+  try:
+    return f"{median_ms(jax.jit(fn), *args):.3f}"
+  except Exception as e:  # a launch width the compiler rejects is a result, not a crash
+    return f"error {type(e).__name__}: {str(e)[:120]}"
+
+
 def main(argv):
   del argv
   B, T, H = map(int, _SHAPE.value.split("x"))
@@ -44,57 +54,65 @@ def main(argv):
   q, k, v, g, beta, reset = reference.prepare(q, k, v, g, beta, None, dtype=jnp.bfloat16)
   q, k, v, beta, G, seg = jax.jit(reference.chunk_layout, static_argnums=6)(
       q, k, v, g, beta, reset, C)
+  interpret = jax.default_backend() != "gpu"   # CPU: a slow smoke run
+  kw = dict(chunk_size=C, interpret=interpret)
+  st, A, Tinv = jax.jit(lambda *a: P.intra_pallas(*a, scale=scale, **kw))(q, k, v, G, beta, seg)
+  rng = np.random.default_rng(0)
+  d_st = {n: jnp.asarray(rng.normal(size=x.shape), x.dtype) for n, x in st.items()}
+  dA = P.wu_bwd_call(Tinv, A, q, k, v, G, beta, seg, d_st, scale=scale, **kw)[0]
+
+  kernels = {
+      "tiles": lambda: P.tiles_call(q, k, G, seg, scale=scale, **kw),
+      "solve": lambda: P.solve_call(A, beta, **kw),
+      "wu": lambda: P.wu_call(Tinv, q, k, v, G, beta, seg, scale=scale, **kw),
+      "wu_bwd": lambda: P.wu_bwd_call(Tinv, A, q, k, v, G, beta, seg, d_st, scale=scale, **kw),
+      "tiles_bwd": lambda: P.tiles_bwd_call(q, k, G, seg, dA, d_st["Aqk"], scale=scale, **kw),
+  }
+  default = dict(P.WARPS)
+  print(f"stage-1 kernels, ms at {_SHAPE.value}, K=V=128, bf16, C=64 (default warps {default}):")
+  best = {}
+  for name, fn in kernels.items():
+    row = {}
+    for w in map(int, _WARPS.value):
+      P.WARPS[name] = w
+      row[w] = timed(fn)
+    P.WARPS[name] = default[name]
+    ok = {w: float(t) for w, t in row.items() if not t.startswith("error")}
+    best[name] = min(ok, key=ok.get) if ok else None
+    print(f"  {name:10s} " + " | ".join(f"warps {w}: {t}" for w, t in row.items())
+          + f"  -> best {best[name]}", flush=True)
+
   S0 = jnp.zeros((B, H, 128, 128), jnp.float32)
-  rows = []
-  knobs = [  # (fused stage 1, stage-1 warps, recurrence warps, BLOCK_V, BWD_BLOCK_K)
-      (False, 4, 4, 32, 32), (True, 4, 4, 32, 32), (True, 4, 4, 32, 16), (True, 8, 4, 32, 32)]
-  for fused, intra_warps, rec_warps, bv, bwd_bk in knobs[:_VARIANTS.value]:
-    P.FUSED_INTRA, P.INTRA_WARPS, P.RECURRENCE_WARPS = fused, intra_warps, rec_warps
-    P.BLOCK_V, P.BWD_BLOCK_K = bv, bwd_bk
-    intra = jax.jit(lambda *a: P.intra_pallas(*a, scale=scale, chunk_size=C, interpret=False)[0])
-    try:
-      st = intra(q, k, v, G, beta, seg)
-    except Exception as e:  # still time the recurrence on the XLA stage-1 outputs
-      print(f"stage 1 failed ({type(e).__name__}: {str(e)[:300]}); recurrence on XLA's",
-            flush=True)
-      st = P._intra_xla(q, k, v, G, beta, seg, scale, C)
-    rec = jax.jit(lambda st, S0: P._recurrence_call(st, S0, chunk_size=C, with_states=False,
-                                                    interpret=False))
-    do = jnp.ones((B, q.shape[1], H, 128), jnp.float32)
+  do = jnp.ones((B, q.shape[1], H, 128), jnp.float32)
 
-    def rec_bwd(st, S0, do):
-      _, _, states = P._recurrence_call(st, S0, chunk_size=C, with_states=True, interpret=False)
-      return P._recurrence_bwd_call(st, states, do, S0, chunk_size=C, interpret=False)
+  def rec_bwd(st, S0, do):
+    _, _, states = P._recurrence_call(st, S0, with_states=True, **kw)
+    return P._recurrence_bwd_call(st, states, do, S0, **kw)
 
-    def intra_bwd(q, k, v, G, beta, st):
-      _, A, T = P.intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=C, interpret=False)
-      return P.intra_bwd_pallas(q, k, v, G, beta, seg, A, T, st, scale=scale, chunk_size=C,
-                                interpret=False)
+  rec = lambda st, S0: P._recurrence_call(st, S0, with_states=False, **kw)
+  print(f"  recurrence {timed(rec, st, S0)} | recurrence states+bwd {timed(rec_bwd, st, S0, do)}",
+        flush=True)
+  intra = lambda *a: P.intra_pallas(*a, seg, scale=scale, **kw)[0]
 
-    row = {"knobs": f"fused={fused} intra_warps={intra_warps} rec_warps={rec_warps} BV={bv} "
-                    f"bwd_BK={bwd_bk}"}
-    for name, fn, args in [("intra", intra, (q, k, v, G, beta, seg)),
-                           ("intra fwd+bwd", jax.jit(intra_bwd), (q, k, v, G, beta, st)),
-                           ("recurrence", rec, (st, S0)),
-                           ("recurrence states+bwd", jax.jit(rec_bwd), (st, S0, do))]:
-      try:
-        row[name] = f"{median_ms(fn, *args):.3f}"
-      except Exception as e:
-        row[name] = f"error {type(e).__name__}: {str(e)[:200]}"
-    rows.append(row)
-    print(row, flush=True)
+  def intra_bwd(q, k, v, G, beta, d_st):
+    _, A, Tinv = P.intra_pallas(q, k, v, G, beta, seg, scale=scale, **kw)
+    return P.intra_bwd_pallas(q, k, v, G, beta, seg, A, Tinv, d_st, scale=scale, **kw)
 
-  def intra_vjp(q, k, v, G, beta, st):
-    _, vjp = jax.vjp(lambda *a: P._intra_xla(*a, seg, scale, C), q, k, v, G, beta)
-    return vjp(st)
+  args = (q, k, v, G, beta)
+  print(f"  stage 1 at default warps: forward {timed(intra, *args)} | "
+        f"forward+backward {timed(intra_bwd, *args, d_st)}", flush=True)
+  if _FUSED.value:
+    P.FUSED_INTRA = True
+    print(f"  fused stage 1: forward {timed(intra, *args)} | "
+          f"forward+backward {timed(intra_bwd, *args, d_st)}", flush=True)
+    P.FUSED_INTRA = False
+  if _XLA.value:
+    xla = lambda *a: P._intra_xla(*a, seg, scale, C)
 
-  print(f"stage times in ms at {_SHAPE.value}, K=V=128, bf16, C=64:")
-  for r in rows:
-    print(" | ".join(f"{k}: {v}" for k, v in r.items()))
-  if not _XLA.value:
-    return
-  print({"xla stage-1 forward": f"{median_ms(jax.jit(lambda *a: P._intra_xla(*a, seg, scale, C)), q, k, v, G, beta):.3f}",
-         "xla stage-1 vjp (backward)": f"{median_ms(jax.jit(intra_vjp), q, k, v, G, beta, st):.3f}"})
+    def xla_vjp(q, k, v, G, beta, d_st):
+      return jax.vjp(xla, q, k, v, G, beta)[1](d_st)
+
+    print(f"  xla stage 1: forward {timed(xla, *args)} | vjp {timed(xla_vjp, *args, d_st)}")
 
 
 if __name__ == "__main__":

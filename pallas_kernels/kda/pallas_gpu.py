@@ -78,58 +78,54 @@ def _anchor(G_ref, a, b, cols):
   return G_ref[pl.ds(row, 1), cols].astype(F32)
 
 
-def _chunk_gates(G_ref, seg_ref):
-  """Per-chunk decay factors: G [C,K]; Γ = e^G on rows S0 reaches (before any reset);
-  e^{G_end - G} on rows that reach the chunk's end state; decay = Γ_end [1,K]."""
+def _chunk_gates(G_ref, seg_ref, cols):
+  """Per-chunk decay factors on columns `cols`: G [C,BK]; Γ = e^G on rows S0 reaches
+  (before any reset); e^{G_end - G} on rows that reach the chunk's end state; decay =
+  Γ_end [1,BK]."""
   C = G_ref.shape[0]
-  G, seg = G_ref[...].astype(F32), seg_ref[...]
+  G, seg = G_ref[:, cols].astype(F32), seg_ref[...]
   seg_end = seg_ref[pl.ds(C - 1, 1)]
-  G_end = G_ref[pl.ds(C - 1, 1), :].astype(F32)
+  G_end = G_ref[pl.ds(C - 1, 1), cols].astype(F32)
   gamma = jnp.where((seg == 0)[:, None], jnp.exp(G), 0.0)
   to_end = jnp.where((seg == seg_end)[:, None], jnp.exp(G_end - G), 0.0)
   decay = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0)
-  return G, seg, gamma, to_end, decay
+  return G, gamma, to_end, decay
 
 
 def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, block_k):
-  """One 16-row sub-chunk a (program axis 2 = chunk·S + a) against every sub-chunk b ≤ a of
-  its chunk: A_ab (strictly causal) and Aqk_ab, K contracted in `block_k` columns so
-  only [16, block_k] tiles are live. Blocks b > a are skipped (written as zeros), so the
-  exponents never see the future rows that could overflow."""
+  """A (strictly causal) and Aqk of one chunk, a 16-row sub-chunk a at a time against all
+  the rows before it: A_a = (K_a ⊙ e^{G_a - m_a}) (K ⊙ e^{m_a - G})ᵀ, with m_a the middle
+  row of sub-chunk a as anchor. Rows before sub-chunk a have G ≥ m_a (factor ≤ 1), rows
+  of a are within 8 steps (e^{≤40}), rows after it are zeroed before the exponential, so
+  nothing overflows. [16, C] tiles, K contracted in `block_k` columns."""
   C, K = q_ref.shape
   L, S = SUB, C // SUB
-  a = pl.program_id(2) % S
-  rows_a = pl.ds(pl.multiple_of(a * L, L), L)
-  seg_a = seg_ref[rows_a]
-  i_LL = a * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
-  for b in range(S):
-    blk = pl.ds(b * L, L)
+  row_C1 = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
 
-    @pl.when(b <= a)
-    def _tile():
-      j_LL = b * L + jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
-      same = seg_a[:, None] == seg_ref[blk][None, :]
-      A_LL = jnp.zeros((L, L), F32)
-      Aqk_LL = jnp.zeros((L, L), F32)
-      for kb in range(K // block_k):
-        cols = pl.ds(kb * block_k, block_k)
-        G_a = G_ref[rows_a, cols].astype(F32)
-        G_b = G_ref[blk, cols].astype(F32)
-        anchor = _anchor(G_ref, a, b, cols)
-        left = jnp.exp(G_a - anchor)
-        right = jnp.exp(anchor - G_b)
-        k_right = k_ref[blk, cols].astype(F32) * right
-        A_LL += _dot_t(k_ref[rows_a, cols].astype(F32) * left, k_right)
-        Aqk_LL += _dot_t(q_ref[rows_a, cols].astype(F32) * left, k_right)
-      A_LL = jnp.where(same & (i_LL > j_LL), A_LL, 0.0)
-      Aqk_LL = jnp.where(same & (i_LL >= j_LL), Aqk_LL, 0.0) * scale
-      Akk_ref[:, blk] = A_LL.astype(Akk_ref.dtype)
-      Aqk_ref[:, blk] = Aqk_LL.astype(Aqk_ref.dtype)
+  def k_block(cols, acc):
+    k, G = k_ref[:, cols].astype(F32), G_ref[:, cols].astype(F32)
+    out = []
+    for a in range(S):
+      rows = pl.ds(a * L, L)
+      anchor = G_ref[pl.ds(a * L + L // 2, 1), cols].astype(F32)
+      left = jnp.exp(G_ref[rows, cols].astype(F32) - anchor)
+      seen = row_C1 < (a + 1) * L
+      k_right = jnp.where(seen, k * jnp.exp(jnp.where(seen, anchor - G, 0.0)), 0.0)
+      out.append(acc[2 * a] + _dot_t(k_ref[rows, cols].astype(F32) * left, k_right))
+      out.append(acc[2 * a + 1] + _dot_t(q_ref[rows, cols].astype(F32) * left, k_right))
+    return tuple(out)
 
-    @pl.when(b > a)   # above the diagonal: nothing to compute
-    def _zeros():
-      Akk_ref[:, blk] = jnp.zeros((L, L), Akk_ref.dtype)
-      Aqk_ref[:, blk] = jnp.zeros((L, L), Aqk_ref.dtype)
+  acc = _col_loop(K // block_k, block_k, k_block,
+                  tuple(jnp.zeros((L, C), F32) for _ in range(2 * S)))
+  seg = seg_ref[...]
+  j_LC = jax.lax.broadcasted_iota(jnp.int32, (L, C), 1)
+  for a in range(S):
+    rows = pl.ds(a * L, L)
+    i_LC = a * L + jax.lax.broadcasted_iota(jnp.int32, (L, C), 0)
+    same = seg_ref[rows][:, None] == seg[None, :]
+    Akk_ref[rows, :] = jnp.where(same & (i_LC > j_LC), acc[2 * a], 0.0).astype(Akk_ref.dtype)
+    Aqk_ref[rows, :] = (jnp.where(same & (i_LC >= j_LC), acc[2 * a + 1], 0.0)
+                        * scale).astype(Aqk_ref.dtype)
 
 
 def _solve_kernel(A_ref, beta_ref, T_ref):
@@ -150,17 +146,29 @@ def _solve_kernel(A_ref, beta_ref, T_ref):
 
 
 def _wu_kernel(T_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
-               W_ref, U0_ref, Qg_ref, Kd_ref, decay_ref, *, scale):
-  """W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the decayed Qg, Kd, decay of one chunk."""
+               W_ref, U0_ref, Qg_ref, Kd_ref, decay_ref, *, scale, block):
+  """W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the decayed Qg, Kd, decay of one chunk, in
+  `block`-wide column blocks (a whole [C, K] in fp32 would spill)."""
+  C, K = k_ref.shape
+  V = v_ref.shape[1]
   T_CC = T_ref[...].astype(F32)
-  _, _, gamma, to_end, decay = _chunk_gates(G_ref, seg_ref)
-  beta = beta_ref[...].astype(F32)[:, None]
-  k = k_ref[...].astype(F32)
-  W_ref[...] = _dot(T_CC, beta * k * gamma).astype(W_ref.dtype)
-  U0_ref[...] = _dot(T_CC, beta * v_ref[...].astype(F32)).astype(U0_ref.dtype)
-  Qg_ref[...] = (q_ref[...].astype(F32) * gamma * scale).astype(Qg_ref.dtype)
-  Kd_ref[...] = (k * to_end).astype(Kd_ref.dtype)
-  decay_ref[...] = decay.reshape(-1).astype(decay_ref.dtype)
+  beta_C1 = beta_ref[...].astype(F32)[:, None]
+
+  def k_block(cols, carry):
+    _, gamma, to_end, decay = _chunk_gates(G_ref, seg_ref, cols)
+    k = k_ref[:, cols].astype(F32)
+    W_ref[:, cols] = _dot(T_CC, beta_C1 * k * gamma).astype(W_ref.dtype)
+    Qg_ref[:, cols] = (q_ref[:, cols].astype(F32) * gamma * scale).astype(Qg_ref.dtype)
+    Kd_ref[:, cols] = (k * to_end).astype(Kd_ref.dtype)
+    decay_ref[cols] = decay.reshape(-1).astype(decay_ref.dtype)
+    return carry
+
+  def v_block(cols, carry):
+    U0_ref[:, cols] = _dot(T_CC, beta_C1 * v_ref[:, cols].astype(F32)).astype(U0_ref.dtype)
+    return carry
+
+  _col_loop(K // block, block, k_block, 0)
+  _col_loop(V // block, block, v_block, 0)
 
 
 def _col_loop(n_blocks, block, body, carry):
@@ -266,36 +274,57 @@ def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
 
 def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
                    dW_ref, dU0_ref, dQg_ref, dKd_ref, ddecay_ref,
-                   dA_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, *, scale):
-  """Backward of _wu_kernel and of the triangular solve, one chunk:
-  dX = Tᵀ dW, dY = Tᵀ dU0, dT = dW Xᵀ + dU0 Yᵀ, d(βA) = -Tᵀ dT Tᵀ (strictly causal part),
-  plus the elementwise Qg / Kd / decay terms. Emits dA for _tiles_bwd_kernel."""
-  C = q_ref.shape[0]
-  T_CC, A_CC = T_ref[...].astype(F32), A_ref[...].astype(F32)
-  _, seg, gamma, kd_decay, decay = _chunk_gates(G_ref, seg_ref)
-  beta = beta_ref[...].astype(F32)[:, None]
-  q, k, v = q_ref[...].astype(F32), k_ref[...].astype(F32), v_ref[...].astype(F32)
-  dW, dU0 = dW_ref[...].astype(F32), dU0_ref[...].astype(F32)
-  dQg, dKd = dQg_ref[...].astype(F32), dKd_ref[...].astype(F32)
-  X, Y = beta * k * gamma, beta * v
-  dX, dY = _t_dot(T_CC, dW), _t_dot(T_CC, dU0)
-  dT = _dot_t(dW, X) + _dot_t(dU0, Y)
+                   dA_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, *, scale, block):
+  """Backward of _wu_kernel and of the triangular solve, one chunk, in `block`-wide column
+  blocks: first dT = dW Xᵀ + dU0 Yᵀ (X = β K⊙Γ, Y = β V), then d(βA) = -Tᵀ dT Tᵀ on A's
+  support (emitted as dA for _tiles_bwd_kernel), then per block dX = Tᵀ dW, dY = Tᵀ dU0
+  and the elementwise Qg / Kd / decay terms."""
+  C, K = k_ref.shape
+  V = v_ref.shape[1]
+  T_CC = T_ref[...].astype(F32)
+  seg = seg_ref[...]
+  beta_C1 = beta_ref[...].astype(F32)[:, None]
+
+  def dT_k(cols, dT):
+    _, gamma, _, _ = _chunk_gates(G_ref, seg_ref, cols)
+    X = beta_C1 * k_ref[:, cols].astype(F32) * gamma
+    return dT + _dot_t(dW_ref[:, cols].astype(F32), X)
+
+  def dT_v(cols, dT):
+    return dT + _dot_t(dU0_ref[:, cols].astype(F32), beta_C1 * v_ref[:, cols].astype(F32))
+
+  dT = _col_loop(V // block, block, dT_v,
+                 _col_loop(K // block, block, dT_k, jnp.zeros((C, C), F32)))
   dL = -_t_dot(T_CC, _dot_t(dT, T_CC))                  # cotangent of L = I + Diag(β)A
   i_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
   j_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
   support = (seg[:, None] == seg[None, :]) & (i_CC > j_CC)       # where A is not masked
-  dA_ref[...] = jnp.where(support, beta * dL, 0.0).astype(dA_ref.dtype)
-  dbeta = (jnp.sum(dL * A_CC, axis=1) + jnp.sum(dX * k * gamma, axis=1)
-           + jnp.sum(dY * v, axis=1))
+  dA_ref[...] = jnp.where(support, beta_C1 * dL, 0.0).astype(dA_ref.dtype)
+  dbeta = jnp.sum(dL * A_ref[...].astype(F32), axis=1)
+  last_C1 = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
+
+  def k_block(cols, dbeta):
+    _, gamma, to_end, decay = _chunk_gates(G_ref, seg_ref, cols)
+    q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
+    dQg, dKd = dQg_ref[:, cols].astype(F32), dKd_ref[:, cols].astype(F32)
+    dX = _t_dot(T_CC, dW_ref[:, cols].astype(F32))
+    dq_ref[:, cols] = (dQg * scale * gamma).astype(dq_ref.dtype)
+    dk_ref[:, cols] = (dX * beta_C1 * gamma + dKd * to_end).astype(dk_ref.dtype)
+    P = dKd * k * to_end                                   # d/dG of Kd = k e^{G_end - G}
+    dG_end = (jnp.sum(P, axis=0, keepdims=True)
+              + ddecay_ref[cols].astype(F32).reshape(1, -1) * decay)
+    dG = (dX * beta_C1 * k + dQg * scale * q) * gamma - P + jnp.where(last_C1, dG_end, 0.0)
+    dG_ref[:, cols] = dG.astype(dG_ref.dtype)
+    return dbeta + jnp.sum(dX * k * gamma, axis=1)
+
+  def v_block(cols, dbeta):
+    v = v_ref[:, cols].astype(F32)
+    dY = _t_dot(T_CC, dU0_ref[:, cols].astype(F32))
+    dv_ref[:, cols] = (beta_C1 * dY).astype(dv_ref.dtype)
+    return dbeta + jnp.sum(dY * v, axis=1)
+
+  dbeta = _col_loop(V // block, block, v_block, _col_loop(K // block, block, k_block, dbeta))
   dbeta_ref[...] = dbeta.astype(dbeta_ref.dtype)
-  dv_ref[...] = (beta * dY).astype(dv_ref.dtype)
-  dq_ref[...] = (dQg * scale * gamma).astype(dq_ref.dtype)
-  dk_ref[...] = (dX * beta * gamma + dKd * kd_decay).astype(dk_ref.dtype)
-  P = dKd * k * kd_decay                                   # d/dG of Kd = k e^{G_end - G}
-  dG_end = jnp.sum(P, axis=0, keepdims=True) + ddecay_ref[...].reshape(1, -1) * decay
-  last = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
-  dG = (dX * beta * k + dQg * scale * q) * gamma - P + jnp.where(last, dG_end, 0.0)
-  dG_ref[...] = dG.astype(dG_ref.dtype)
 
 
 def _tile_bwd(q, k, G, a, b, anchor, dA, dAqk, dq, dk, dG):
@@ -314,32 +343,30 @@ def _tile_bwd(q, k, G, a, b, anchor, dA, dAqk, dq, dk, dG):
 
 
 def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk_ref, dG_ref,
-                      *, scale, block_k):
-  """Backward of _tiles_kernel, one chunk: the same anchored tiles, transposed (_tile_bwd)."""
-  C, K = q_ref.shape
+                      *, scale):
+  """Backward of _tiles_kernel for one chunk and one block of K columns (they are
+  independent): the anchored [16, 16] tiles transposed (_tile_bwd). Its anchors are
+  _anchor's; any anchor gives the same products, and these keep both factors ≤ 1 below
+  the diagonal."""
+  C, BK = q_ref.shape
   L, S = SUB, C // SUB
   i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
   j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
-  for kb in range(K // block_k):
-    cols = pl.ds(kb * block_k, block_k)
-    q = [q_ref[pl.ds(a * L, L), cols].astype(F32) for a in range(S)]
-    k = [k_ref[pl.ds(a * L, L), cols].astype(F32) for a in range(S)]
-    G = [G_ref[pl.ds(a * L, L), cols].astype(F32) for a in range(S)]
-    dq = [jnp.zeros((L, block_k), F32) for _ in range(S)]
-    dk = [jnp.zeros((L, block_k), F32) for _ in range(S)]
-    dG = [jnp.zeros((L, block_k), F32) for _ in range(S)]
-    for a in range(S):
-      for b in range(a + 1):
-        blk = (pl.ds(a * L, L), pl.ds(b * L, L))
-        keep = (i_LL >= j_LL) if a == b else (i_LL >= 0)
-        same = seg_ref[pl.ds(a * L, L)][:, None] == seg_ref[pl.ds(b * L, L)][None, :]
-        dAqk = jnp.where(keep & same, dAqk_ref[blk].astype(F32), 0.0) * scale
-        _tile_bwd(q, k, G, a, b, _anchor(G_ref, a, b, cols), dA_ref[blk].astype(F32), dAqk,
-                  dq, dk, dG)
-    for a in range(S):
-      dq_ref[pl.ds(a * L, L), cols] = dq[a].astype(dq_ref.dtype)
-      dk_ref[pl.ds(a * L, L), cols] = dk[a].astype(dk_ref.dtype)
-      dG_ref[pl.ds(a * L, L), cols] = dG[a].astype(dG_ref.dtype)
+  cols = slice(None)
+  rows = [pl.ds(a * L, L) for a in range(S)]
+  q, k, G = ([ref[r, :].astype(F32) for r in rows] for ref in (q_ref, k_ref, G_ref))
+  dq, dk, dG = ([jnp.zeros((L, BK), F32) for _ in range(S)] for _ in range(3))
+  for a, b in _lower_tiles(S):
+    blk = (rows[a], rows[b])
+    keep = (i_LL >= j_LL) if a == b else (i_LL >= 0)
+    same = seg_ref[rows[a]][:, None] == seg_ref[rows[b]][None, :]
+    dAqk = jnp.where(keep & same, dAqk_ref[blk].astype(F32), 0.0) * scale
+    _tile_bwd(q, k, G, a, b, _anchor(G_ref, a, b, cols), dA_ref[blk].astype(F32), dAqk,
+              dq, dk, dG)
+  for a in range(S):
+    dq_ref[rows[a], :] = dq[a].astype(dq_ref.dtype)
+    dk_ref[rows[a], :] = dk[a].astype(dk_ref.dtype)
+    dG_ref[rows[a], :] = dG[a].astype(dG_ref.dtype)
 
 
 def _intra_bwd_fused_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
@@ -534,13 +561,119 @@ def _params(num_warps, num_stages, interpret):
 # dots); they are rolled loops now (_col_loop), not yet timed. Time it with
 # scripts/profile_kda_stages.py before turning it on.
 FUSED_INTRA = False
-BLOCK_K = 32
+BLOCK_K = 32         # K / V columns per step of the stage-1 kernels
 BWD_BLOCK_K = 32     # K / V columns per step of the fused stage-1 backward
-INTRA_WARPS = 4
+WARPS = {"tiles": 4, "solve": 4, "wu": 4, "wu_bwd": 4, "tiles_bwd": 4, "fused": 4}
 RECURRENCE_WARPS = 4
 BLOCK_V = 32         # V columns per recurrence program; the forward-only call widens it
 WIDE_BLOCK_V = 64    # ... to this when the grid at BLOCK_V would not fit in one wave
 GRADS_BLOCK = 32     # K and V block of the per-chunk gradient kernel (stage 2 backward)
+
+
+def _chunk(C, D):
+  """[C, D] rows of chunk n of a [B, Tp, H, D] array, for grid (B, H, N)."""
+  return pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+
+
+def _chunk_1d(C):
+  """[C] of chunk n of a [B, Tp, H] array (β, dβ)."""
+  return pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
+
+
+def _chunk_seg(C):
+  """[C] segment ids of chunk n ([B, Tp], shared by the heads)."""
+  return pl.BlockSpec((None, C), lambda b, h, n: (b, n))
+
+
+def _per_chunk(D):
+  """[D] row of chunk n of a [B, N, H, D] array (the decay)."""
+  return pl.BlockSpec((None, None, None, D), lambda b, h, n: (b, n, h, 0))
+
+
+def _rows(q, D, dtype):
+  B, Tp, H, _ = q.shape
+  return jax.ShapeDtypeStruct((B, Tp, H, D), dtype)
+
+
+def tiles_call(q, k, G, seg, *, scale, chunk_size, interpret):
+  """(A fp32, Aqk) of every chunk."""
+  B, Tp, H, K = q.shape
+  C = chunk_size
+  return pl.pallas_call(
+      functools.partial(_tiles_kernel, scale=scale, block_k=min(K, BLOCK_K)),
+      grid=(B, H, Tp // C),
+      in_specs=[_chunk(C, K)] * 3 + [_chunk_seg(C)],
+      out_specs=[_chunk(C, C)] * 2, out_shape=[_rows(q, C, F32), _rows(q, C, q.dtype)],
+      interpret=interpret, name="kda_intra_tiles",
+      compiler_params=_params(WARPS["tiles"], 1, interpret),
+  )(q, k, G, seg)
+
+
+def solve_call(A, beta, *, chunk_size, interpret):
+  """T = (I + Diag(β)A)^-1 of every chunk (fp32)."""
+  B, Tp, H, C = A.shape
+  return pl.pallas_call(
+      _solve_kernel, grid=(B, H, Tp // C), in_specs=[_chunk(C, C), _chunk_1d(C)],
+      out_specs=_chunk(C, C), out_shape=_rows(A, C, F32), interpret=interpret,
+      name="kda_intra_solve", compiler_params=_params(WARPS["solve"], 1, interpret),
+  )(A, beta)
+
+
+def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
+  """(W, U0, Qg, Kd, decay) of every chunk from T."""
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  C, N, dt = chunk_size, Tp // chunk_size, q.dtype
+  return pl.pallas_call(
+      functools.partial(_wu_kernel, scale=scale, block=min(K, V, BLOCK_K)),
+      grid=(B, H, N),
+      in_specs=[_chunk(C, C), _chunk(C, K), _chunk(C, K), _chunk(C, V), _chunk(C, K),
+                _chunk_1d(C), _chunk_seg(C)],
+      out_specs=[_chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk(C, K), _per_chunk(K)],
+      out_shape=[_rows(q, K, dt), _rows(q, V, dt), _rows(q, K, dt), _rows(q, K, dt),
+                 jax.ShapeDtypeStruct((B, N, H, K), F32)],
+      interpret=interpret, name="kda_intra_wu",
+      compiler_params=_params(WARPS["wu"], 1, interpret),
+  )(T, q, k, v, G, beta, seg)
+
+
+def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpret):
+  """(dA, and the W/U0/Qg/Kd/decay parts of dq, dk, dv, dβ, dG), all fp32."""
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  return pl.pallas_call(
+      functools.partial(_wu_bwd_kernel, scale=scale, block=min(K, V, BLOCK_K)),
+      grid=(B, H, Tp // C),
+      in_specs=[_chunk(C, C), _chunk(C, C), _chunk(C, K), _chunk(C, K), _chunk(C, V),
+                _chunk(C, K), _chunk_1d(C), _chunk_seg(C), _chunk(C, K), _chunk(C, V),
+                _chunk(C, K), _chunk(C, K), _per_chunk(K)],
+      out_specs=[_chunk(C, C), _chunk(C, K), _chunk(C, K), _chunk(C, V), _chunk_1d(C),
+                 _chunk(C, K)],
+      out_shape=[_rows(q, C, F32), _rows(q, K, F32), _rows(q, K, F32), _rows(q, V, F32),
+                 jax.ShapeDtypeStruct((B, Tp, H), F32), _rows(q, K, F32)],
+      interpret=interpret, name="kda_intra_wu_bwd",
+      compiler_params=_params(WARPS["wu_bwd"], 1, interpret),
+  )(T, A, q, k, v, G, beta, seg, d_st["W"], d_st["U0"], d_st["Qg"], d_st["Kd"], d_st["decay"])
+
+
+def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret):
+  """The tiles' parts of (dq, dk, dG), fp32: one program per (chunk, K block), as the
+  column blocks are independent."""
+  B, Tp, H, K = q.shape
+  C, BK = chunk_size, min(K, BLOCK_K)
+  nk = K // BK
+  cols = pl.BlockSpec((None, C, None, BK), lambda b, h, r: (b, r // nk, h, r % nk))
+  whole = pl.BlockSpec((None, C, None, C), lambda b, h, r: (b, r // nk, h, 0))
+  return pl.pallas_call(
+      functools.partial(_tiles_bwd_kernel, scale=scale),
+      grid=(B, H, Tp // C * nk),
+      in_specs=[cols, cols, cols, pl.BlockSpec((None, C), lambda b, h, r: (b, r // nk)),
+                whole, whole],
+      out_specs=[cols] * 3, out_shape=[_rows(q, K, F32)] * 3,
+      interpret=interpret, name="kda_intra_tiles_bwd",
+      compiler_params=_params(WARPS["tiles_bwd"], 1, interpret),
+  )(q, k, G, seg, dA, dAqk)
 
 
 def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
@@ -548,58 +681,27 @@ def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
   for the backward pass. One fused kernel (FUSED_INTRA) or three."""
   B, Tp, H, K = q.shape
   V = v.shape[-1]
-  C, N = chunk_size, Tp // chunk_size
-  S = C // SUB
-  dt = q.dtype
-  chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
-  chunk_1d = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
-  chunk_seg = pl.BlockSpec((None, C), lambda b, h, n: (b, n))
-  rows = lambda D, dtype: jax.ShapeDtypeStruct((B, Tp, H, D), dtype)
-  decay_spec = pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))
+  C, N, dt = chunk_size, Tp // chunk_size, q.dtype
   if FUSED_INTRA:
     W, U0, Qg, Kd, decay, Aqk, A, T = pl.pallas_call(
         functools.partial(_intra_fused_kernel, scale=scale, block_k=min(K, BLOCK_K),
                           block_v=min(V, BLOCK_K)),
         grid=(B, H, N),
-        in_specs=[chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d, chunk_seg],
-        out_specs=[chunk(K), chunk(V), chunk(K), chunk(K), decay_spec, chunk(C), chunk(C),
-                   chunk(C)],
-        out_shape=[rows(K, dt), rows(V, dt), rows(K, dt), rows(K, dt),
-                   jax.ShapeDtypeStruct((B, N, H, K), F32), rows(C, dt), rows(C, F32),
-                   rows(C, F32)],
+        in_specs=[_chunk(C, K), _chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk_1d(C),
+                  _chunk_seg(C)],
+        out_specs=[_chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk(C, K), _per_chunk(K)]
+                  + [_chunk(C, C)] * 3,
+        out_shape=[_rows(q, K, dt), _rows(q, V, dt), _rows(q, K, dt), _rows(q, K, dt),
+                   jax.ShapeDtypeStruct((B, N, H, K), F32), _rows(q, C, dt),
+                   _rows(q, C, F32), _rows(q, C, F32)],
         interpret=interpret, name="kda_intra_fused",
-        compiler_params=_params(INTRA_WARPS, 1, interpret),
+        compiler_params=_params(WARPS["fused"], 1, interpret),
     )(q, k, v, G, beta, seg)
-    return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
-
-  # Program r = n·S + a reads chunk n whole and writes rows a of it.
-  in_chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, r: (b, r // S, h, 0))
-  A, Aqk = pl.pallas_call(
-      functools.partial(_tiles_kernel, scale=scale, block_k=min(K, BLOCK_K)),
-      grid=(B, H, N * S),
-      in_specs=[in_chunk(K), in_chunk(K), in_chunk(K),
-                pl.BlockSpec((None, C), lambda b, h, r: (b, r // S))],
-      out_specs=[pl.BlockSpec((None, SUB, None, C), lambda b, h, r: (b, r, h, 0))] * 2,
-      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, C), F32),
-                 jax.ShapeDtypeStruct((B, Tp, H, C), dt)],
-      interpret=interpret, name="kda_intra_tiles", compiler_params=_params(4, 1, interpret),
-  )(q, k, G, seg)
-  T = pl.pallas_call(
-      _solve_kernel, grid=(B, H, N), in_specs=[chunk(C), chunk_1d], out_specs=chunk(C),
-      out_shape=jax.ShapeDtypeStruct((B, Tp, H, C), F32), interpret=interpret,
-      name="kda_intra_solve", compiler_params=_params(4, 1, interpret),
-  )(A, beta)
-  W, U0, Qg, Kd, decay = pl.pallas_call(
-      functools.partial(_wu_kernel, scale=scale),
-      grid=(B, H, N),
-      in_specs=[chunk(C), chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d, chunk_seg],
-      out_specs=[chunk(K), chunk(V), chunk(K), chunk(K),
-                 pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), dt), jax.ShapeDtypeStruct((B, Tp, H, V), dt),
-                 jax.ShapeDtypeStruct((B, Tp, H, K), dt), jax.ShapeDtypeStruct((B, Tp, H, K), dt),
-                 jax.ShapeDtypeStruct((B, N, H, K), F32)],
-      interpret=interpret, name="kda_intra_wu", compiler_params=_params(INTRA_WARPS, 1, interpret),
-  )(T, q, k, v, G, beta, seg)
+  else:
+    A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=C, interpret=interpret)
+    T = solve_call(A, beta, chunk_size=C, interpret=interpret)
+    W, U0, Qg, Kd, decay = wu_call(T, q, k, v, G, beta, seg, scale=scale, chunk_size=C,
+                                   interpret=interpret)
   return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
 
 
@@ -608,45 +710,26 @@ def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, in
   kernel (FUSED_INTRA) or two."""
   B, Tp, H, K = q.shape
   V = v.shape[-1]
-  C, N = chunk_size, Tp // chunk_size
-  chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
-  chunk_1d = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
-  chunk_seg = pl.BlockSpec((None, C), lambda b, h, n: (b, n))
-  rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), F32)
-  decay_spec = pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))
+  C = chunk_size
   if FUSED_INTRA:
-    dq, dk, dv, dG, dbeta = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_intra_bwd_fused_kernel, scale=scale, block_k=min(K, BWD_BLOCK_K),
                           block_v=min(V, BWD_BLOCK_K)),
-        grid=(B, H, N),
-        in_specs=[chunk(C), chunk(C), chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d,
-                  chunk_seg, chunk(K), chunk(V), chunk(K), chunk(K), decay_spec, chunk(C)],
-        out_specs=[chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d],
-        out_shape=[rows(K), rows(K), rows(V), rows(K), jax.ShapeDtypeStruct((B, Tp, H), F32)],
+        grid=(B, H, Tp // C),
+        in_specs=[_chunk(C, C), _chunk(C, C), _chunk(C, K), _chunk(C, K), _chunk(C, V),
+                  _chunk(C, K), _chunk_1d(C), _chunk_seg(C), _chunk(C, K), _chunk(C, V),
+                  _chunk(C, K), _chunk(C, K), _per_chunk(K), _chunk(C, C)],
+        out_specs=[_chunk(C, K), _chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk_1d(C)],
+        out_shape=[_rows(q, K, F32), _rows(q, K, F32), _rows(q, V, F32), _rows(q, K, F32),
+                   jax.ShapeDtypeStruct((B, Tp, H), F32)],
         interpret=interpret, name="kda_intra_bwd_fused",
-        compiler_params=_params(INTRA_WARPS, 1, interpret),
+        compiler_params=_params(WARPS["fused"], 1, interpret),
     )(T, A, q, k, v, G, beta, seg, d_st["W"], d_st["U0"], d_st["Qg"], d_st["Kd"],
       d_st["decay"], d_st["Aqk"])
-    return dq, dk, dv, dG, dbeta
-  dA, dq0, dk0, dv, dbeta, dG0 = pl.pallas_call(
-      functools.partial(_wu_bwd_kernel, scale=scale),
-      grid=(B, H, N),
-      in_specs=[chunk(C), chunk(C), chunk(K), chunk(K), chunk(V), chunk(K), chunk_1d, chunk_seg,
-                chunk(K), chunk(V), chunk(K), chunk(K),
-                pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, n, h, 0))],
-      out_specs=[chunk(C), chunk(K), chunk(K), chunk(V), chunk_1d, chunk(K)],
-      out_shape=[rows(C), rows(K), rows(K), rows(V), jax.ShapeDtypeStruct((B, Tp, H), F32),
-                 rows(K)],
-      interpret=interpret, name="kda_intra_wu_bwd",
-      compiler_params=_params(INTRA_WARPS, 1, interpret),
-  )(T, A, q, k, v, G, beta, seg, d_st["W"], d_st["U0"], d_st["Qg"], d_st["Kd"], d_st["decay"])
-  dq1, dk1, dG1 = pl.pallas_call(
-      functools.partial(_tiles_bwd_kernel, scale=scale, block_k=min(K, BLOCK_K)),
-      grid=(B, H, N),
-      in_specs=[chunk(K), chunk(K), chunk(K), chunk_seg, chunk(C), chunk(C)],
-      out_specs=[chunk(K)] * 3, out_shape=[rows(K)] * 3,
-      interpret=interpret, name="kda_intra_tiles_bwd", compiler_params=_params(4, 1, interpret),
-  )(q, k, G, seg, dA, d_st["Aqk"])
+  dA, dq0, dk0, dv, dbeta, dG0 = wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, scale=scale,
+                                             chunk_size=C, interpret=interpret)
+  dq1, dk1, dG1 = tiles_bwd_call(q, k, G, seg, dA, d_st["Aqk"], scale=scale, chunk_size=C,
+                                 interpret=interpret)
   return dq0 + dq1, dk0 + dk1, dv, dG0 + dG1, dbeta
 
 
