@@ -6,6 +6,7 @@ bf16 inputs, K=V=128, bounded gate (lower_bound=-5) computed from raw gate input
 the timed function (fla fuses it in its kernel). Median of --iters runs after warm-up.
 """
 
+import ast
 import json
 import os
 import time
@@ -16,12 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pallas_kernels.kda import kda, kda_gate
+from pallas_kernels.kda import kda, kda_gate, pallas_gpu
 from scripts import timing
 
 _SHAPES = flags.DEFINE_string("shapes", "1x8192x16,4x8192x16,1x32768x16,1x65536x32,8x4096x32",
                               "Comma-separated BxTxH.")
 _IMPLS = flags.DEFINE_string("impls", "pallas_gpu,xla", "Our implementations to time.")
+_KNOBS = flags.DEFINE_multi_string(
+    "knobs", [], "Extra pallas_gpu rows with module launch knobs set, e.g. "
+    "--knobs=BLOCK_K=64,ROLLED=False --knobs=WARPS.tiles=2 (restored after the row).")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed runs per measurement (median reported).")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON and markdown results.")
 _DIM = 128
@@ -60,6 +64,27 @@ def time_jax(fn, args, iters):
   """(median ms, output of one call)."""
   out = fn(*args)
   return timing.median_ms(fn, args, iters, warmup=2), out
+
+
+def set_knobs(spec):
+  """Applies 'NAME=VALUE,...' (NAME.key for a dict entry) to pallas_gpu; returns an undo."""
+  saved = []
+  for item in (x for x in spec.split(",") if x):
+    name, value = item.split("=")
+    name, _, key = name.partition(".")
+    holder = getattr(pallas_gpu, name) if key else pallas_gpu.__dict__
+    key = key or name
+    if key not in holder:
+      raise ValueError(f"--knobs: pallas_gpu has no {item.split('=')[0]!r}")
+    saved.append((holder, key, holder[key]))
+    holder[key] = ast.literal_eval(value)
+  jax.clear_caches()   # knobs are read while tracing
+
+  def undo():
+    for holder, key, old in reversed(saved):
+      holder[key] = old
+    jax.clear_caches()
+  return undo
 
 
 def jax_fns(impl):
@@ -114,9 +139,11 @@ def bench_shape(B, T, H, impls, iters, log):
           jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
   do = bf(inp["do"])
   rows, outs = {}, {}
-  for impl in impls:
+  variants = [(impl, "") for impl in impls] + [(f"pallas_gpu[{k}]", k) for k in _KNOBS.value]
+  for impl, knobs in variants:
+    undo = set_knobs(knobs)
     try:
-      fwd, fwd_bwd = jax_fns(impl)
+      fwd, fwd_bwd = jax_fns(impl.split("[")[0])
       ms_f, o = time_jax(fwd, args, iters)
       ms_fb, _ = time_jax(fwd_bwd, args + [do], iters)
       rows[impl] = {"fwd_ms": ms_f, "fwd_bwd_ms": ms_fb}
@@ -124,6 +151,8 @@ def bench_shape(B, T, H, impls, iters, log):
     except Exception as e:  # one failing variant must not hide the others' numbers
       rows[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       log.write(traceback.format_exc())
+    finally:
+      undo()
   try:
     f, fb = fla_fns(inp)
     o = f().detach().float().cpu().numpy()

@@ -3,11 +3,12 @@
   python scripts/profile_kda_stages.py --shape=4x8192x16 --warps=1,2,4,8
 
 Stage 1 kernels (tiles, solve, wu forward; wu_bwd, tiles_bwd backward) each at every
---warps, then stage 2 (the recurrence forward; chunk states + backward kernels), then,
+--warps, then at each --blocks column width rolled and unrolled, then stage 2 (the recurrence forward; chunk states + backward kernels), then,
 with --xla, the XLA stage 1 and its VJP. Each number is the median of --iters runs after
 a warm-up. --fused also times the one-kernel stage 1 (FUSED_INTRA) each way.
 """
 
+import functools
 import statistics
 import time
 
@@ -22,6 +23,7 @@ from scripts.bench_kda import inputs
 _SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH (K=V=128).")
 _WARPS = flags.DEFINE_list("warps", ["1", "2", "4", "8"], "num_warps values to try per kernel.")
 _XLA = flags.DEFINE_bool("xla", False, "Also time the XLA stage 1 and its VJP.")
+_BLOCKS = flags.DEFINE_list("blocks", [], "BLOCK_K values to try, each rolled and unrolled.")
 _FUSED = flags.DEFINE_bool("fused", False, "Also time the one-kernel stage 1 (FUSED_INTRA).")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
 
@@ -37,6 +39,7 @@ def median_ms(fn, *args):
 
 
 def timed(fn, *args):
+  jax.clear_caches()   # the knobs are read while tracing: never reuse an earlier trace
   try:
     return f"{median_ms(jax.jit(fn), *args):.3f}"
   except Exception as e:  # a launch width the compiler rejects is a result, not a crash
@@ -61,26 +64,38 @@ def main(argv):
   d_st = {n: jnp.asarray(rng.normal(size=x.shape), x.dtype) for n, x in st.items()}
   dA = P.wu_bwd_call(Tinv, A, q, k, v, G, beta, seg, d_st, scale=scale, **kw)[0]
 
-  kernels = {
-      "tiles": lambda: P.tiles_call(q, k, G, seg, scale=scale, **kw),
-      "solve": lambda: P.solve_call(A, beta, **kw),
-      "wu": lambda: P.wu_call(Tinv, q, k, v, G, beta, seg, scale=scale, **kw),
-      "wu_bwd": lambda: P.wu_bwd_call(Tinv, A, q, k, v, G, beta, seg, d_st, scale=scale, **kw),
-      "tiles_bwd": lambda: P.tiles_bwd_call(q, k, G, seg, dA, d_st["Aqk"], scale=scale, **kw),
+  kernels = {  # name: (function, arguments): arrays go in as arguments, never closed over
+      "tiles": (lambda q, k, G: P.tiles_call(q, k, G, seg, scale=scale, **kw), (q, k, G)),
+      "solve": (lambda A, beta: P.solve_call(A, beta, **kw), (A, beta)),
+      "wu": (lambda *a: P.wu_call(*a, seg, scale=scale, **kw), (Tinv, q, k, v, G, beta)),
+      "wu_bwd": (lambda *a, d_st: P.wu_bwd_call(*a, seg, d_st, scale=scale, **kw),
+                 (Tinv, A, q, k, v, G, beta)),
+      "tiles_bwd": (lambda q, k, G, dA, dAqk: P.tiles_bwd_call(q, k, G, seg, dA, dAqk,
+                                                               scale=scale, **kw),
+                    (q, k, G, dA, d_st["Aqk"])),
   }
+  run = lambda name: (timed(functools.partial(kernels[name][0], d_st=d_st), *kernels[name][1])
+                      if name == "wu_bwd" else timed(*kernels[name][:1], *kernels[name][1]))
   default = dict(P.WARPS)
-  print(f"stage-1 kernels, ms at {_SHAPE.value}, K=V=128, bf16, C=64 (default warps {default}):")
-  best = {}
-  for name, fn in kernels.items():
+  print(f"stage-1 kernels, ms at {_SHAPE.value}, K=V=128, bf16, C=64 (default warps {default}, "
+        f"BLOCK_K {P.BLOCK_K}, ROLLED {P.ROLLED}):")
+  for name in kernels:
     row = {}
     for w in map(int, _WARPS.value):
       P.WARPS[name] = w
-      row[w] = timed(fn)
+      row[w] = run(name)
     P.WARPS[name] = default[name]
     ok = {w: float(t) for w, t in row.items() if not t.startswith("error")}
-    best[name] = min(ok, key=ok.get) if ok else None
+    best = min(ok, key=ok.get) if ok else None
     print(f"  {name:10s} " + " | ".join(f"warps {w}: {t}" for w, t in row.items())
-          + f"  -> best {best[name]}", flush=True)
+          + f"  -> best {best}", flush=True)
+  block_k, rolled = P.BLOCK_K, P.ROLLED
+  for bk in map(int, _BLOCKS.value):
+    for r in (True, False):
+      P.BLOCK_K, P.ROLLED = bk, r
+      print(f"  BLOCK_K {bk} ROLLED {r}: " + " | ".join(
+          f"{name} {run(name)}" for name in ("tiles", "wu", "wu_bwd", "tiles_bwd")), flush=True)
+  P.BLOCK_K, P.ROLLED = block_k, rolled
 
   S0 = jnp.zeros((B, H, 128, 128), jnp.float32)
   do = jnp.ones((B, q.shape[1], H, 128), jnp.float32)

@@ -71,6 +71,18 @@ def _inv_unit_lower(N_LL):
   return T_LL
 
 
+def _col_loop(n_blocks, block, body, carry, rolled=True):
+  """body(cols, carry) over `n_blocks` column blocks of width `block`: a rolled loop keeps
+  the kernel's code (and its compile time) the same size whatever K and V are; unrolled,
+  the compiler can issue the next block's loads early."""
+  if not rolled:
+    for i in range(n_blocks):
+      carry = body(pl.ds(i * block, block), carry)
+    return carry
+  return jax.lax.fori_loop(
+      0, n_blocks, lambda i, c: body(pl.ds(pl.multiple_of(i * block, block), block), c), carry)
+
+
 def _anchor(G_ref, a, b, cols):
   """[1, BK] anchor row for tile (a, b) (see reference._sub_chunk_decays): the middle row of
   sub-chunk a on the diagonal, the last row of sub-chunk b below it."""
@@ -116,7 +128,7 @@ def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, bloc
     return tuple(out)
 
   acc = _col_loop(K // block_k, block_k, k_block,
-                  tuple(jnp.zeros((L, C), F32) for _ in range(2 * S)))
+                  tuple(jnp.zeros((L, C), F32) for _ in range(2 * S)), rolled=ROLLED)
   seg = seg_ref[...]
   j_LC = jax.lax.broadcasted_iota(jnp.int32, (L, C), 1)
   for a in range(S):
@@ -167,15 +179,8 @@ def _wu_kernel(T_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
     U0_ref[:, cols] = _dot(T_CC, beta_C1 * v_ref[:, cols].astype(F32)).astype(U0_ref.dtype)
     return carry
 
-  _col_loop(K // block, block, k_block, 0)
-  _col_loop(V // block, block, v_block, 0)
-
-
-def _col_loop(n_blocks, block, body, carry):
-  """body(cols, carry) over `n_blocks` column blocks of width `block`, as a rolled loop:
-  the kernel's code (and its compile time) stays the same size whatever K and V are."""
-  return jax.lax.fori_loop(
-      0, n_blocks, lambda i, c: body(pl.ds(pl.multiple_of(i * block, block), block), c), carry)
+  _col_loop(K // block, block, k_block, 0, rolled=ROLLED)
+  _col_loop(V // block, block, v_block, 0, rolled=ROLLED)
 
 
 def _lower_tiles(S):
@@ -294,7 +299,8 @@ def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
     return dT + _dot_t(dU0_ref[:, cols].astype(F32), beta_C1 * v_ref[:, cols].astype(F32))
 
   dT = _col_loop(V // block, block, dT_v,
-                 _col_loop(K // block, block, dT_k, jnp.zeros((C, C), F32)))
+                 _col_loop(K // block, block, dT_k, jnp.zeros((C, C), F32), rolled=ROLLED),
+                 rolled=ROLLED)
   dL = -_t_dot(T_CC, _dot_t(dT, T_CC))                  # cotangent of L = I + Diag(β)A
   i_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
   j_CC = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -323,7 +329,8 @@ def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
     dv_ref[:, cols] = (beta_C1 * dY).astype(dv_ref.dtype)
     return dbeta + jnp.sum(dY * v, axis=1)
 
-  dbeta = _col_loop(V // block, block, v_block, _col_loop(K // block, block, k_block, dbeta))
+  dbeta = _col_loop(K // block, block, k_block, dbeta, rolled=ROLLED)
+  dbeta = _col_loop(V // block, block, v_block, dbeta, rolled=ROLLED)
   dbeta_ref[...] = dbeta.astype(dbeta_ref.dtype)
 
 
@@ -562,6 +569,7 @@ def _params(num_warps, num_stages, interpret):
 # scripts/profile_kda_stages.py before turning it on.
 FUSED_INTRA = False
 BLOCK_K = 32         # K / V columns per step of the stage-1 kernels
+ROLLED = True        # ... as a rolled loop (else unrolled) in the tiles / W-U kernels
 BWD_BLOCK_K = 32     # K / V columns per step of the fused stage-1 backward
 WARPS = {"tiles": 4, "solve": 4, "wu": 4, "wu_bwd": 4, "tiles_bwd": 4, "fused": 4}
 RECURRENCE_WARPS = 4
