@@ -5,7 +5,7 @@
 Stage 1 kernels (tiles, solve, wu forward; wu_bwd, tiles_bwd backward) each at every
 --warps, then at each --blocks column width rolled and unrolled, then stage 2 (the recurrence forward; chunk states + backward kernels), then,
 with --xla, the XLA stage 1 and its VJP. Each number is the median of --iters runs after
-a warm-up. --fused also times the one-kernel stage 1 (FUSED_INTRA) each way.
+a warm-up.
 """
 
 import functools
@@ -24,7 +24,6 @@ _SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH (K=V=128).")
 _WARPS = flags.DEFINE_list("warps", ["1", "2", "4", "8"], "num_warps values to try per kernel.")
 _XLA = flags.DEFINE_bool("xla", False, "Also time the XLA stage 1 and its VJP.")
 _BLOCKS = flags.DEFINE_list("blocks", [], "BLOCK_K values to try, each rolled and unrolled.")
-_FUSED = flags.DEFINE_bool("fused", False, "Also time the one-kernel stage 1 (FUSED_INTRA).")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
 
 
@@ -116,11 +115,6 @@ def main(argv):
   args = (q, k, v, G, beta)
   print(f"  stage 1 at default warps: forward {timed(intra, *args)} | "
         f"forward+backward {timed(intra_bwd, *args, d_st)}", flush=True)
-  if _FUSED.value:
-    P.FUSED_INTRA = True
-    print(f"  fused stage 1: forward {timed(intra, *args)} | "
-          f"forward+backward {timed(intra_bwd, *args, d_st)}", flush=True)
-    P.FUSED_INTRA = False
   if _XLA.value:
     xla = lambda *a: P._intra_xla(*a, seg, scale, C)
 

@@ -115,33 +115,6 @@ def test_pallas_long_sequence_fp32():
   assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
 
 
-def test_fused_stage1_equals_separate_kernels(monkeypatch):
-  """The one-kernel stage 1 (FUSED_INTRA) and the tiles/solve/W-U kernels give the same
-  stage-1 tensors, and their backward kernels the same cotangents, with a document
-  boundary and padding inside a chunk."""
-  from pallas_kernels.kda import pallas_gpu
-  (q, k, v, g, beta), _ = _inputs(1, 128, 1, 64, 32, seed=7)
-  seg = jnp.asarray([[1] * 40 + [2] + [3] * 60 + [0] * 27])
-  x = reference.prepare(*(a.astype(jnp.float32) for a in (q, k, v, g, beta)), seg)
-  q, k, v, beta, G, sg = reference.chunk_layout(*x, 64)
-  outs, grads = [], []
-  for fused in (True, False):
-    monkeypatch.setattr(pallas_gpu, "FUSED_INTRA", fused)
-    outs.append(pallas_gpu.intra_pallas(q, k, v, G, beta, sg, scale=0.125, chunk_size=64,
-                                        interpret=True))
-    st, A, T = outs[0]   # the same residuals and cotangents for both backward kernels
-    rng = np.random.default_rng(8)
-    d_st = {n: jnp.asarray(rng.normal(size=x.shape), x.dtype) for n, x in st.items()}
-    grads.append(pallas_gpu.intra_bwd_pallas(q, k, v, G, beta, sg, A, T, d_st, scale=0.125,
-                                             chunk_size=64, interpret=True))
-  (st1, A1, T1), (st2, A2, T2) = outs
-  for name in st2:
-    assert rel_err(st1[name], st2[name]) < 1e-6, name
-  assert rel_err(A1, A2) < 1e-6 and rel_err(T1, T2) < 1e-6
-  for name, g1, g2 in zip(("dq", "dk", "dv", "dG", "dbeta"), *grads):
-    assert rel_err(g1, g2) < 1e-6, name
-
-
 @pytest.mark.parametrize("impl", ["xla", "recurrent", "pallas_gpu"])
 def test_segments_equal_separate_documents(impl):
   """Documents of length 5, 1, 30, 12 packed with padding give each document's own output;

@@ -1,12 +1,12 @@
 """KDA chunked kernels in Pallas (Triton lowering on GPU, `interpret=True` on CPU).
 
 Stage 1 (reference.chunk_intra, bounded gates) as three kernels, fla-style:
-  _tiles_kernel     grid (B, H, N·C/16): one 16-row sub-chunk against the sub-chunks before
-                    it — β·A and Aqk tiles as matmuls on decays anchored per sub-chunk
-                    (reference._sub_chunk_decays), K contracted in BLOCK_K columns.
+  _tiles_kernel     grid (B, H, N): A and Aqk of a chunk as [16, C] matmuls, each 16-row
+                    sub-chunk against all rows before it on decays anchored at its middle
+                    row, K contracted in BLOCK_K columns.
   _solve_kernel     grid (B, H, N): (I + Diag(β)A)^-1 — 16×16 diagonal blocks by forward
                     substitution in registers, off-diagonal blocks by block substitution.
-  _wu_kernel        grid (B, H, N): W, U0 (two chunk-wide matmuls), Qg, Kd, decay.
+  _wu_kernel        grid (B, H, N): W, U0 (T times [C, BLOCK_K] column blocks), Qg, Kd, decay.
 Stage 2 (reference.chunk_recurrence):
   _recurrence_kernel      grid (B, H, V/BV): the state S [K, BV] stays in registers across
                           all chunks (one launch for the sequence); emits O, the final state
@@ -17,13 +17,12 @@ Stage 2 (reference.chunk_recurrence):
                           Kd, Aqk, decay), chunk by chunk over the whole of V.
 
 Backward: stage 1 by _wu_bwd_kernel (solve and W/U0 terms, grid (B, H, N)) and
-_tiles_bwd_kernel (the anchored tiles transposed); stage 2 by the recurrence kernels (chunk
-states recomputed, not stored by the forward). A and T are kept from stage 1's forward.
+_tiles_bwd_kernel (the anchored [16, 16] tiles transposed, grid (B, H, N·K/BLOCK_K));
+stage 2 by the recurrence kernels (chunk states recomputed, not stored by the forward).
+A and T are kept from stage 1's forward.
 
-FUSED_INTRA (off, see there) swaps stage 1 for one kernel per chunk each way,
-_intra_fused_kernel and _intra_bwd_fused_kernel: the same math on [16, 16] tiles of the
-lower triangle with K and V in column blocks, nothing round-tripping through memory but
-what the backward keeps.
+The launch knobs below were chosen by scripts/profile_kda_stages.py and
+scripts/bench_kda.py --knobs on the H200 (benchmarks/kda.md).
 """
 
 import functools
@@ -188,95 +187,6 @@ def _lower_tiles(S):
   return [(a, b) for a in range(S) for b in range(a + 1)]
 
 
-def _sub_chunk_rows(C, seg_ref, beta_ref):
-  """Row slices of a chunk's 16-row sub-chunks, with their segment ids and β [16, 1]."""
-  rows = [pl.ds(a * SUB, SUB) for a in range(C // SUB)]
-  return rows, [seg_ref[r] for r in rows], [beta_ref[r].astype(F32)[:, None] for r in rows]
-
-
-def _intra_fused_kernel(q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
-                        W_ref, U0_ref, Qg_ref, Kd_ref, decay_ref, Aqk_ref, A_ref, T_ref,
-                        *, scale, block_k, block_v):
-  """All of stage 1 for one chunk in one program: the anchored tiles of A and Aqk, the
-  solve, then W, U0, Qg, Kd and the decay. K and V are visited in column blocks, so what
-  is live is [16, block] operand tiles plus the lower-triangular [16, 16] A / Aqk / T
-  tiles; A and T also go out (the backward pass keeps them)."""
-  C, K = q_ref.shape
-  V = v_ref.shape[1]
-  L, S = SUB, C // SUB
-  rows, seg, beta = _sub_chunk_rows(C, seg_ref, beta_ref)
-  i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
-  j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
-  load = lambda ref, a, cols: ref[rows[a], cols].astype(F32)
-  lower = _lower_tiles(S)
-
-  # 1. Tiles (b ≤ a), anchored as in reference._sub_chunk_decays: the last row of b below
-  #    the diagonal (both factors ≤ 1), the middle row of a on it (both within e^±40).
-  def tiles(cols, acc):
-    G = [load(G_ref, a, cols) for a in range(S)]
-    k = [load(k_ref, a, cols) for a in range(S)]
-    q = [load(q_ref, a, cols) for a in range(S)]
-    A_acc, Aqk_acc = [], []
-    for (a, b), A_ab, Aqk_ab in zip(lower, *acc):
-      anchor = _anchor(G_ref, a, b, cols)
-      left, k_right = jnp.exp(G[a] - anchor), k[b] * jnp.exp(anchor - G[b])
-      A_acc.append(A_ab + _dot_t(k[a] * left, k_right))
-      Aqk_acc.append(Aqk_ab + _dot_t(q[a] * left, k_right))
-    return tuple(A_acc), tuple(Aqk_acc)
-
-  zeros = tuple(jnp.zeros((L, L), F32) for _ in lower)
-  A_acc, Aqk_acc = _col_loop(K // block_k, block_k, tiles, (zeros, zeros))
-  A = {}
-  for (a, b), A_ab, Aqk_ab in zip(lower, A_acc, Aqk_acc):
-    same = seg[a][:, None] == seg[b][None, :]
-    A[a, b] = jnp.where(same & (i_LL > j_LL) if a == b else same, A_ab, 0.0)
-    Aqk_ab = jnp.where(same & (i_LL >= j_LL) if a == b else same, Aqk_ab, 0.0) * scale
-    A_ref[rows[a], pl.ds(b * L, L)] = A[a, b].astype(A_ref.dtype)
-    Aqk_ref[rows[a], pl.ds(b * L, L)] = Aqk_ab.astype(Aqk_ref.dtype)
-  for a in range(S):
-    for b in range(a + 1, S):
-      A_ref[rows[a], pl.ds(b * L, L)] = jnp.zeros((L, L), A_ref.dtype)
-      Aqk_ref[rows[a], pl.ds(b * L, L)] = jnp.zeros((L, L), Aqk_ref.dtype)
-
-  # 2. T = (I + Diag(β)A)^-1 block by block (as _solve_kernel).
-  T = {}
-  for a in range(S):
-    T[a, a] = _inv_unit_lower(beta[a] * A[a, a])
-    for b in range(a):
-      T[a, b] = -_dot(T[a, a], sum(_dot(beta[a] * A[a, c], T[c, b]) for c in range(b, a)))
-    for b in range(S):
-      T_ref[rows[a], pl.ds(b * L, L)] = (
-          T[a, b] if b <= a else jnp.zeros((L, L), F32)).astype(T_ref.dtype)
-
-  # 3. W = T·Diag(β)(K⊙Γ), Qg, Kd, decay per K block; U0 = T·Diag(β)V per V block.
-  seg_end = seg_ref[pl.ds(C - 1, 1)]
-
-  def w_block(cols, carry):
-    G_end = G_ref[pl.ds(C - 1, 1), cols].astype(F32)
-    X = []
-    for a in range(S):
-      G_a, k_a = load(G_ref, a, cols), load(k_ref, a, cols)
-      gamma = jnp.where((seg[a] == 0)[:, None], jnp.exp(G_a), 0.0)
-      to_end = jnp.where((seg[a] == seg_end)[:, None], jnp.exp(G_end - G_a), 0.0)
-      Qg_ref[rows[a], cols] = (load(q_ref, a, cols) * gamma * scale).astype(Qg_ref.dtype)
-      Kd_ref[rows[a], cols] = (k_a * to_end).astype(Kd_ref.dtype)
-      X.append(beta[a] * k_a * gamma)
-    for a in range(S):
-      W_ref[rows[a], cols] = sum(_dot(T[a, b], X[b]) for b in range(a + 1)).astype(W_ref.dtype)
-    decay_ref[cols] = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0).reshape(-1).astype(
-        decay_ref.dtype)
-    return carry
-
-  def u_block(cols, carry):
-    Y = [beta[b] * load(v_ref, b, cols) for b in range(S)]
-    for a in range(S):
-      U0_ref[rows[a], cols] = sum(_dot(T[a, b], Y[b]) for b in range(a + 1)).astype(U0_ref.dtype)
-    return carry
-
-  _col_loop(K // block_k, block_k, w_block, 0)
-  _col_loop(V // block_v, block_v, u_block, 0)
-
-
 def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
                    dW_ref, dU0_ref, dQg_ref, dKd_ref, ddecay_ref,
                    dA_ref, dq_ref, dk_ref, dv_ref, dbeta_ref, dG_ref, *, scale, block):
@@ -376,106 +286,6 @@ def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk
     dG_ref[rows[a], :] = dG[a].astype(dG_ref.dtype)
 
 
-def _intra_bwd_fused_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
-                            dW_ref, dU0_ref, dQg_ref, dKd_ref, ddecay_ref, dAqk_ref,
-                            dq_ref, dk_ref, dv_ref, dG_ref, dbeta_ref,
-                            *, scale, block_k, block_v):
-  """All of stage 1's backward for one chunk in one program, on [16, 16] tiles of the
-  lower triangle (upper tiles of T and A are zero, and so is their effect):
-    1. dT_ab = Σ dW_a X_bᵀ + dU0_a Y_bᵀ over K and V blocks (X = β k Γ, Y = β v);
-    2. dL = -Tᵀ (dT Tᵀ), dA = β dL on A's support, dβ += rowsum(dL ⊙ A);
-    3. per K block: dX = Tᵀ dW and the Qg / Kd / decay terms (as _wu_bwd_kernel) plus the
-       anchored tiles transposed (as _tiles_bwd_kernel), summed and written once;
-    4. per V block: dY = Tᵀ dU0, dv = β dY, dβ += rowsum(dY ⊙ v)."""
-  C, K = q_ref.shape
-  V = v_ref.shape[1]
-  L, S = SUB, C // SUB
-  rows, seg, beta = _sub_chunk_rows(C, seg_ref, beta_ref)
-  seg_end = seg_ref[pl.ds(C - 1, 1)]
-  i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
-  j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
-  last_L1 = jax.lax.broadcasted_iota(jnp.int32, (L, 1), 0) == L - 1
-  load = lambda ref, a, cols: ref[rows[a], cols].astype(F32)
-  tile = lambda ref, a, b: ref[rows[a], pl.ds(b * L, L)].astype(F32)
-  lower = _lower_tiles(S)
-  T = {ab: tile(T_ref, *ab) for ab in lower}
-
-  # 1. dT on the lower tiles.
-  def dT_k(cols, dT):
-    dW = [load(dW_ref, a, cols) for a in range(S)]
-    X = [beta[b] * load(k_ref, b, cols) * jnp.where((seg[b] == 0)[:, None],
-                                                    jnp.exp(load(G_ref, b, cols)), 0.0)
-         for b in range(S)]
-    return tuple(d + _dot_t(dW[a], X[b]) for (a, b), d in zip(lower, dT))
-
-  def dT_v(cols, dT):
-    dU0 = [load(dU0_ref, a, cols) for a in range(S)]
-    Y = [beta[b] * load(v_ref, b, cols) for b in range(S)]
-    return tuple(d + _dot_t(dU0[a], Y[b]) for (a, b), d in zip(lower, dT))
-
-  dT = tuple(jnp.zeros((L, L), F32) for _ in lower)
-  dT = _col_loop(V // block_v, block_v, dT_v, _col_loop(K // block_k, block_k, dT_k, dT))
-  dT = dict(zip(lower, dT))
-
-  # 2. dL = -Tᵀ M with M = dT Tᵀ (M_cb for c ≥ b), then dA and dβ's A term.
-  M = {(c, b): sum(_dot_t(dT[c, d], T[b, d]) for d in range(b + 1))
-       for b in range(S) for c in range(b, S)}
-  dA, dbeta = {}, [jnp.zeros((L,), F32) for _ in range(S)]
-  for a, b in lower:
-    dL = -sum(_t_dot(T[c, a], M[c, b]) for c in range(a, S))
-    same = seg[a][:, None] == seg[b][None, :]
-    dA[a, b] = jnp.where(same & (i_LL > j_LL) if a == b else same, beta[a] * dL, 0.0)
-    dbeta[a] += jnp.sum(dL * tile(A_ref, a, b), axis=1)
-
-  # 3. Per K block: W/Qg/Kd/decay terms, then the tiles' transposes; one write each.
-  def k_block(cols, dbeta):
-    dbeta = list(dbeta)
-    G = [load(G_ref, a, cols) for a in range(S)]
-    k = [load(k_ref, a, cols) for a in range(S)]
-    q = [load(q_ref, a, cols) for a in range(S)]
-    G_end = G_ref[pl.ds(C - 1, 1), cols].astype(F32)
-    dq, dk, dG = [], [], []
-    P_sum = jnp.zeros((1, block_k), F32)
-    for b in range(S):
-      dW_T = sum(_t_dot(T[a, b], load(dW_ref, a, cols)) for a in range(b, S))   # (Tᵀ dW)_b
-      gamma = jnp.where((seg[b] == 0)[:, None], jnp.exp(G[b]), 0.0)
-      to_end = jnp.where((seg[b] == seg_end)[:, None], jnp.exp(G_end - G[b]), 0.0)
-      dQg, dKd = load(dQg_ref, b, cols), load(dKd_ref, b, cols)
-      P = dKd * k[b] * to_end                                 # d/dG of Kd = k e^{G_end - G}
-      P_sum += jnp.sum(P, axis=0, keepdims=True)
-      dbeta[b] += jnp.sum(dW_T * k[b] * gamma, axis=1)
-      dq.append(dQg * scale * gamma)
-      dk.append(dW_T * beta[b] * gamma + dKd * to_end)
-      dG.append((dW_T * beta[b] * k[b] + dQg * scale * q[b]) * gamma - P)
-    decay = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0)
-    dG_end = P_sum + ddecay_ref[cols].reshape(1, -1).astype(F32) * decay
-    dG[S - 1] = dG[S - 1] + jnp.where(last_L1, dG_end, 0.0)
-    for a, b in lower:
-      same = seg[a][:, None] == seg[b][None, :]
-      dAqk = jnp.where(same & (i_LL >= j_LL) if a == b else same,
-                       tile(dAqk_ref, a, b), 0.0) * scale
-      _tile_bwd(q, k, G, a, b, _anchor(G_ref, a, b, cols), dA[a, b], dAqk, dq, dk, dG)
-    for a in range(S):
-      dq_ref[rows[a], cols] = dq[a].astype(dq_ref.dtype)
-      dk_ref[rows[a], cols] = dk[a].astype(dk_ref.dtype)
-      dG_ref[rows[a], cols] = dG[a].astype(dG_ref.dtype)
-    return tuple(dbeta)
-
-  # 4. Per V block.
-  def v_block(cols, dbeta):
-    dbeta = list(dbeta)
-    for b in range(S):
-      dY = sum(_t_dot(T[a, b], load(dU0_ref, a, cols)) for a in range(b, S))
-      dv_ref[rows[b], cols] = (beta[b] * dY).astype(dv_ref.dtype)
-      dbeta[b] += jnp.sum(dY * load(v_ref, b, cols), axis=1)
-    return tuple(dbeta)
-
-  dbeta = _col_loop(K // block_k, block_k, k_block, tuple(dbeta))
-  dbeta = _col_loop(V // block_v, block_v, v_block, dbeta)
-  for a in range(S):
-    dbeta_ref[rows[a]] = dbeta[a].astype(dbeta_ref.dtype)
-
-
 def _recurrence_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, S0_ref,
                        O_ref, S_ref, *states_ref, chunk_size):
   C = chunk_size
@@ -561,17 +371,11 @@ def _params(num_warps, num_stages, interpret):
                                                         num_stages=num_stages)
 
 
-# Launch knobs (tuned by scripts/profile_kda_stages.py on the H200).
-# Stage 1 as one kernel per chunk forward and one backward (else five kernels). Off: correct
-# in interpret mode and lowered to Triton, but on the H200 (2026-11-29) no program using
-# its first version finished within 2 minutes, with its K/V loops unrolled (150+ [16,16]
-# dots); they are rolled loops now (_col_loop), not yet timed. Time it with
-# scripts/profile_kda_stages.py before turning it on.
-FUSED_INTRA = False
-BLOCK_K = 32         # K / V columns per step of the stage-1 kernels
-ROLLED = True        # ... as a rolled loop (else unrolled) in the tiles / W-U kernels
-BWD_BLOCK_K = 32     # K / V columns per step of the fused stage-1 backward
-WARPS = {"tiles": 2, "solve": 1, "wu": 8, "wu_bwd": 4, "tiles_bwd": 4, "fused": 4}
+# Launch knobs (H200, 2026-11-30: benchmarks/kda.md). Unrolled column loops were 10-70%
+# slower; BLOCK_K 64 was faster for the tiles kernel alone, slower for the others.
+BLOCK_K = 32         # K / V columns per step of the stage-1 kernels ...
+ROLLED = True        # ... as a rolled loop (else unrolled)
+WARPS = {"tiles": 2, "solve": 1, "wu": 8, "wu_bwd": 4, "tiles_bwd": 4}   # num_warps per kernel
 RECURRENCE_WARPS = 4
 BLOCK_V = 32         # V columns per recurrence program; the forward-only call widens it
 WIDE_BLOCK_V = 64    # ... to this when the grid at BLOCK_V would not fit in one wave
@@ -686,54 +490,18 @@ def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret):
 
 def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
   """Stage 1: (outputs of reference.chunk_intra(bounded=True), A, T), the last two kept
-  for the backward pass. One fused kernel (FUSED_INTRA) or three."""
-  B, Tp, H, K = q.shape
-  V = v.shape[-1]
-  C, N, dt = chunk_size, Tp // chunk_size, q.dtype
-  if FUSED_INTRA:
-    W, U0, Qg, Kd, decay, Aqk, A, T = pl.pallas_call(
-        functools.partial(_intra_fused_kernel, scale=scale, block_k=min(K, BLOCK_K),
-                          block_v=min(V, BLOCK_K)),
-        grid=(B, H, N),
-        in_specs=[_chunk(C, K), _chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk_1d(C),
-                  _chunk_seg(C)],
-        out_specs=[_chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk(C, K), _per_chunk(K)]
-                  + [_chunk(C, C)] * 3,
-        out_shape=[_rows(q, K, dt), _rows(q, V, dt), _rows(q, K, dt), _rows(q, K, dt),
-                   jax.ShapeDtypeStruct((B, N, H, K), F32), _rows(q, C, dt),
-                   _rows(q, C, F32), _rows(q, C, F32)],
-        interpret=interpret, name="kda_intra_fused",
-        compiler_params=_params(WARPS["fused"], 1, interpret),
-    )(q, k, v, G, beta, seg)
-  else:
-    A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=C, interpret=interpret)
-    T = solve_call(A, beta, chunk_size=C, interpret=interpret)
-    W, U0, Qg, Kd, decay = wu_call(T, q, k, v, G, beta, seg, scale=scale, chunk_size=C,
-                                   interpret=interpret)
+  for the backward pass."""
+  C = chunk_size
+  A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=C, interpret=interpret)
+  T = solve_call(A, beta, chunk_size=C, interpret=interpret)
+  W, U0, Qg, Kd, decay = wu_call(T, q, k, v, G, beta, seg, scale=scale, chunk_size=C,
+                                 interpret=interpret)
   return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
 
 
 def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
-  """Cotangents (dq, dk, dv, dG, dβ) of stage 1 from those of its outputs: one fused
-  kernel (FUSED_INTRA) or two."""
-  B, Tp, H, K = q.shape
-  V = v.shape[-1]
+  """Cotangents (dq, dk, dv, dG, dβ) of stage 1 from those of its outputs."""
   C = chunk_size
-  if FUSED_INTRA:
-    return pl.pallas_call(
-        functools.partial(_intra_bwd_fused_kernel, scale=scale, block_k=min(K, BWD_BLOCK_K),
-                          block_v=min(V, BWD_BLOCK_K)),
-        grid=(B, H, Tp // C),
-        in_specs=[_chunk(C, C), _chunk(C, C), _chunk(C, K), _chunk(C, K), _chunk(C, V),
-                  _chunk(C, K), _chunk_1d(C), _chunk_seg(C), _chunk(C, K), _chunk(C, V),
-                  _chunk(C, K), _chunk(C, K), _per_chunk(K), _chunk(C, C)],
-        out_specs=[_chunk(C, K), _chunk(C, K), _chunk(C, V), _chunk(C, K), _chunk_1d(C)],
-        out_shape=[_rows(q, K, F32), _rows(q, K, F32), _rows(q, V, F32), _rows(q, K, F32),
-                   jax.ShapeDtypeStruct((B, Tp, H), F32)],
-        interpret=interpret, name="kda_intra_bwd_fused",
-        compiler_params=_params(WARPS["fused"], 1, interpret),
-    )(T, A, q, k, v, G, beta, seg, d_st["W"], d_st["U0"], d_st["Qg"], d_st["Kd"],
-      d_st["decay"], d_st["Aqk"])
   dA, dq0, dk0, dv, dbeta, dG0 = wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, scale=scale,
                                              chunk_size=C, interpret=interpret)
   dq1, dk1, dG1 = tiles_bwd_call(q, k, G, seg, dA, d_st["Aqk"], scale=scale, chunk_size=C,
