@@ -153,6 +153,8 @@ def bench_shape(B, T, H, impls, iters, log):
       log.write(traceback.format_exc())
     finally:
       undo()
+    # Each row as soon as it exists: fla's autotuning (minutes) may outlive a time limit.
+    print(f"{B}x{T}x{H}", impl, json.dumps(rows[impl]), flush=True)
   try:
     f, fb = fla_fns(inp)
     o = f().detach().float().cpu().numpy()

@@ -90,9 +90,8 @@ def _anchor(G_ref, a, b, cols):
 
 
 def _chunk_gates(G_ref, seg_ref, cols):
-  """Per-chunk decay factors on columns `cols`: G [C,BK]; Γ = e^G on rows S0 reaches
-  (before any reset); e^{G_end - G} on rows that reach the chunk's end state; decay =
-  Γ_end [1,BK]."""
+  """Per-chunk decay factors on columns `cols`: Γ = e^G [C,BK] on rows S0 reaches (before
+  any reset); e^{G_end - G} on rows that reach the chunk's end state; decay = Γ_end [1,BK]."""
   C = G_ref.shape[0]
   G, seg = G_ref[:, cols].astype(F32), seg_ref[...]
   seg_end = seg_ref[pl.ds(C - 1, 1)]
@@ -100,7 +99,7 @@ def _chunk_gates(G_ref, seg_ref, cols):
   gamma = jnp.where((seg == 0)[:, None], jnp.exp(G), 0.0)
   to_end = jnp.where((seg == seg_end)[:, None], jnp.exp(G_end - G), 0.0)
   decay = jnp.where(seg_end == 0, jnp.exp(G_end), 0.0)
-  return G, gamma, to_end, decay
+  return gamma, to_end, decay
 
 
 def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, block_k):
@@ -166,7 +165,7 @@ def _wu_kernel(T_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   beta_C1 = beta_ref[...].astype(F32)[:, None]
 
   def k_block(cols, carry):
-    _, gamma, to_end, decay = _chunk_gates(G_ref, seg_ref, cols)
+    gamma, to_end, decay = _chunk_gates(G_ref, seg_ref, cols)
     k = k_ref[:, cols].astype(F32)
     W_ref[:, cols] = _dot(T_CC, beta_C1 * k * gamma).astype(W_ref.dtype)
     Qg_ref[:, cols] = (q_ref[:, cols].astype(F32) * gamma * scale).astype(Qg_ref.dtype)
@@ -201,7 +200,7 @@ def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   beta_C1 = beta_ref[...].astype(F32)[:, None]
 
   def dT_k(cols, dT):
-    _, gamma, _, _ = _chunk_gates(G_ref, seg_ref, cols)
+    gamma, _, _ = _chunk_gates(G_ref, seg_ref, cols)
     X = beta_C1 * k_ref[:, cols].astype(F32) * gamma
     return dT + _dot_t(dW_ref[:, cols].astype(F32), X)
 
@@ -220,7 +219,7 @@ def _wu_bwd_kernel(T_ref, A_ref, q_ref, k_ref, v_ref, G_ref, beta_ref, seg_ref,
   last_C1 = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0) == C - 1
 
   def k_block(cols, dbeta):
-    _, gamma, to_end, decay = _chunk_gates(G_ref, seg_ref, cols)
+    gamma, to_end, decay = _chunk_gates(G_ref, seg_ref, cols)
     q, k = q_ref[:, cols].astype(F32), k_ref[:, cols].astype(F32)
     dQg, dKd = dQg_ref[:, cols].astype(F32), dKd_ref[:, cols].astype(F32)
     dX = _t_dot(T_CC, dW_ref[:, cols].astype(F32))
