@@ -218,3 +218,6 @@ def test_kda_rejects_bad_input():
     kda(q, k, v, g, beta, implementation="pallas_tpu")
   with pytest.raises(ValueError, match=r"segment_ids must be an integer \[B,T\]"):
     kda(q, k, v, g, beta, segment_ids=jnp.ones((1, 7), jnp.int32))
+  with pytest.raises(ValueError, match=r"pallas_gpu' needs K and V to be powers of two >= 16, "
+                                       r"got K=4, V=4"):
+    kda(q, k, v, g, beta, implementation="pallas_gpu")

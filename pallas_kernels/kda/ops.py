@@ -46,9 +46,16 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bo
                        " pass lower_bound=None for unbounded (legacy) gates")
 
 
-def default_implementation() -> str:
-  """Pallas kernels on GPU; the XLA chunked form elsewhere (pallas_tpu is not built yet)."""
-  return "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
+def pallas_gpu_fits(K, V) -> bool:
+  """The Pallas GPU kernels tile K and V in blocks of powers of two, at least 16 wide
+  (Triton's smallest dot)."""
+  return all(d >= 16 and d & (d - 1) == 0 for d in (K, V))
+
+
+def default_implementation(K=128, V=128) -> str:
+  """Pallas kernels on GPU where the head dims fit them; the XLA chunked form elsewhere
+  (pallas_tpu is not built yet)."""
+  return "pallas_gpu" if jax.default_backend() == "gpu" and pallas_gpu_fits(K, V) else "xla"
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -62,7 +69,11 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   the safe path for the diagonal tiles.
   """
   _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bound)
-  impl = default_implementation() if implementation is None else implementation
+  K, V = q.shape[-1], v.shape[-1]
+  impl = default_implementation(K, V) if implementation is None else implementation
+  if impl == "pallas_gpu" and not pallas_gpu_fits(K, V):
+    raise ValueError(f"implementation='pallas_gpu' needs K and V to be powers of two >= 16, "
+                     f"got K={K}, V={V}; use implementation='xla'")
   kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
   bounded = lower_bound is not None
   if impl == "xla":
