@@ -1,14 +1,18 @@
 """KDA speed on the GPU: pallas_gpu and xla vs flash-linear-attention's chunk_kda, same inputs.
 
   python scripts/bench_kda.py --out=$OUT [--shapes=1x8192x16,4x8192x16] [--impls=pallas_gpu,xla]
+      [--jobs=2 --shape_timeout=280]   # one process per shape, two GPUs at a time
 
 bf16 inputs, K=V=128, bounded gate (lower_bound=-5) computed from raw gate inputs as part of
 the timed function (fla fuses it in its kernel). Median of --iters runs after warm-up.
 """
 
 import ast
+import functools
 import json
 import os
+import subprocess
+import sys
 import time
 import traceback
 
@@ -26,6 +30,13 @@ _IMPLS = flags.DEFINE_string("impls", "pallas_gpu,xla", "Our implementations to 
 _KNOBS = flags.DEFINE_multi_string(
     "knobs", [], "Extra pallas_gpu rows with module launch knobs set, e.g. "
     "--knobs=BLOCK_K=64,ROLLED=False --knobs=WARPS.tiles=2 (restored after the row).")
+_JOBS = flags.DEFINE_integer(
+    "jobs", 1, "Shapes at a time, each in its own process; process slot i runs on GPU i "
+    "(CUDA_VISIBLE_DEVICES). fla autotunes per process, so this is what fits a multi-GPU "
+    "host's table into one time limit.")
+_SHAPE_TIMEOUT = flags.DEFINE_integer(
+    "shape_timeout", 0, "With --jobs > 1: seconds before a shape's process is stopped "
+    "(0: no limit). The rows it finished are kept.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed runs per measurement (median reported).")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON and markdown results.")
 _DIM = 128
@@ -132,7 +143,7 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def bench_shape(B, T, H, impls, iters, log):
+def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
   inp = inputs(B, T, H)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   args = [bf(inp["q"]), bf(inp["k"]), bf(inp["v"]), bf(inp["x"]), bf(inp["beta"]),
@@ -155,6 +166,7 @@ def bench_shape(B, T, H, impls, iters, log):
       undo()
     # Each row as soon as it exists: fla's autotuning (minutes) may outlive a time limit.
     print(f"{B}x{T}x{H}", impl, json.dumps(rows[impl]), flush=True)
+    on_row(rows)
   try:
     f, fb = fla_fns(inp)
     o = f().detach().float().cpu().numpy()
@@ -179,21 +191,68 @@ def bench_shape(B, T, H, impls, iters, log):
   return rows
 
 
-def main(argv):
-  del argv
-  out_dir = _OUT.value or "."
-  os.makedirs(out_dir, exist_ok=True)
-  impls = [s for s in _IMPLS.value.split(",") if s]
+def run_shapes(shapes, impls, out_dir):
+  """Every shape in this process; results are saved after every row."""
   results = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
              "shapes": {}}
+
+  def save(shape, rows):
+    results["shapes"][shape] = rows
+    with open(os.path.join(out_dir, "bench_kda.json"), "w") as f:
+      json.dump(results, f, indent=1)
+
   with open(os.path.join(out_dir, "bench_kda.log"), "w") as log:
-    for shape in _SHAPES.value.split(","):
+    for shape in shapes:
       B, T, H = map(int, shape.split("x"))
-      results["shapes"][shape] = rows = bench_shape(B, T, H, impls, _ITERS.value, log)
+      rows = bench_shape(B, T, H, impls, _ITERS.value, log,
+                         on_row=functools.partial(save, shape))
+      save(shape, rows)
       print(shape, json.dumps(rows), flush=True)
+  return results
+
+
+def run_parallel(shapes, out_dir):
+  """Each shape in a child process of this script, --jobs at a time, slot i on GPU i."""
+  flags_kept = [f"--impls={_IMPLS.value}", f"--iters={_ITERS.value}"] + [
+      f"--knobs={k}" for k in _KNOBS.value]
+  pending, running = list(shapes), {}
+  results = {"device": None, "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+  while pending or running:
+    for slot in range(_JOBS.value):
+      if slot not in running and pending:
+        shape = pending.pop(0)
+        sub = os.path.join(out_dir, f"shape_{shape}")
+        cmd = [sys.executable, sys.argv[0], f"--shapes={shape}", "--jobs=1", f"--out={sub}"]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot))
+        running[slot] = (subprocess.Popen(cmd + flags_kept, env=env), shape, sub,
+                         time.monotonic())
+    time.sleep(1)
+    for slot, (proc, shape, sub, t0) in list(running.items()):
+      late = _SHAPE_TIMEOUT.value and time.monotonic() - t0 > _SHAPE_TIMEOUT.value
+      if proc.poll() is None and not late:
+        continue
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+      del running[slot]
+      try:
+        with open(os.path.join(sub, "bench_kda.json")) as f:
+          child = json.load(f)
+        results["device"] = results["device"] or child["device"]
+        rows = child["shapes"].get(shape, {})
+      except (OSError, ValueError):
+        rows = {}
+      if proc.returncode != 0:
+        rows["process"] = {"error": f"ended with {proc.returncode}"
+                                    + (" (stopped at --shape_timeout)" if late else "")}
+      results["shapes"][shape] = rows
+  results["shapes"] = {s: results["shapes"][s] for s in shapes}
   with open(os.path.join(out_dir, "bench_kda.json"), "w") as f:
     json.dump(results, f, indent=1)
+  return results
 
+
+def table(results):
   lines = [f"KDA bf16 K=V=128, {results['device']}, {results['date']}; median ms",
            "| BxTxH | impl | fwd ms | fwd+bwd ms | fwd ×fla | fwd+bwd ×fla | fwd tok/s | "
            "%FLOP/%byte floor fwd | %FLOP/%byte floor fwd+bwd | rel err vs fla |",
@@ -210,10 +269,21 @@ def main(argv):
           f"{ratio('fwd_bwd_ms')} | {r['fwd_tok_s']:.3g} | {r['fwd_flop_floor_pct']:.1f}/"
           f"{r['fwd_byte_floor_pct']:.1f} | {r['fwd_bwd_flop_floor_pct']:.1f}/"
           f"{r['fwd_bwd_byte_floor_pct']:.1f} | {r.get('rel_err_vs_fla', float('nan')):.2e} |")
-  table = "\n".join(lines)
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  out_dir = _OUT.value or "."
+  os.makedirs(out_dir, exist_ok=True)
+  shapes = [s for s in _SHAPES.value.split(",") if s]
+  impls = [s for s in _IMPLS.value.split(",") if s]
+  results = (run_parallel(shapes, out_dir) if _JOBS.value > 1 else
+             run_shapes(shapes, impls, out_dir))
+  text = table(results)
   with open(os.path.join(out_dir, "bench_kda.md"), "w") as f:
-    f.write(table + "\n")
-  print(table)
+    f.write(text + "\n")
+  print(text)
 
 
 if __name__ == "__main__":

@@ -94,9 +94,11 @@ def random_cache(cfg, B, max_len, L):
 
 def run_decode_only(variant, L, variables, model, jdecode, max_len):
   B = _BATCH.value
+  print(f"{variant} {L}: {time.strftime('%H:%M:%S')} filling the cache", flush=True)
   cache = random_cache(model.cfg, B, max_len, L)
   logits = jax.random.normal(jax.random.key(1), (B, model.cfg.vocab_size), jnp.float32)
   jax.block_until_ready(cache)
+  print(f"{variant} {L}: {time.strftime('%H:%M:%S')} decoding", flush=True)
   t0 = time.perf_counter()
   out, _, cache = jdecode(variables, cache, logits)
   jax.block_until_ready(out)
@@ -160,6 +162,8 @@ def main(argv):
           step, v, cache, logits, jax.random.key(0), max_new=_DECODE.value, temperature=0.0,
           stop_tokens=(-1,)), donate_argnums=1)
       t0 = time.perf_counter()  # compile on a scratch cache
+      # Phase lines with timestamps: a run that outlives its time limit shows where it was.
+      print(f"{variant}: {time.strftime('%H:%M:%S')} compiling (batch {B})", flush=True)
       if _DECODE_ONLY.value:
         logits = jnp.zeros((B, 1, model.cfg.vocab_size), jnp.float32)
         scratch = random_cache(model.cfg, B, max_len, chunk)
