@@ -17,7 +17,8 @@ Stage 2 (reference.chunk_recurrence):
                           Kd, Aqk, decay), chunk by chunk over the whole of V.
 
 Backward: stage 1 by _wu_bwd_kernel (solve and W/U0 terms, grid (B, H, N)) and
-_tiles_bwd_kernel (the anchored [16, 16] tiles transposed, grid (B, H, N·K/BLOCK_K));
+_tiles_bwd_kernel (the anchored [16, 16] tiles transposed, grid (B, H, N·K/BLOCK_K); or,
+with TILES_BWD_ROWS, _tiles_bwd_rows_kernel, the same as [16, C] matmuls);
 stage 2 by the recurrence kernels (chunk states recomputed, not stored by the forward).
 A and T are kept from stage 1's forward.
 
