@@ -3,12 +3,12 @@
   python scripts/profile_kda_stages.py --shape=4x8192x16 --warps=1,2,4,8
 
 Stage 1 kernels (tiles, solve, wu forward; wu_bwd, tiles_bwd backward) each at every
---warps, then at each --blocks column width rolled and unrolled, then stage 2 (the recurrence forward; chunk states + backward kernels), then,
-with --xla, the XLA stage 1 and its VJP. Each number is the median of --iters runs after
-a warm-up.
+--warps, then at each --blocks column width rolled and unrolled; then stage 2 (the
+recurrence forward; chunk states + backward kernels); then, with --xla, the XLA stage 1
+and its VJP. Each number is the median of --iters runs after
+a warm-up. --knobs=NAME=VALUE,... sets pallas_gpu knobs for the whole run.
 """
 
-import functools
 import statistics
 import time
 
@@ -18,13 +18,14 @@ import numpy as np
 from absl import app, flags
 
 from pallas_kernels.kda import pallas_gpu as P, reference
-from scripts.bench_kda import inputs
+from scripts.bench_kda import inputs, set_knobs
 
 _SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH (K=V=128).")
 _WARPS = flags.DEFINE_list("warps", ["1", "2", "4", "8"], "num_warps values to try per kernel.")
 _XLA = flags.DEFINE_bool("xla", False, "Also time the XLA stage 1 and its VJP.")
 _BLOCKS = flags.DEFINE_list("blocks", [], "BLOCK_K values to try, each rolled and unrolled.")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
+_KNOBS = flags.FLAGS["knobs"]  # also bench_kda's: here, settings for the whole run
 
 
 def median_ms(fn, *args):
@@ -47,6 +48,7 @@ def timed(fn, *args):
 
 def main(argv):
   del argv
+  set_knobs(",".join(_KNOBS.value))   # e.g. --knobs=TILES_BWD_ROWS=True
   B, T, H = map(int, _SHAPE.value.split("x"))
   inp = inputs(B, T, H)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
@@ -67,14 +69,13 @@ def main(argv):
       "tiles": (lambda q, k, G: P.tiles_call(q, k, G, seg, scale=scale, **kw), (q, k, G)),
       "solve": (lambda A, beta: P.solve_call(A, beta, **kw), (A, beta)),
       "wu": (lambda *a: P.wu_call(*a, seg, scale=scale, **kw), (Tinv, q, k, v, G, beta)),
-      "wu_bwd": (lambda *a, d_st: P.wu_bwd_call(*a, seg, d_st, scale=scale, **kw),
-                 (Tinv, A, q, k, v, G, beta)),
+      "wu_bwd": (lambda *a: P.wu_bwd_call(*a[:-1], seg, a[-1], scale=scale, **kw),
+                 (Tinv, A, q, k, v, G, beta, d_st)),
       "tiles_bwd": (lambda q, k, G, dA, dAqk: P.tiles_bwd_call(q, k, G, seg, dA, dAqk,
                                                                scale=scale, **kw),
                     (q, k, G, dA, d_st["Aqk"])),
   }
-  run = lambda name: (timed(functools.partial(kernels[name][0], d_st=d_st), *kernels[name][1])
-                      if name == "wu_bwd" else timed(*kernels[name][:1], *kernels[name][1]))
+  run = lambda name: timed(kernels[name][0], *kernels[name][1])
   default = dict(P.WARPS)
   print(f"stage-1 kernels, ms at {_SHAPE.value}, K=V=128, bf16, C=64 (default warps {default}, "
         f"BLOCK_K {P.BLOCK_K}, ROLLED {P.ROLLED}):")
