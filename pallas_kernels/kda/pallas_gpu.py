@@ -83,6 +83,12 @@ def _col_loop(n_blocks, block, body, carry, rolled=True):
       0, n_blocks, lambda i, c: body(pl.ds(pl.multiple_of(i * block, block), block), c), carry)
 
 
+def _exp_where(mask, x):
+  """e^x where mask, else 0; the exponential never sees x outside the mask (rows whose
+  anchored exponent could overflow)."""
+  return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
 def _anchor(G_ref, a, b, cols):
   """[1, BK] anchor row for tile (a, b) (see reference._sub_chunk_decays): the middle row of
   sub-chunk a on the diagonal, the last row of sub-chunk b below it."""
@@ -121,7 +127,7 @@ def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, bloc
       anchor = G_ref[pl.ds(a * L + L // 2, 1), cols].astype(F32)
       left = jnp.exp(G_ref[rows, cols].astype(F32) - anchor)
       seen = row_C1 < (a + 1) * L
-      k_right = jnp.where(seen, k * jnp.exp(jnp.where(seen, anchor - G, 0.0)), 0.0)
+      k_right = k * _exp_where(seen, anchor - G)
       out.append(acc[2 * a] + _dot_t(k_ref[rows, cols].astype(F32) * left, k_right))
       out.append(acc[2 * a + 1] + _dot_t(q_ref[rows, cols].astype(F32) * left, k_right))
     return tuple(out)
@@ -306,7 +312,7 @@ def _tiles_bwd_rows_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_re
     seg_c = seg_ref[rows]
     # Row terms: c's rows of dA / dAqk against rows j ≤ the end of c.
     before = row_C1 < (c + 1) * L
-    kr = jnp.where(before, k * jnp.exp(jnp.where(before, m - G, 0.0)), 0.0)
+    kr = k * _exp_where(before, m - G)
     i_LC = c * L + jax.lax.broadcasted_iota(jnp.int32, (L, C), 0)
     j_LC = jax.lax.broadcasted_iota(jnp.int32, (L, C), 1)
     keep_LC = (i_LC >= j_LC) & (seg_c[:, None] == seg[None, :])
@@ -315,7 +321,7 @@ def _tiles_bwd_rows_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_re
     d_ql = _dot(dAqk_LC, kr)
     # Column terms: c's columns of dA / dAqk against rows i ≥ the start of c.
     after = row_C1 >= c * L
-    left_all = jnp.where(after, jnp.exp(jnp.where(after, G - m, 0.0)), 0.0)
+    left_all = _exp_where(after, G - m)
     i_CL = jax.lax.broadcasted_iota(jnp.int32, (C, L), 0)
     j_CL = c * L + jax.lax.broadcasted_iota(jnp.int32, (C, L), 1)
     keep_CL = (i_CL >= j_CL) & (seg[:, None] == seg_c[None, :])
