@@ -48,7 +48,7 @@ def timed(fn, *args):
 
 def main(argv):
   del argv
-  set_knobs(",".join(_KNOBS.value))   # e.g. --knobs=TILES_BWD_ROWS=True
+  set_knobs(",".join(_KNOBS.value))   # e.g. --knobs=BLOCK_K=64
   B, T, H = map(int, _SHAPE.value.split("x"))
   inp = inputs(B, T, H)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)

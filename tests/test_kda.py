@@ -115,31 +115,6 @@ def test_pallas_long_sequence_fp32():
   assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
 
 
-def test_tiles_backward_by_rows_equals_by_tiles(monkeypatch):
-  """The two tiles-backward kernels (TILES_BWD_ROWS) give the same cotangents, with a
-  document boundary and padding inside a chunk and gates at the lower bound (the
-  largest anchored exponents)."""
-  from pallas_kernels.kda import pallas_gpu
-  (q, k, v, g, beta), _ = _inputs(1, 128, 1, 64, 32, seed=7)
-  g = g.at[:, 50:90].set(LB)
-  seg = jnp.asarray([[1] * 40 + [2] + [3] * 60 + [0] * 27])
-  x = reference.prepare(*(a.astype(jnp.float32) for a in (q, k, v, g, beta)), seg)
-  q, k, v, beta, G, sg = reference.chunk_layout(*x, 64)
-  rng = np.random.default_rng(8)
-  dA = jnp.asarray(rng.normal(size=q.shape[:3] + (64,)), jnp.float32)
-  dAqk = jnp.asarray(rng.normal(size=q.shape[:3] + (64,)), jnp.float32)
-  causal = jnp.tril(jnp.ones((64, 64), bool), -1)   # dA is zero off A's support
-  dA = jnp.where(jnp.tile(causal, (2, 1))[None, :, None, :], dA, 0.0)
-  grads = []
-  for rows in (False, True):
-    monkeypatch.setattr(pallas_gpu, "TILES_BWD_ROWS", rows)
-    grads.append(pallas_gpu.tiles_bwd_call(q, k, G, sg, dA, dAqk, scale=0.125, chunk_size=64,
-                                           interpret=True))
-  for name, g1, g2 in zip(("dq", "dk", "dG"), *grads):
-    assert np.all(np.isfinite(np.asarray(g2))), name
-    assert rel_err(g2, g1) < 1e-5, name
-
-
 @pytest.mark.parametrize("impl", ["xla", "recurrent", "pallas_gpu"])
 def test_segments_equal_separate_documents(impl):
   """Documents of length 5, 1, 30, 12 packed with padding give each document's own output;

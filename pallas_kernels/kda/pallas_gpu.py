@@ -17,8 +17,7 @@ Stage 2 (reference.chunk_recurrence):
                           Kd, Aqk, decay), chunk by chunk over the whole of V.
 
 Backward: stage 1 by _wu_bwd_kernel (solve and W/U0 terms, grid (B, H, N)) and
-_tiles_bwd_kernel (the anchored [16, 16] tiles transposed, grid (B, H, N·K/BLOCK_K); or,
-with TILES_BWD_ROWS, _tiles_bwd_rows_kernel, the same as [16, C] matmuls);
+_tiles_bwd_kernel (the anchored [16, 16] tiles transposed, grid (B, H, N·K/BLOCK_K));
 stage 2 by the recurrence kernels (chunk states recomputed, not stored by the forward).
 A and T are kept from stage 1's forward.
 
@@ -292,47 +291,6 @@ def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk
     dG_ref[rows[a], :] = dG[a].astype(dG_ref.dtype)
 
 
-def _tiles_bwd_rows_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk_ref,
-                           dG_ref, *, scale):
-  """_tiles_bwd_kernel's result as [16, C] matmuls (TILES_BWD_ROWS). Sub-chunk c gets its
-  row terms (the query/left side: its rows of dA, dAqk against the rows before it, anchored
-  at its middle row m_c, as the forward does) and its column terms (the key/right side:
-  its columns against the rows after it). The column terms use m_c too: e^{G_i - G_j} =
-  e^{G_i - m_c} e^{m_c - G_j}, and m_c is per column, so it factors out of the sum over i.
-  Rows after c's middle give factors ≤ 1, c's own rows ≤ e^40."""
-  C, BK = q_ref.shape
-  L, S = SUB, C // SUB
-  row_C1 = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-  seg = seg_ref[...]
-  q, k, G = (ref[...].astype(F32) for ref in (q_ref, k_ref, G_ref))
-  for c in range(S):
-    rows = pl.ds(c * L, L)
-    m = G_ref[pl.ds(c * L + L // 2, 1), :].astype(F32)
-    q_c, k_c, G_c = (ref[rows, :].astype(F32) for ref in (q_ref, k_ref, G_ref))
-    seg_c = seg_ref[rows]
-    # Row terms: c's rows of dA / dAqk against rows j ≤ the end of c.
-    before = row_C1 < (c + 1) * L
-    kr = k * _exp_where(before, m - G)
-    i_LC = c * L + jax.lax.broadcasted_iota(jnp.int32, (L, C), 0)
-    j_LC = jax.lax.broadcasted_iota(jnp.int32, (L, C), 1)
-    keep_LC = (i_LC >= j_LC) & (seg_c[:, None] == seg[None, :])
-    dAqk_LC = jnp.where(keep_LC, dAqk_ref[rows, :].astype(F32), 0.0) * scale
-    d_kl = _dot(dA_ref[rows, :].astype(F32), kr)
-    d_ql = _dot(dAqk_LC, kr)
-    # Column terms: c's columns of dA / dAqk against rows i ≥ the start of c.
-    after = row_C1 >= c * L
-    left_all = _exp_where(after, G - m)
-    i_CL = jax.lax.broadcasted_iota(jnp.int32, (C, L), 0)
-    j_CL = c * L + jax.lax.broadcasted_iota(jnp.int32, (C, L), 1)
-    keep_CL = (i_CL >= j_CL) & (seg[:, None] == seg_c[None, :])
-    dAqk_CL = jnp.where(keep_CL, dAqk_ref[:, rows].astype(F32), 0.0) * scale
-    d_kr = _t_dot(dA_ref[:, rows].astype(F32), k * left_all) + _t_dot(dAqk_CL, q * left_all)
-    left, right = jnp.exp(G_c - m), jnp.exp(m - G_c)
-    dq_ref[rows, :] = (d_ql * left).astype(dq_ref.dtype)
-    dk_ref[rows, :] = (d_kl * left + d_kr * right).astype(dk_ref.dtype)
-    dG_ref[rows, :] = ((d_kl * k_c + d_ql * q_c) * left - d_kr * k_c * right).astype(dG_ref.dtype)
-
-
 def _recurrence_kernel(W_ref, U0_ref, Qg_ref, Kd_ref, Aqk_ref, decay_ref, S0_ref,
                        O_ref, S_ref, *states_ref, chunk_size):
   C = chunk_size
@@ -423,10 +381,6 @@ def _params(num_warps, num_stages, interpret):
 BLOCK_K = 32         # K / V columns per step of the stage-1 kernels ...
 ROLLED = True        # ... as a rolled loop (else unrolled)
 WARPS = {"tiles": 2, "solve": 1, "wu": 8, "wu_bwd": 4, "tiles_bwd": 4}   # num_warps per kernel
-# The tiles backward as [16, C] matmuls (_tiles_bwd_rows_kernel) instead of [16, 16] tiles.
-# Off: equal in interpret mode and lowered to Triton, not yet timed on the GPU (2026-11-30);
-# time it with scripts/bench_kda.py --knobs=TILES_BWD_ROWS=True, then keep one kernel.
-TILES_BWD_ROWS = False
 RECURRENCE_WARPS = 4
 BLOCK_V = 32         # V columns per recurrence program; the forward-only call widens it
 WIDE_BLOCK_V = 64    # ... to this when the grid at BLOCK_V would not fit in one wave
@@ -528,9 +482,8 @@ def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret):
   nk = K // BK
   cols = pl.BlockSpec((None, C, None, BK), lambda b, h, r: (b, r // nk, h, r % nk))
   whole = pl.BlockSpec((None, C, None, C), lambda b, h, r: (b, r // nk, h, 0))
-  kernel = _tiles_bwd_rows_kernel if TILES_BWD_ROWS else _tiles_bwd_kernel
   return pl.pallas_call(
-      functools.partial(kernel, scale=scale),
+      functools.partial(_tiles_bwd_kernel, scale=scale),
       grid=(B, H, Tp // C * nk),
       in_specs=[cols, cols, cols, pl.BlockSpec((None, C), lambda b, h, r: (b, r // nk)),
                 whole, whole],
