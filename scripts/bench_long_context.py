@@ -43,9 +43,13 @@ _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the
                               "decode ms/token is per step, i.e. per token of every row.")
 
 
-def model_config(variant):
+def model_config(variant, kernels=""):
+  """kernels="xla": the pure-XLA attention and expert paths (same parameters)."""
   c = long_context_1b.get_config("all_mla" if variant == "all_mla" else None)
   c.model.dtype = "bfloat16"
+  if kernels:
+    c.model.update({"kda_implementation": kernels, "mla_implementation": kernels})
+    c.model.moe.grouped_matmul = kernels
   if _SMALL.value:
     c.model.update({"d_model": 64, "n_layers": 4, "n_heads": 2, "kda_head_dim": 32,
                     "mla_q_lora_rank": 32, "mla_kv_lora_rank": 32, "mla_qk_head_dim": 32,
@@ -148,10 +152,16 @@ def main(argv):
 
   for variant in _VARIANTS.value.split(","):
     try:
+      print(f"{variant}: {time.strftime('%H:%M:%S')} initialising", flush=True)
       model = inference_model(model_config(variant))
       step = make_step(model)
       T = model.cfg.kda_chunk_size
-      variables = nn.meta.unbox(jax.jit(model.init)(
+      # Initialised through the XLA paths, with XLA's autotuning off: the parameters are the
+      # same, and this forward pass only builds them. (The init took ≈ 2 min per variant on
+      # the H200, 110 s of it compiling, even through the XLA paths; 2026-11-30.)
+      init_model = inference_model(model_config(variant, kernels="xla"))
+      init = jax.jit(init_model.init, compiler_options={"xla_gpu_autotune_level": 0})
+      variables = nn.meta.unbox(init(
           jax.random.key(0), {"tokens": jnp.zeros((1, T), jnp.int32),
                               "segment_ids": jnp.ones((1, T), jnp.int32)}))
       B = _BATCH.value

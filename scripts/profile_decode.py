@@ -22,8 +22,9 @@ from scripts.xprof_tables import hlo_op_table
 
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
 _FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")
-_TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only step with the JAX "
-                             "profiler here and write xprof's per-op table (hlo_stats.json).")
+_TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only and MLA-only steps "
+                             "with the JAX profiler here (subfolders K, A) and print xprof's "
+                             "per-op tables and the launches and device time per 5 steps.")
 
 
 def step_ms(pattern, moe=True, trace=False, **model):
@@ -42,10 +43,11 @@ def step_ms(pattern, moe=True, trace=False, **model):
   tok, live = np.zeros((1, 1), np.int32), np.ones((1, 1), bool)
   ms = median_ms(lambda: step(variables, tok, live, cache), (), 50)
   if trace:
-    with jax.profiler.trace(_TRACE.value):
+    trace_dir = os.path.join(_TRACE.value, pattern)
+    with jax.profiler.trace(trace_dir):
       for _ in range(5):
         jax.block_until_ready(step(variables, tok, live, cache))
-    with open(os.path.join(_TRACE.value, "decode_step.hlo.txt"), "w") as f:
+    with open(os.path.join(trace_dir, "decode_step.hlo.txt"), "w") as f:
       f.write(step.lower(variables, tok, live, cache).compile().as_text())
   return ms
 
@@ -69,7 +71,7 @@ def main(argv):
   rows = [("KDA op alone, recurrent, T=1", kda_ms("recurrent")),
           ("KDA op alone, xla chunked, T=1", kda_ms("xla")),
           (f"{_LAYERS.value} KDA layers, MoE", step_ms("K", trace=bool(_TRACE.value))),
-          (f"{_LAYERS.value} MLA layers, MoE", step_ms("A")),
+          (f"{_LAYERS.value} MLA layers, MoE", step_ms("A", trace=bool(_TRACE.value))),
           (f"{_LAYERS.value} KDA layers, dense FFN", step_ms("K", moe=False)),
           (f"{_LAYERS.value} MLA layers, dense FFN", step_ms("A", moe=False))]
   print(f"\n{jax.devices()[0]}; decode step at filled {_FILLED.value}, batch 1, bf16")
@@ -77,7 +79,8 @@ def main(argv):
   for name, ms in rows:
     print(f"| {name} | {ms:.3f} |")
   if _TRACE.value:
-    print(hlo_op_table(_TRACE.value, "KDA-only step, 5 steps"))
+    for pattern, name in (("K", "KDA-only"), ("A", "MLA-only")):
+      print(hlo_op_table(os.path.join(_TRACE.value, pattern), f"{name} step, 5 steps"))
 
 
 if __name__ == "__main__":

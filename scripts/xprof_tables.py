@@ -34,4 +34,7 @@ def hlo_op_table(trace_dir: str, title: str, top: int = 25) -> str:
     lines.append(f"| {str(r['kernel_name'])[:60]} | {r['occurrences']} | "
                  f"{float(r['total_duration_us']):.0f} | {r['registers_per_thread']} | "
                  f"{r['occupancy_pct']} | {r['grid_dim']} |")
+  total_us = sum(float(r.get("total_duration_us") or 0) for r in rows)
+  launches = sum(int(r.get("occurrences") or 0) for r in rows)
+  lines.append(f"\nall kernels ({title}): {launches} launches, {total_us:.0f} µs on the device")
   return "\n".join(lines)
