@@ -10,6 +10,7 @@ MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 BALANCERS = ("none", "aux_loss", "loss_free", "quantile_ema", "quantile_exact")
 ROUTER_SCORES = ("sigmoid", "softmax")
 DISPATCH = ("dropless", "capacity")
+DECODE_DISPATCH = ("gather", "grouped")
 GROUPED_MATMULS = ("", "xla", "tokamax")
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
 
@@ -128,6 +129,7 @@ def _validate_moe(c: ml_collections.ConfigDict):
     if not isinstance(e[f], int) or e[f] < 0:
       _fail(f"model.moe.{f}", e[f], "a non-negative integer")
   for f, accepted in (("score", ROUTER_SCORES), ("dispatch", DISPATCH),
+                      ("decode_dispatch", DECODE_DISPATCH),
                       ("grouped_matmul", GROUPED_MATMULS), ("balancer", BALANCERS)):
     if e[f] not in accepted:
       _fail(f"model.moe.{f}", e[f], f"one of {accepted}")

@@ -39,6 +39,9 @@ _DECODE_ONLY = flags.DEFINE_bool(
     "decode_only", False, "Skip the prefill: decode over a cache filled to each context with "
     "random latents and states (decode cost depends on the shapes and the filled length, not "
     "the values), so contexts and batches whose prefill would take minutes can be timed.")
+_DECODE_DISPATCH = flags.DEFINE_string(
+    "decode_dispatch", "", "model.moe.decode_dispatch for this run: gather (N·k expert copies "
+    "read by a gather-einsum) | grouped (sort + grouped matmul); '' keeps the config's.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the full context); "
                               "decode ms/token is per step, i.e. per token of every row.")
 
@@ -47,6 +50,8 @@ def model_config(variant, kernels=""):
   """kernels="xla": the pure-XLA attention and expert paths (same parameters)."""
   c = long_context_1b.get_config("all_mla" if variant == "all_mla" else None)
   c.model.dtype = "bfloat16"
+  if _DECODE_DISPATCH.value:
+    c.model.moe.decode_dispatch = _DECODE_DISPATCH.value
   if kernels:
     c.model.update({"kda_implementation": kernels, "mla_implementation": kernels})
     c.model.moe.grouped_matmul = kernels
@@ -203,7 +208,8 @@ def main(argv):
         break
   save()
   print(f"\n{jax.devices()[0]}; batch {_BATCH.value}, bf16, prefill chunk {chunk}, {_DECODE.value} decoded "
-        "tokens; ¹ cache bytes for the filled length")
+        f"tokens, MoE decode dispatch {model_config('hybrid').moe.decode_dispatch}; "
+        "¹ cache bytes for the filled length")
   print("\n".join(e.splitlines()[0] for e in errors))
   print(table(rows))
 

@@ -72,10 +72,13 @@ def _naive(cfg, variables, x_BxTxD, capacity_C=None):
   return y.reshape(x_BxTxD.shape), np.array(chosen), dropped
 
 
-@pytest.mark.parametrize("dispatch,T", [("dropless", 24), ("capacity", 24),
-                                        ("dropless", 1)])  # 2·1·k ≤ E: gathered experts
-def test_routing_equals_per_token_loop(dispatch, T):
-  cfg = _moe_cfg(dispatch=dispatch, capacity_factor=8.0 / 3.0)  # C = N: nothing dropped
+@pytest.mark.parametrize("dispatch,T,decode", [("dropless", 24, "gather"),
+                                               ("capacity", 24, "gather"),
+                                               ("dropless", 1, "gather"),  # 2·1·k ≤ E
+                                               ("dropless", 1, "grouped")])
+def test_routing_equals_per_token_loop(dispatch, T, decode):
+  cfg = _moe_cfg(dispatch=dispatch, capacity_factor=8.0 / 3.0,  # C = N: nothing dropped
+                 decode_dispatch=decode)
   x = jax.random.normal(jax.random.key(1), (2, T, 32))
   variables = _init(cfg, x)
   y, stats = MoE(cfg).apply(variables, x)

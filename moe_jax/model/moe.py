@@ -4,8 +4,9 @@ Two single-device dispatch paths (model.moe.dispatch):
 
 * dropless: the N·k (token, expert) assignments are sorted by expert, run
   through a grouped matmul, unsorted and summed with the combine weights. With
-  N·k ≤ E (decoding a few tokens) each assignment's expert weights are gathered
-  instead: one small einsum, no sort and no grouped-matmul kernel.
+  N·k ≤ E (decoding a few tokens) and `decode_dispatch = "gather"`, each
+  assignment's expert weights are gathered instead: one small einsum, no sort and
+  no grouped-matmul kernel, but N·k copies of expert weights read (duplicates too).
 * capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
   assignments (earlier tokens first); they are laid out [E, C, D] for batched
   dense matmuls. Assignments over capacity are dropped (counted in the stats):
@@ -148,7 +149,7 @@ class MoE(nn.Module):
           x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
           capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
           implementation=mc.grouped_matmul)
-    elif mc.dispatch == "dropless" and B * T * K <= E:  # decode: fewer assignments than experts
+    elif mc.dispatch == "dropless" and mc.decode_dispatch == "gather" and B * T * K <= E:
       y_NxD = gathered(x_NxD, idx_NxK, w_NxK, gate_up, down)
       dropped = 0
     elif mc.dispatch == "dropless":
