@@ -59,6 +59,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("model.attn_res_mix_coef", m.attn_res_mix_coef, "in [0.1, 0.3]")
   if m.mla_implementation not in ("", "xla", "gpu"):
     _fail("model.mla_implementation", m.mla_implementation, "one of ('', 'xla', 'gpu')")
+  if m.decode_matmul not in ("xla", "pallas"):
+    _fail("model.decode_matmul", m.decode_matmul, "one of ('xla', 'pallas')")
 
   _validate_moe(c)
 

@@ -42,6 +42,9 @@ _DECODE_ONLY = flags.DEFINE_bool(
 _DECODE_DISPATCH = flags.DEFINE_string(
     "decode_dispatch", "", "model.moe.decode_dispatch for this run: gather (N·k expert copies "
     "read by a gather-einsum) | grouped (sort + grouped matmul); '' keeps the config's.")
+_DECODE_MATMUL = flags.DEFINE_string(
+    "decode_matmul", "", "model.decode_matmul for this run: xla | pallas (few-rows kernel for "
+    "the projections); '' keeps the config's.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the full context); "
                               "decode ms/token is per step, i.e. per token of every row.")
 
@@ -52,6 +55,8 @@ def model_config(variant, kernels=""):
   c.model.dtype = "bfloat16"
   if _DECODE_DISPATCH.value:
     c.model.moe.decode_dispatch = _DECODE_DISPATCH.value
+  if _DECODE_MATMUL.value:
+    c.model.decode_matmul = _DECODE_MATMUL.value
   if kernels:
     c.model.update({"kda_implementation": kernels, "mla_implementation": kernels})
     c.model.moe.grouped_matmul = kernels
@@ -208,7 +213,8 @@ def main(argv):
         break
   save()
   print(f"\n{jax.devices()[0]}; batch {_BATCH.value}, bf16, prefill chunk {chunk}, {_DECODE.value} decoded "
-        f"tokens, MoE decode dispatch {model_config('hybrid').moe.decode_dispatch}; "
+        f"tokens, MoE decode dispatch {model_config('hybrid').moe.decode_dispatch}, "
+        f"projections {model_config('hybrid').decode_matmul}; "
         "¹ cache bytes for the filled length")
   print("\n".join(e.splitlines()[0] for e in errors))
   print(table(rows))

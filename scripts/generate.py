@@ -9,10 +9,10 @@ import json
 import os
 
 import jax
-import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
+from configs import base
 from moe_jax import config as config_lib
 from moe_jax.infer.generate import complete
 from moe_jax.model.transformer import HybridMoE
@@ -33,8 +33,10 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest
 
 def load(workdir: str, step=None):
   """(config, variables {"params", "router"}, step) of a training workdir."""
+  c = base.get_config()   # fields added since that run keep their defaults
   with open(os.path.join(workdir, "config.json")) as f:
-    c = config_lib.validate(ml_collections.ConfigDict(json.load(f)))
+    c.update(json.load(f))
+  c = config_lib.validate(c)
   model = HybridMoE(state_lib.frozen_model_config(c))
   T = c.model.kda_chunk_size
   example = {"tokens": np.zeros((1, T), np.int32), "segment_ids": np.ones((1, T), np.int32)}

@@ -22,6 +22,7 @@ from scripts.xprof_tables import hlo_op_table
 
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
 _FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")
+_MATMUL = flags.DEFINE_string("decode_matmul", "xla", "model.decode_matmul: xla | pallas.")
 _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only and MLA-only steps "
                              "with the JAX profiler here (subfolders K, A) and print xprof's "
                              "per-op tables and the launches and device time per 5 steps.")
@@ -30,7 +31,7 @@ _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only and MLA
 def step_ms(pattern, moe=True, trace=False, **model):
   c = long_context_1b.get_config()
   c.model.update({"dtype": "bfloat16", "n_layers": _LAYERS.value, "layer_pattern": pattern,
-                  **model})
+                  "decode_matmul": _MATMUL.value, **model})
   if not moe:
     c.model.moe.num_experts = 0
   m = inference_model(frozen_model_config(c))

@@ -1,6 +1,7 @@
 """Inference: cached decode equals the full forward, chunked prefill equals one-shot, sampling
 filters, stop tokens, and scripts/generate.py on a checkpoint written by the training loop."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from moe_jax.model import mla
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.attention import latent_decode
+from pallas_kernels.matmul import few_rows
 from tests.conftest import make_small_config, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,23 +51,32 @@ def test_inference_model_never_drops(hybrid):
   assert model.cfg.moe.dispatch == "dropless"
 
 
-def _with_mla_implementation(model, impl):
+def _with_model_fields(model, **fields):
   cfg = ml_collections.ConfigDict(model.cfg.to_dict())
-  cfg.mla_implementation = impl
+  cfg.update(fields)
   return model.clone(cfg=ml_collections.FrozenConfigDict(cfg))
 
 
-@pytest.mark.parametrize("key_block,impl", [(1024, "xla"), (8, "xla"), (1024, "gpu")])
-def test_decode_reproduces_full_forward(hybrid, key_block, impl, monkeypatch):
+@pytest.mark.parametrize("key_block,impl,matmul", [(1024, "xla", "xla"), (8, "xla", "xla"),
+                                                   (1024, "gpu", "xla"),
+                                                   (1024, "xla", "pallas")])
+def test_decode_reproduces_full_forward(hybrid, key_block, impl, matmul, monkeypatch):
   """Prefill prompts of 13/5/9 tokens in chunks of 4, then feed the true tokens one by one.
   key_block 8: MLA's online softmax runs over several cache blocks (the last one partial).
-  "gpu": the split-cache Pallas decode kernel (interpret mode), 4 chunks of 16 positions."""
+  "gpu": the split-cache Pallas decode kernel (interpret mode), 4 chunks of 16 positions.
+  "pallas": every projection whose shapes fit runs through the few-rows matmul kernel
+  (interpret mode; ≤ 12 rows per step here)."""
   monkeypatch.setattr(mla, "KEY_BLOCK", key_block)
   monkeypatch.setattr(mla, "SCORE_BUDGET", 0)  # decode blocks of key_block too
   monkeypatch.setattr(latent_decode, "CHUNK", 16)
   monkeypatch.setattr(latent_decode, "BLOCK_K", 16)
+  kernel_calls, real_matmul = [], few_rows.matmul
+  monkeypatch.setattr(few_rows, "matmul",
+                      lambda *a, **kw: kernel_calls.append(1) or real_matmul(*a, **kw))
+  monkeypatch.setattr(few_rows, "dot_general",
+                      functools.partial(few_rows.dot_general, interpret=True))
   model, variables, tokens, full = hybrid
-  model = _with_mla_implementation(model, impl)
+  model = _with_model_fields(model, mla_implementation=impl, decode_matmul=matmul)
   step = make_step(model)
   prompt = np.array([13, 5, 9])
   cache = init_cache(model.cfg, 3, 64)
@@ -81,6 +92,7 @@ def test_decode_reproduces_full_forward(hybrid, key_block, impl, monkeypatch):
     pos = pos + live
   assert len(errs) == (_LENGTHS - prompt).sum() and max(errs) < 1e-4
   np.testing.assert_array_equal(cache["length"], _LENGTHS)
+  assert bool(kernel_calls) == (matmul == "pallas")
 
 
 @pytest.mark.parametrize("impl", ["xla", "gpu"])
@@ -92,7 +104,7 @@ def test_chunked_prefill_equals_one_shot(hybrid, monkeypatch, impl):
   monkeypatch.setattr(mla, "SCORE_BUDGET", 0)
   monkeypatch.setattr(mla, "EXPAND_BLOCK", 16)
   model, variables, tokens, _ = hybrid
-  model = _with_mla_implementation(model, impl)
+  model = _with_model_fields(model, mla_implementation=impl)
   step = make_step(model)
   outs = [prefill(step, variables, init_cache(model.cfg, 3, 48), tokens, _LENGTHS, chunk=chunk)
           for chunk in (7, _T)]

@@ -1,0 +1,85 @@
+"""x @ w for a few rows (decoding), in Pallas (Triton lowering on GPU, `interpret=True` on CPU).
+
+Why: XLA's GPU simplifier rewrites a dot whose operand matrices hold fewer than 10M elements
+into an elementwise product and a reduction. It emits them as two kernels and writes the
+product out (at 8 rows, 8× the weight's bytes). Every projection of a decode step is that
+small. This kernel reads w once: program j owns BLOCK_N columns and walks K in BLOCK_K steps,
+with the rows padded to ROWS (the smallest Triton dot).
+
+  grid (N / BLOCK_N,), x [ROWS, K] in every program, w [K, BLOCK_N] per program.
+
+`dot_general` is the same contraction as `lax.dot_general` for flax's DenseGeneral: it
+uses the kernel for ≤ ROWS rows on GPU when the shapes fit, and lax.dot_general otherwise.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+ROWS = 16        # rows per call at most, padded to this
+BLOCK_N = 32     # output columns per program
+BLOCK_K = 64     # contraction step
+NUM_WARPS = 4
+
+
+def fits(M: int, K: int, N: int) -> bool:
+  return 0 < M <= ROWS and K % BLOCK_K == 0 and N % BLOCK_N == 0
+
+
+def _kernel(x_ref, w_ref, y_ref, *, block_k):
+  K = x_ref.shape[1]
+
+  def step(i, acc):
+    ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+    return acc + jnp.dot(x_ref[:, ks], w_ref[ks, :], preferred_element_type=F32)
+
+  acc = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros(y_ref.shape, F32))
+  y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def matmul(x_MxK, w_KxN, *, interpret: bool = False):
+  """x @ w with fp32 accumulation, output in x's dtype; M ≤ ROWS, K % BLOCK_K == 0,
+  N % BLOCK_N == 0 (`fits`)."""
+  M, K = x_MxK.shape
+  N = w_KxN.shape[1]
+  if w_KxN.shape[0] != K or not fits(M, K, N):
+    raise ValueError(f"few_rows.matmul needs x [M ≤ {ROWS}, K] and w [K, N] with K % {BLOCK_K} "
+                     f"== 0 and N % {BLOCK_N} == 0; got x {x_MxK.shape}, w {w_KxN.shape}")
+  x_RxK = jnp.pad(x_MxK, ((0, ROWS - M), (0, 0))).astype(w_KxN.dtype)
+  params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+  y_RxN = pl.pallas_call(
+      functools.partial(_kernel, block_k=BLOCK_K),
+      grid=(N // BLOCK_N,),
+      in_specs=[pl.BlockSpec((ROWS, K), lambda j: (0, 0)),
+                pl.BlockSpec((K, BLOCK_N), lambda j: (0, j))],
+      out_specs=pl.BlockSpec((ROWS, BLOCK_N), lambda j: (0, j)),
+      out_shape=jax.ShapeDtypeStruct((ROWS, N), x_MxK.dtype),
+      interpret=interpret, name="few_rows_matmul", compiler_params=params,
+  )(x_RxK, w_KxN)
+  return y_RxN[:M]
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
+                interpret: bool = False):
+  """lax.dot_general; a DenseGeneral-shaped contraction (lhs's trailing dims against rhs's
+  leading dims, no batch dims) of ≤ ROWS rows goes to `matmul` on GPU (anywhere with
+  interpret=True)."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  nc = len(lc)
+  trailing = tuple(lc) == tuple(range(lhs.ndim - nc, lhs.ndim))
+  leading = tuple(rc) == tuple(range(nc))
+  use = interpret or jax.default_backend() == "gpu"
+  if use and trailing and leading and not lb and not rb and preferred_element_type is None:
+    M = math.prod(lhs.shape[:lhs.ndim - nc])
+    K = math.prod(lhs.shape[lhs.ndim - nc:])
+    N = math.prod(rhs.shape[nc:])
+    if fits(M, K, N) and lhs.dtype == rhs.dtype:
+      y_MxN = matmul(lhs.reshape(M, K), rhs.reshape(K, N), interpret=interpret)
+      return y_MxN.reshape(lhs.shape[:lhs.ndim - nc] + rhs.shape[nc:])
+  return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                             preferred_element_type=preferred_element_type)
