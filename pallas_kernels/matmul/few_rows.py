@@ -10,6 +10,7 @@ with the rows padded to ROWS (the smallest Triton dot).
 
 `dot_general` is the same contraction as `lax.dot_general` for flax's DenseGeneral: it
 uses the kernel for ≤ ROWS rows on GPU when the shapes fit, and lax.dot_general otherwise.
+Forward only (inference): the kernel has no VJP, so differentiating through it raises.
 """
 
 import functools
