@@ -41,7 +41,8 @@ _DECODE_ONLY = flags.DEFINE_bool(
     "the values), so contexts and batches whose prefill would take minutes can be timed.")
 _DECODE_DISPATCH = flags.DEFINE_string(
     "decode_dispatch", "", "model.moe.decode_dispatch for this run: gather (N·k expert copies "
-    "read by a gather-einsum) | grouped (sort + grouped matmul); '' keeps the config's.")
+    "read by a gather-einsum) | fused (the same copies read by Pallas kernels) | grouped "
+    "(sort + grouped matmul); '' keeps the config's.")
 _DECODE_MATMUL = flags.DEFINE_string(
     "decode_matmul", "", "model.decode_matmul for this run: xla | pallas (few-rows kernel for "
     "the projections); '' keeps the config's.")

@@ -20,6 +20,7 @@ from moe_jax.model import router
 from moe_jax.model.moe import MoE
 from moe_jax.train import optim
 from moe_jax.train.state import frozen_model_config
+from pallas_kernels.moe import decode_experts
 from tests.conftest import make_small_config, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,8 +76,15 @@ def _naive(cfg, variables, x_BxTxD, capacity_C=None):
 @pytest.mark.parametrize("dispatch,T,decode", [("dropless", 24, "gather"),
                                                ("capacity", 24, "gather"),
                                                ("dropless", 1, "gather"),  # 2·1·k ≤ E
-                                               ("dropless", 1, "grouped")])
-def test_routing_equals_per_token_loop(dispatch, T, decode):
+                                               ("dropless", 1, "grouped"),
+                                               ("dropless", 1, "fused")])
+def test_routing_equals_per_token_loop(dispatch, T, decode, monkeypatch):
+  """"fused": the decode-experts kernels in interpret mode, blocks shrunk to fit D=32, F=24."""
+  monkeypatch.setattr(decode_experts, "BLOCK_D", 16)
+  monkeypatch.setattr(decode_experts, "BLOCK_F", 8)
+  calls, real = [], decode_experts.swiglu_experts
+  monkeypatch.setattr(decode_experts, "swiglu_experts",
+                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
   cfg = _moe_cfg(dispatch=dispatch, capacity_factor=8.0 / 3.0,  # C = N: nothing dropped
                  decode_dispatch=decode)
   x = jax.random.normal(jax.random.key(1), (2, T, 32))
@@ -91,6 +99,7 @@ def test_routing_equals_per_token_loop(dispatch, T, decode):
   unbiased = {**variables, "router": {**variables["router"], "bias": jnp.zeros(8)}}
   _, chosen0, _ = _naive(cfg, unbiased, x)
   assert (np.sort(chosen, 1) != np.sort(chosen0, 1)).any() or T == 1
+  assert bool(calls) == (decode == "fused" and T == 1)
 
 
 def test_capacity_drops_exactly_the_overflow():

@@ -4,9 +4,11 @@ Two single-device dispatch paths (model.moe.dispatch):
 
 * dropless: the N·k (token, expert) assignments are sorted by expert, run
   through a grouped matmul, unsorted and summed with the combine weights. With
-  N·k ≤ E (decoding a few tokens) and `decode_dispatch = "gather"`, each
-  assignment's expert weights are gathered instead: one small einsum, no sort and
-  no grouped-matmul kernel, but N·k copies of expert weights read (duplicates too).
+  N·k ≤ E (decoding a few tokens) and `decode_dispatch` "gather" or "fused",
+  each assignment's expert weights are applied directly instead: no sort and no
+  grouped-matmul kernel, but N·k copies of expert weights read (duplicates too).
+  "gather" gathers them for one einsum; "fused" reads them inside two Pallas
+  kernels (pallas_kernels/moe/decode_experts.py).
 * capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
   assignments (earlier tokens first); they are laid out [E, C, D] for batched
   dense matmuls. Assignments over capacity are dropped (counted in the stats):
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from moe_jax.model import experts, router
 from moe_jax.model.layers import SwiGLU, dtype_of, lp, out_scale
 from moe_jax.parallel.mesh import axis_size
+from pallas_kernels.moe import decode_experts
 
 
 def sort_by_group(group_A, num_groups: int):
@@ -81,14 +84,19 @@ def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=
   return combine(take_rows(y_AxD, inverse_permutation(order_A)), w_NxK, x_NxD.dtype)
 
 
-def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
+def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, fused=False):
   """Dropless for a handful of tokens (decode): each assignment's expert weights are gathered
-  and applied directly, no sort and no grouped-matmul launch. Reads N·k experts' weights."""
-  gate_up_NxKxDx2xF, down_NxKxFxD = gate_up_ExDx2xF[idx_NxK], down_ExFxD[idx_NxK]
-  h_NxKx2xF = jnp.einsum("nd,nkdgf->nkgf", x_NxD, gate_up_NxKxDx2xF)
-  a_NxKxF = jax.nn.silu(h_NxKx2xF[:, :, 0]) * h_NxKx2xF[:, :, 1]
-  y_NxKxD = jnp.einsum("nkf,nkfd->nkd", a_NxKxF, down_NxKxFxD)
-  return combine(y_NxKxD.reshape(-1, y_NxKxD.shape[-1]), w_NxK, x_NxD.dtype)
+  and applied directly, no sort and no grouped-matmul launch. Reads N·k experts' weights.
+  fused: by the Pallas kernels of decode_experts (same math) where the shapes fit."""
+  E, D, _, F = gate_up_ExDx2xF.shape
+  if fused and decode_experts.fits(D, F):
+    y_NxKxD = decode_experts.swiglu_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD)
+  else:
+    gate_up_NxKxDx2xF, down_NxKxFxD = gate_up_ExDx2xF[idx_NxK], down_ExFxD[idx_NxK]
+    h_NxKx2xF = jnp.einsum("nd,nkdgf->nkgf", x_NxD, gate_up_NxKxDx2xF)
+    a_NxKxF = jax.nn.silu(h_NxKx2xF[:, :, 0]) * h_NxKx2xF[:, :, 1]
+    y_NxKxD = jnp.einsum("nkf,nkfd->nkd", a_NxKxF, down_NxKxFxD)
+  return combine(y_NxKxD.reshape(-1, D), w_NxK, x_NxD.dtype)
 
 
 def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C: int):
@@ -149,8 +157,9 @@ class MoE(nn.Module):
           x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
           capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
           implementation=mc.grouped_matmul)
-    elif mc.dispatch == "dropless" and mc.decode_dispatch == "gather" and B * T * K <= E:
-      y_NxD = gathered(x_NxD, idx_NxK, w_NxK, gate_up, down)
+    elif mc.dispatch == "dropless" and mc.decode_dispatch != "grouped" and B * T * K <= E:
+      y_NxD = gathered(x_NxD, idx_NxK, w_NxK, gate_up, down,
+                       fused=mc.decode_dispatch == "fused")
       dropped = 0
     elif mc.dispatch == "dropless":
       y_NxD = dropless(x_NxD, idx_NxK, w_NxK, gate_up, down, mc.grouped_matmul)
