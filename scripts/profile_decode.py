@@ -1,7 +1,8 @@
-"""Where decode time goes: one jitted decode step (T = 1, batch 1) for models of only KDA
-or only MLA layers, and the KDA op alone, on the long_context_1b shapes.
+"""Where decode time goes: one jitted decode step (T = 1) for models of only KDA or only MLA
+layers, and the KDA op alone, on the long_context_1b shapes.
 
-  python scripts/profile_decode.py [--layers=4] [--filled=8192]
+  python scripts/profile_decode.py [--layers=4] [--filled=8192] [--batch=8]
+      [--decode_matmul=pallas] [--decode_dispatch=fused] [--trace_dir=DIR]
 """
 
 import os
@@ -22,7 +23,10 @@ from scripts.xprof_tables import hlo_op_table
 
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
 _FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")
+_BATCH = flags.DEFINE_integer("batch", 1, "Rows decoded per step.")
 _MATMUL = flags.DEFINE_string("decode_matmul", "xla", "model.decode_matmul: xla | pallas.")
+_DISPATCH = flags.DEFINE_string("decode_dispatch", "gather",
+                                "model.moe.decode_dispatch: gather | fused | grouped.")
 _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only and MLA-only steps "
                              "with the JAX profiler here (subfolders K, A) and print xprof's "
                              "per-op tables and the launches and device time per 5 steps.")
@@ -32,16 +36,18 @@ def step_ms(pattern, moe=True, trace=False, **model):
   c = long_context_1b.get_config()
   c.model.update({"dtype": "bfloat16", "n_layers": _LAYERS.value, "layer_pattern": pattern,
                   "decode_matmul": _MATMUL.value, **model})
+  c.model.moe.decode_dispatch = _DISPATCH.value
   if not moe:
     c.model.moe.num_experts = 0
   m = inference_model(frozen_model_config(c))
   variables = nn.meta.unbox(jax.jit(m.init)(jax.random.key(0), {
       "tokens": jnp.zeros((1, 64), jnp.int32), "segment_ids": jnp.ones((1, 64), jnp.int32)}))
   variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
-  cache = init_cache(m.cfg, 1, 4 * _FILLED.value)
-  cache["length"] = jnp.full((1,), _FILLED.value, jnp.int32)
+  B = _BATCH.value
+  cache = init_cache(m.cfg, B, 4 * _FILLED.value)
+  cache["length"] = jnp.full((B,), _FILLED.value, jnp.int32)
   step = jax.jit(make_step(m))
-  tok, live = np.zeros((1, 1), np.int32), np.ones((1, 1), bool)
+  tok, live = np.zeros((B, 1), np.int32), np.ones((B, 1), bool)
   ms = median_ms(lambda: step(variables, tok, live, cache), (), 50)
   if trace:
     trace_dir = os.path.join(_TRACE.value, pattern)
@@ -75,7 +81,8 @@ def main(argv):
           (f"{_LAYERS.value} MLA layers, MoE", step_ms("A", trace=bool(_TRACE.value))),
           (f"{_LAYERS.value} KDA layers, dense FFN", step_ms("K", moe=False)),
           (f"{_LAYERS.value} MLA layers, dense FFN", step_ms("A", moe=False))]
-  print(f"\n{jax.devices()[0]}; decode step at filled {_FILLED.value}, batch 1, bf16")
+  print(f"\n{jax.devices()[0]}; decode step at filled {_FILLED.value}, batch {_BATCH.value}, "
+        f"bf16, projections {_MATMUL.value}, experts {_DISPATCH.value}")
   print("| probe | ms |\n|---|---|")
   for name, ms in rows:
     print(f"| {name} | {ms:.3f} |")
