@@ -1,4 +1,4 @@
-"""Shared test helpers: small configs and a relative-error measure."""
+"""Shared test helpers: small configs, a relative-error measure, a call counter."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,14 @@ def rel_err(a, b) -> float:
   """‖a − b‖ / ‖b‖ in float64."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def count_calls(monkeypatch, module, name) -> list:
+  """Replaces module.name by a wrapper that appends to the returned list on every call (at
+  trace time under jit): a test can assert that a kernel path was taken."""
+  calls, real = [], getattr(module, name)
+  monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  return calls
 
 
 @pytest.fixture

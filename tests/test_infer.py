@@ -22,7 +22,7 @@ from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.attention import latent_decode
 from pallas_kernels.matmul import few_rows
-from tests.conftest import make_small_config, rel_err
+from tests.conftest import count_calls, make_small_config, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LENGTHS = np.array([37, 22, 30])  # three rows of different lengths
@@ -70,9 +70,7 @@ def test_decode_reproduces_full_forward(hybrid, key_block, impl, matmul, monkeyp
   monkeypatch.setattr(mla, "SCORE_BUDGET", 0)  # decode blocks of key_block too
   monkeypatch.setattr(latent_decode, "CHUNK", 16)
   monkeypatch.setattr(latent_decode, "BLOCK_K", 16)
-  kernel_calls, real_matmul = [], few_rows.matmul
-  monkeypatch.setattr(few_rows, "matmul",
-                      lambda *a, **kw: kernel_calls.append(1) or real_matmul(*a, **kw))
+  kernel_calls = count_calls(monkeypatch, few_rows, "matmul")
   monkeypatch.setattr(few_rows, "dot_general",
                       functools.partial(few_rows.dot_general, interpret=True))
   model, variables, tokens, full = hybrid

@@ -21,7 +21,7 @@ from moe_jax.model.moe import MoE
 from moe_jax.train import optim
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.moe import decode_experts
-from tests.conftest import make_small_config, rel_err
+from tests.conftest import count_calls, make_small_config, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,9 +82,7 @@ def test_routing_equals_per_token_loop(dispatch, T, decode, monkeypatch):
   """"fused": the decode-experts kernels in interpret mode, blocks shrunk to fit D=32, F=24."""
   monkeypatch.setattr(decode_experts, "BLOCK_D", 16)
   monkeypatch.setattr(decode_experts, "BLOCK_F", 8)
-  calls, real = [], decode_experts.swiglu_experts
-  monkeypatch.setattr(decode_experts, "swiglu_experts",
-                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  calls = count_calls(monkeypatch, decode_experts, "swiglu_experts")
   cfg = _moe_cfg(dispatch=dispatch, capacity_factor=8.0 / 3.0,  # C = N: nothing dropped
                  decode_dispatch=decode)
   x = jax.random.normal(jax.random.key(1), (2, T, 32))
