@@ -213,10 +213,10 @@ def main(argv):
         print(errors[-1], flush=True)
         break
   save()
-  print(f"\n{jax.devices()[0]}; batch {_BATCH.value}, bf16, prefill chunk {chunk}, {_DECODE.value} decoded "
-        f"tokens, MoE decode dispatch {model_config('hybrid').moe.decode_dispatch}, "
-        f"projections {model_config('hybrid').decode_matmul}; "
-        "¹ cache bytes for the filled length")
+  m = model_config("hybrid")
+  print(f"\n{jax.devices()[0]}; batch {_BATCH.value}, bf16, prefill chunk {chunk}, "
+        f"{_DECODE.value} decoded tokens, MoE decode dispatch {m.moe.decode_dispatch}, "
+        f"projections {m.decode_matmul}; ¹ cache bytes for the filled length")
   print("\n".join(e.splitlines()[0] for e in errors))
   print(table(rows))
 

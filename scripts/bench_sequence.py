@@ -35,7 +35,8 @@ _LENGTHS = flags.DEFINE_string("lengths", "65536,262144", "Total sequence length
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed runs (median).")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON results.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny heads (a CPU smoke run of the script).")
-_SUBS = flags.DEFINE_string("subs", "512,2048", "Ring attention (XLA steps) sub-block sizes to compare; empty: none.")
+_SUBS = flags.DEFINE_string("subs", "512,2048",
+                            "Ring attention (XLA steps) sub-block sizes to compare; empty: none.")
 _OPS = flags.DEFINE_list("ops", ["attention", "kda"], "Which ops to time.")
 
 
