@@ -3,7 +3,7 @@
   python scripts/bench_long_context.py --out=$OUT [--contexts=8192,65536,262144,1048576]
 
 configs/long_context_1b.py (≈1.15B total, 3:1 KDA:MLA, MoE) and its `:all_mla` variant,
-bf16, batch --batch (1), random weights and tokens. Each variant preallocates one cache for the
+bf16, batch --batch (1), random weights (scripts/random_variables.py) and tokens. Each variant preallocates one cache for the
 longest context (attention only visits the filled part), so its prefill step and decode
 loop compile once, before timing. Per context: the prompt is prefilled in chunks of
 --prefill_chunk, then --decode_tokens tokens are decoded greedily. Peak device memory is
@@ -16,7 +16,6 @@ import os
 import time
 import traceback
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +25,7 @@ from configs import long_context_1b
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import decode, inference_model, make_step
 from moe_jax.train.state import frozen_model_config
+from scripts.random_variables import random_variables
 
 _CONTEXTS = flags.DEFINE_string("contexts", "8192,65536,262144,1048576", "Prompt lengths.")
 _VARIANTS = flags.DEFINE_string("variants", "hybrid,all_mla", "hybrid | all_mla")
@@ -50,17 +50,13 @@ _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the
                               "decode ms/token is per step, i.e. per token of every row.")
 
 
-def model_config(variant, kernels=""):
-  """kernels="xla": the pure-XLA attention and expert paths (same parameters)."""
+def model_config(variant):
   c = long_context_1b.get_config("all_mla" if variant == "all_mla" else None)
   c.model.dtype = "bfloat16"
   if _DECODE_DISPATCH.value:
     c.model.moe.decode_dispatch = _DECODE_DISPATCH.value
   if _DECODE_MATMUL.value:
     c.model.decode_matmul = _DECODE_MATMUL.value
-  if kernels:
-    c.model.update({"kda_implementation": kernels, "mla_implementation": kernels})
-    c.model.moe.grouped_matmul = kernels
   if _SMALL.value:
     c.model.update({"d_model": 64, "n_layers": 4, "n_heads": 2, "kda_head_dim": 32,
                     "mla_q_lora_rank": 32, "mla_kv_lora_rank": 32, "mla_qk_head_dim": 32,
@@ -167,17 +163,8 @@ def main(argv):
       model = inference_model(model_config(variant))
       step = make_step(model)
       T = model.cfg.kda_chunk_size
-      # Initialised through the XLA paths, with XLA's autotuning off: the parameters are the
-      # same, and this forward pass only builds them. (The init took ≈ 2 min per variant on
-      # the H200, 110 s of it compiling, even through the XLA paths; 2026-11-30.)
-      init_model = inference_model(model_config(variant, kernels="xla"))
-      init = jax.jit(init_model.init, compiler_options={"xla_gpu_autotune_level": 0})
-      variables = nn.meta.unbox(init(
-          jax.random.key(0), {"tokens": jnp.zeros((1, T), jnp.int32),
-                              "segment_ids": jnp.ones((1, T), jnp.int32)}))
+      variables = random_variables(model, T)  # the initialiser's shapes, not its compile
       B = _BATCH.value
-      variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x,
-                               variables)
       jstep = jax.jit(step, donate_argnums=3)
       jdecode = jax.jit(lambda v, cache, logits: decode(
           step, v, cache, logits, jax.random.key(0), max_new=_DECODE.value, temperature=0.0,

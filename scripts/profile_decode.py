@@ -7,7 +7,6 @@ layers, and the KDA op alone, on the long_context_1b shapes.
 
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +17,7 @@ from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import inference_model, make_step
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.kda import kda
+from scripts.random_variables import random_variables
 from scripts.timing import median_ms
 from scripts.xprof_tables import hlo_op_table
 
@@ -40,9 +40,7 @@ def step_ms(pattern, moe=True, trace=False, **model):
   if not moe:
     c.model.moe.num_experts = 0
   m = inference_model(frozen_model_config(c))
-  variables = nn.meta.unbox(jax.jit(m.init)(jax.random.key(0), {
-      "tokens": jnp.zeros((1, 64), jnp.int32), "segment_ids": jnp.ones((1, 64), jnp.int32)}))
-  variables = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.ndim >= 2 else x, variables)
+  variables = random_variables(m, 64)
   B = _BATCH.value
   cache = init_cache(m.cfg, B, 4 * _FILLED.value)
   cache["length"] = jnp.full((B,), _FILLED.value, jnp.int32)

@@ -55,3 +55,12 @@ def test_matmul_lowers_to_triton(h200, K, N):  # noqa: F811
   args = (jnp.zeros((4, K), jnp.bfloat16), jnp.zeros((K, N), jnp.bfloat16))
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "few_rows_matmul" in text
+
+
+def test_k_splits_fill_the_grid():
+  """[1024, 1024]: 32 column blocks × 8 K splits; K = 704 (11 steps) can only split by 11
+  (352 programs) or not at all (32); a wide N is not split."""
+  assert few_rows.k_splits(1024, 1024) == 8
+  assert few_rows.k_splits(704, 1024) == 11
+  assert few_rows.k_splits(704, 64) == 11
+  assert few_rows.k_splits(1024, 8192) == 1
