@@ -57,7 +57,9 @@ def get_config(arg=None):
   moe.dispatch = "dropless"     # dropless (sort + grouped matmul) | capacity ([E, C, D] batched)
   moe.capacity_factor = 1.25    # capacity path: C = ceil(factor * tokens * top_k / E)
   moe.grouped_matmul = ""       # "" = tokamax on GPU/TPU, xla on CPU; or xla | tokamax
-  moe.decode_dispatch = "gather"  # dropless with N·k ≤ E (decoding): gather | grouped | fused
+  # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
+  # gather | grouped | fused
+  moe.decode_dispatch = "auto"
   moe.router_init_scale = 0.006  # std of the router kernel at init (small: near-uniform scores)
   moe.router_init_reg = 0.0     # coefficient of ||W_router - W_router(init)||^2 in the loss
   moe.z_loss = 0.0              # coefficient of mean(logsumexp(router logits)^2)

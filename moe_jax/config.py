@@ -10,7 +10,7 @@ MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 BALANCERS = ("none", "aux_loss", "loss_free", "quantile_ema", "quantile_exact")
 ROUTER_SCORES = ("sigmoid", "softmax")
 DISPATCH = ("dropless", "capacity")
-DECODE_DISPATCH = ("gather", "grouped", "fused")
+DECODE_DISPATCH = ("auto", "gather", "grouped", "fused")
 GROUPED_MATMULS = ("", "xla", "tokamax")
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
 

@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import base
+from moe_jax.model import moe as moe_lib
 from moe_jax.model import router
 from moe_jax.model.moe import MoE
 from moe_jax.train import optim
@@ -122,6 +123,33 @@ def test_router_gets_gradient_bias_does_not():
       variables["params"])
   assert float(jnp.abs(grads["router_kernel"]).max()) > 0
   assert set(variables["router"]) == {"bias"} and "bias" not in variables["params"]
+
+
+
+def test_fused_decode_has_the_gathered_gradient(monkeypatch):
+  """The fused kernels are forward only; their custom VJP must give gather's gradients (a
+  gradient through a decode-sized batch on GPU under "auto")."""
+  monkeypatch.setattr(decode_experts, "BLOCK_D", 16)
+  monkeypatch.setattr(decode_experts, "BLOCK_F", 8)
+  x = jax.random.normal(jax.random.key(4), (2, 1, 32))
+  grads = {}
+  for decode in ("gather", "fused"):
+    cfg = _moe_cfg(decode_dispatch=decode)
+    variables = _init(cfg, x)
+    loss = lambda p, x: (MoE(cfg).apply({**variables, "params": p}, x)[0] ** 2).sum()
+    grads[decode] = jax.grad(loss, argnums=(0, 1))(variables["params"], x)
+  flat_g, flat_f = jax.tree.leaves(grads["gather"]), jax.tree.leaves(grads["fused"])
+  assert len(flat_g) == len(flat_f) and float(jnp.abs(grads["fused"][0]["gate_up"]).max()) > 0
+  for g, f in zip(flat_g, flat_f):
+    assert rel_err(f, g) < 1e-5
+
+
+@pytest.mark.parametrize("setting,assignments,backend,path", [
+    ("auto", 32, "gpu", "fused"), ("auto", 8, "gpu", "fused"), ("auto", 4, "gpu", "gather"),
+    ("auto", 32, "cpu", "gather"), ("gather", 32, "gpu", "gather"),
+    ("grouped", 4, "gpu", "grouped"), ("fused", 4, "cpu", "fused")])
+def test_decode_path_resolves_auto(setting, assignments, backend, path):
+  assert moe_lib.decode_path(setting, assignments, backend) == path
 
 
 # ---- balancers -----------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Two single-device dispatch paths (model.moe.dispatch):
 
 * dropless: the N·k (token, expert) assignments are sorted by expert, run
   through a grouped matmul, unsorted and summed with the combine weights. With
-  N·k ≤ E (decoding a few tokens) and `decode_dispatch` "gather" or "fused",
+  N·k ≤ E (decoding a few tokens) and `decode_dispatch` "gather" or "fused" ("auto", the
+  default: fused on GPU from 8 assignments, else gather),
   each assignment's expert weights are applied directly instead: no sort and no
   grouped-matmul kernel, but N·k copies of expert weights read (duplicates too).
   "gather" gathers them for one einsum; "fused" reads them inside two Pallas
@@ -84,19 +85,61 @@ def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=
   return combine(take_rows(y_AxD, inverse_permutation(order_A)), w_NxK, x_NxD.dtype)
 
 
+AUTO_FUSED_MIN = 8   # assignments from which "auto" takes the fused kernels (on GPU)
+
+
+def decode_path(decode_dispatch: str, assignments: int, backend: str | None = None) -> str:
+  """model.moe.decode_dispatch with "auto" resolved: "fused" on GPU from AUTO_FUSED_MIN
+  assignments, else "gather". Measured at 1M context on the H200 (benchmarks/long_context.md,
+  2026-11-30): the fused kernels take hybrid decode from 8.16 to 6.11 ms/token at batch 8
+  (32 assignments) and 4.73 to 4.04 at batch 4; at batch 2 they are even (3.25 vs 3.31) and at
+  batch 1 slower (2.64 vs 2.35: 4 assignments leave their grid of 44 programs too small)."""
+  if decode_dispatch != "auto":
+    return decode_dispatch
+  backend = backend or jax.default_backend()
+  return "fused" if backend == "gpu" and assignments >= AUTO_FUSED_MIN else "gather"
+
+
 def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, fused=False):
   """Dropless for a handful of tokens (decode): each assignment's expert weights are gathered
   and applied directly, no sort and no grouped-matmul launch. Reads N·k experts' weights.
   fused: by the Pallas kernels of decode_experts (same math) where the shapes fit."""
   E, D, _, F = gate_up_ExDx2xF.shape
-  if fused and decode_experts.fits(D, F):
-    y_NxKxD = decode_experts.swiglu_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD)
-  else:
-    gate_up_NxKxDx2xF, down_NxKxFxD = gate_up_ExDx2xF[idx_NxK], down_ExFxD[idx_NxK]
-    h_NxKx2xF = jnp.einsum("nd,nkdgf->nkgf", x_NxD, gate_up_NxKxDx2xF)
-    a_NxKxF = jax.nn.silu(h_NxKx2xF[:, :, 0]) * h_NxKx2xF[:, :, 1]
-    y_NxKxD = jnp.einsum("nkf,nkfd->nkd", a_NxKxF, down_NxKxFxD)
+  experts_fn = fused_experts if fused and decode_experts.fits(D, F) else gathered_experts
+  y_NxKxD = experts_fn(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD)
   return combine(y_NxKxD.reshape(-1, D), w_NxK, x_NxD.dtype)
+
+
+def gathered_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD):
+  """[N, K, D]: SwiGLU of token n by expert idx[n, j], through gathered weight copies."""
+  gate_up_NxKxDx2xF, down_NxKxFxD = gate_up_ExDx2xF[idx_NxK], down_ExFxD[idx_NxK]
+  h_NxKx2xF = jnp.einsum("nd,nkdgf->nkgf", x_NxD, gate_up_NxKxDx2xF)
+  a_NxKxF = jax.nn.silu(h_NxKx2xF[:, :, 0]) * h_NxKx2xF[:, :, 1]
+  return jnp.einsum("nkf,nkfd->nkd", a_NxKxF, down_NxKxFxD)
+
+
+@jax.custom_vjp
+def fused_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD):
+  """gathered_experts by the Pallas kernels. The kernels are forward only; the backward is
+  gathered_experts' (so a gradient through a tiny GPU batch under "auto" still works)."""
+  return decode_experts.swiglu_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD
+                                       ).astype(x_NxD.dtype)
+
+
+def _fused_fwd(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD):
+  y = fused_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD)
+  return y, (x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD)
+
+
+def _fused_bwd(res, dy_NxKxD):
+  x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD = res
+  _, vjp = jax.vjp(lambda x, gu, dn: gathered_experts(x, idx_NxK, gu, dn),
+                   x_NxD, gate_up_ExDx2xF, down_ExFxD)
+  dx, dgate_up, ddown = vjp(dy_NxKxD)
+  return dx, None, dgate_up, ddown
+
+
+fused_experts.defvjp(_fused_fwd, _fused_bwd)
 
 
 def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C: int):
@@ -157,9 +200,9 @@ class MoE(nn.Module):
           x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
           capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
           implementation=mc.grouped_matmul)
-    elif mc.dispatch == "dropless" and mc.decode_dispatch != "grouped" and B * T * K <= E:
-      y_NxD = gathered(x_NxD, idx_NxK, w_NxK, gate_up, down,
-                       fused=mc.decode_dispatch == "fused")
+    elif mc.dispatch == "dropless" and B * T * K <= E and (
+        decode := decode_path(mc.decode_dispatch, B * T * K)) != "grouped":
+      y_NxD = gathered(x_NxD, idx_NxK, w_NxK, gate_up, down, fused=decode == "fused")
       dropped = 0
     elif mc.dispatch == "dropless":
       y_NxD = dropless(x_NxD, idx_NxK, w_NxK, gate_up, down, mc.grouped_matmul)
