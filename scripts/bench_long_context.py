@@ -40,7 +40,8 @@ _DECODE_ONLY = flags.DEFINE_bool(
     "random latents and states (decode cost depends on the shapes and the filled length, not "
     "the values), so contexts and batches whose prefill would take minutes can be timed.")
 _DECODE_DISPATCH = flags.DEFINE_string(
-    "decode_dispatch", "", "model.moe.decode_dispatch for this run: gather (N·k expert copies "
+    "decode_dispatch", "", "model.moe.decode_dispatch for this run: auto (fused on GPU from 8 "
+    "assignments, else gather) | gather (N·k expert copies "
     "read by a gather-einsum) | fused (the same copies read by Pallas kernels) | grouped "
     "(sort + grouped matmul); '' keeps the config's.")
 _DECODE_MATMUL = flags.DEFINE_string(

@@ -25,8 +25,8 @@ _LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
 _FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Rows decoded per step.")
 _MATMUL = flags.DEFINE_string("decode_matmul", "xla", "model.decode_matmul: xla | pallas.")
-_DISPATCH = flags.DEFINE_string("decode_dispatch", "gather",
-                                "model.moe.decode_dispatch: gather | fused | grouped.")
+_DISPATCH = flags.DEFINE_string("decode_dispatch", "auto",
+                                "model.moe.decode_dispatch: auto | gather | fused | grouped.")
 _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only and MLA-only steps "
                              "with the JAX profiler here (subfolders K, A) and print xprof's "
                              "per-op tables and the launches and device time per 5 steps.")
