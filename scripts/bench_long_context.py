@@ -3,9 +3,9 @@
   python scripts/bench_long_context.py --out=$OUT [--contexts=8192,65536,262144,1048576]
 
 configs/long_context_1b.py (≈1.15B total, 3:1 KDA:MLA, MoE) and its `:all_mla` variant,
-bf16, batch --batch (1), random weights (scripts/random_variables.py) and tokens. Each variant preallocates one cache for the
-longest context (attention only visits the filled part), so its prefill step and decode
-loop compile once, before timing. Per context: the prompt is prefilled in chunks of
+bf16, batch --batch (1), random weights (scripts/random_variables.py) and tokens. Each
+variant preallocates one cache for the longest context (attention only visits the filled
+part), so its prefill step and decode loop compile once, before timing. Per context: the prompt is prefilled in chunks of
 --prefill_chunk, then --decode_tokens tokens are decoded greedily. Peak device memory is
 read from the allocator. A variant that fails (out of memory) or whose prefill passes
 --max_seconds stops there. Results are written after every row.

@@ -4,8 +4,8 @@ Why: on the H200, `jax.jit(model.init)` for the 16-layer long-context model took
 model (compiling; the decode step itself compiles in ≈ 17 s), which ate most of each
 benchmark's device slot. Timing does not need the initialiser's values, only its shapes
 and values of a sane scale: matrices N(0, 0.02²), vectors (norm scales, biases) ones.
-Routing stays data-dependent (random router rows), so the experts read are as many as a
-trained model's would be.
+Routing stays data-dependent (random router rows): different tokens pick different experts,
+as in a real model, rather than all picking the same ones (as equal router rows would).
 """
 
 import flax.linen as nn

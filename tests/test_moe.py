@@ -125,7 +125,6 @@ def test_router_gets_gradient_bias_does_not():
   assert set(variables["router"]) == {"bias"} and "bias" not in variables["params"]
 
 
-
 def test_fused_decode_has_the_gathered_gradient(monkeypatch):
   """The fused kernels are forward only; their custom VJP must give gather's gradients (a
   gradient through a decode-sized batch on GPU under "auto")."""

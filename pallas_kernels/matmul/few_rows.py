@@ -1,9 +1,10 @@
 """x @ w for a few rows (decoding), in Pallas (Triton lowering on GPU, `interpret=True` on CPU).
 
-Why: XLA's GPU simplifier rewrites a dot whose operand matrices hold fewer than 10M elements
-into an elementwise product and a reduction. It emits them as two kernels and writes the
-product out (at 8 rows, 8× the weight's bytes). Every projection of a decode step is that
-small. This kernel reads w once, with the rows padded to ROWS (the smallest Triton dot).
+Why: at batch 1, XLA's GPU simplifier rewrites each decode projection (a vector times a
+small matrix) into an elementwise product and a reduction, two kernels that write the
+product out. (At batch 8 the H200 profile shows Triton GEMM fusions instead, and this kernel
+is no faster end to end: benchmarks/long_context.md, "Experts at decode".) This kernel
+reads w once, with the rows padded to ROWS (the smallest Triton dot).
 K is split as well as N, so that a [1024, 1024] weight is spread over ≈ 256 programs rather
 than 32 (one program per 32 columns left most of the H200's 132 SMs idle: 12.8 µs for a
 2 MB weight, 2026-11-30); the fp32 partial sums over the K splits are added by XLA.
