@@ -6,15 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moe_jax.model.moe import gathered_experts
 from pallas_kernels.moe import decode_experts as de
 from tests.conftest import rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 
 
 def _gathered(x_NxD, idx_NxK, gate_up, down):
+  """The MoE layer's gather path (what the kernels replace), in fp32."""
   f32 = lambda a: a.astype(jnp.float32)
-  h = jnp.einsum("nd,nkdgf->nkgf", f32(x_NxD), f32(gate_up)[idx_NxK])
-  return jnp.einsum("nkf,nkfd->nkd", jax.nn.silu(h[:, :, 0]) * h[:, :, 1], f32(down)[idx_NxK])
+  return gathered_experts(f32(x_NxD), idx_NxK, f32(gate_up), f32(down))
 
 
 @pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])

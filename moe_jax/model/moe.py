@@ -4,12 +4,12 @@ Two single-device dispatch paths (model.moe.dispatch):
 
 * dropless: the N·k (token, expert) assignments are sorted by expert, run
   through a grouped matmul, unsorted and summed with the combine weights. With
-  N·k ≤ E (decoding a few tokens) and `decode_dispatch` "gather" or "fused" ("auto", the
-  default: fused on GPU from 8 assignments, else gather),
-  each assignment's expert weights are applied directly instead: no sort and no
+  N·k ≤ E (decoding a few tokens) and `decode_dispatch` other than "grouped", each
+  assignment's expert weights are applied directly instead: no sort and no
   grouped-matmul kernel, but N·k copies of expert weights read (duplicates too).
   "gather" gathers them for one einsum; "fused" reads them inside two Pallas
-  kernels (pallas_kernels/moe/decode_experts.py).
+  kernels (pallas_kernels/moe/decode_experts.py); "auto" (default) is fused on GPU
+  from AUTO_FUSED_MIN assignments, else gather.
 * capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
   assignments (earlier tokens first); they are laid out [E, C, D] for batched
   dense matmuls. Assignments over capacity are dropped (counted in the stats):
@@ -90,10 +90,9 @@ AUTO_FUSED_MIN = 8   # assignments from which "auto" takes the fused kernels (on
 
 def decode_path(decode_dispatch: str, assignments: int, backend: str | None = None) -> str:
   """model.moe.decode_dispatch with "auto" resolved: "fused" on GPU from AUTO_FUSED_MIN
-  assignments, else "gather". Measured at 1M context on the H200 (benchmarks/long_context.md,
-  2026-11-30): the fused kernels take hybrid decode from 8.16 to 6.11 ms/token at batch 8
-  (32 assignments) and 4.73 to 4.04 at batch 4; at batch 2 they are even (3.25 vs 3.31) and at
-  batch 1 slower (2.64 vs 2.35: 4 assignments leave their grid of 44 programs too small)."""
+  assignments, else "gather". On the H200 at 1M context the fused kernels are 25% faster per
+  hybrid decode step at batch 8 (32 assignments), even at batch 2, and 12% slower at batch 1,
+  where 4 assignments make too small a grid (benchmarks/long_context.md, 2026-11-30)."""
   if decode_dispatch != "auto":
     return decode_dispatch
   backend = backend or jax.default_backend()

@@ -7,7 +7,9 @@ one einsum. XLA fuses the gather into a reduction that reads the weights at ≈ 
 the H200 (benchmarks/long_context.md), and that is most of the decode step's growth with the
 batch. Here the expert index is read inside the kernel and the weight tiles are loaded
 directly; a row against a [BLOCK_D, BLOCK_F] tile is a multiply and a column sum (one
-row is below Triton's smallest dot).
+row is below Triton's smallest dot). Measured at batch 8 (32 assignments): 2.6–2.8 TB/s,
+193 → 53 µs per MoE layer; at 4 assignments the grid is too small and gather is faster
+(moe.decode_path picks).
 
   up:   grid (A, F / BLOCK_F): a[a, f] = silu(x_t · Wg[e]) ⊙ (x_t · Wu[e]), t = a // k, e = idx[a]
   down: grid (A, D / BLOCK_D): y[a, d] = a[a] · Wd[e]
