@@ -1,9 +1,61 @@
-"""Shared test helpers: small configs, a relative-error measure, a call counter."""
+"""Shared test helpers: small configs, a relative-error measure, a call counter, and the
+settings that let one suite run on CPU and on a GPU.
 
-import numpy as np
-import pytest
+* Precision: every float32 comparison in this suite promises float32 arithmetic, so the
+  suite runs under `jax_default_matmul_precision="highest"`. On CPU that changes nothing;
+  on a GPU it turns XLA's and the Pallas kernels' float32 dots from TF32 into IEEE fp32
+  (Pallas's Triton lowering reads the precision JAX records on each dot). Tests of the
+  default (TF32 / bf16) path say so and set their own tolerance.
+* `@pytest.mark.gpu` tests run the real kernels at realistic sizes; they skip off GPU.
+* Several test processes can share one GPU: JAX's 75% preallocation is off.
+* Fake multi-device runs are subprocesses on the CPU platform (`cpu_devices_env`).
+"""
 
-from configs import tiny
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from configs import tiny  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+  if ON_GPU:
+    return
+  skip = pytest.mark.skip(reason=f"needs a GPU (backend is {jax.default_backend()})")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+def subprocess_env(**extra) -> dict:
+  """This environment for a subprocess, with the repository first on PYTHONPATH (and what
+  was there kept: packages installed with --target live there)."""
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+  return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def cpu_devices_env(n: int) -> dict:
+  """Environment for a subprocess with n fake CPU devices, whatever accelerator is here."""
+  return subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+                        JAX_PLATFORMS="cpu")
+
+
+@pytest.fixture
+def x64():
+  """float64 for the tests that compare with the float64 spec; scoped to the test, since
+  x64 breaks kernels outside this project (jax's flash attention, tokamax) that mix int32
+  and Python ints."""
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", False)
 
 
 def rel_err(a, b) -> float:

@@ -1,7 +1,5 @@
 """Config loading, command-line overrides, and every validation error."""
 
-import os
-
 import pytest
 from absl import flags
 from ml_collections import config_flags
@@ -9,8 +7,7 @@ from ml_collections import config_flags
 from configs import base, kimi_linear_48b, long_context_1b, tiny, trillion
 from moe_jax import config as config_lib
 from moe_jax.train.loop import train_and_evaluate
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT
 
 
 def test_configs_load_and_validate():

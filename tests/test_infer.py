@@ -2,7 +2,6 @@
 filters, stop tokens, and scripts/generate.py on a checkpoint written by the training loop."""
 
 import functools
-import os
 import subprocess
 import sys
 
@@ -22,9 +21,8 @@ from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.attention import latent_decode
 from pallas_kernels.matmul import few_rows
-from tests.conftest import count_calls, make_small_config, rel_err
+from tests.conftest import ROOT, count_calls, make_small_config, rel_err, subprocess_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LENGTHS = np.array([37, 22, 30])  # three rows of different lengths
 _T = 40
 
@@ -165,7 +163,7 @@ def test_generate_script_on_a_trained_checkpoint(tmp_path):
   proc = subprocess.run(
       [sys.executable, "scripts/generate.py", f"--workdir={tmp_path}", "--prompt=def f(x):",
        "--prompt=import", "--max_new_tokens=12", "--temperature=0"],
-      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+      capture_output=True, text=True, cwd=ROOT, env=subprocess_env(),
       timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "# checkpoint step 2 of" in proc.stdout

@@ -13,12 +13,7 @@ from tests.conftest import rel_err
 LB = -5.0
 
 
-@pytest.fixture(autouse=True)
-def _x64():
-  """The spec runs in float64; scoped so other test modules keep JAX's default types."""
-  jax.config.update("jax_enable_x64", True)
-  yield
-  jax.config.update("jax_enable_x64", False)
+pytestmark = pytest.mark.usefixtures("x64")   # the spec runs in float64
 
 
 def _inputs(B, T, H, K, V, seed=0, lower_bound=LB):

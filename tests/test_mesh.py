@@ -1,7 +1,6 @@
 """Mesh construction, and data/fsdp-sharded training equal to one device."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -9,8 +8,7 @@ import ml_collections
 import pytest
 
 from moe_jax.parallel.mesh import axis_sizes
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT, cpu_devices_env
 
 
 def _mesh_cfg(**sizes):
@@ -42,8 +40,7 @@ print("LOSSES", json.dumps([l for _, l in out["history"]]))
 
 
 def _losses(tmp_path, data, fsdp, devices, expert=1, sequence=1):
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-         "PYTHONPATH": ROOT}
+  env = cpu_devices_env(devices)
   proc = subprocess.run([sys.executable, "-c", _RUN, str(data), str(fsdp), str(expert),
                          str(sequence), str(tmp_path / f"{data}x{fsdp}x{expert}x{sequence}")],
                         env=env,

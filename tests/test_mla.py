@@ -4,8 +4,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from moe_jax.model.mla import MLAMixer
+from moe_jax.model.mla import MLAMixer, _flash_fits
 from moe_jax.train.state import frozen_model_config
 from tests.conftest import make_small_config, rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
@@ -70,6 +71,14 @@ def test_flash_kernel_equals_xla_attention():
   assert rel_err(out_g, out_x) < 1e-5
   for a, b in zip(jax.tree.leaves(grads_g), jax.tree.leaves(grads_x)):
     assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("T,D,Dv,fits", [
+    (256, 64, 64, True), (64, 32, 32, True), (16, 16, 16, True), (384, 64, 64, True),
+    (24, 16, 16, False),   # a 24-row block: Triton holds only powers of two
+    (96, 64, 64, False), (256, 8, 8, False), (256, 64, 32, False)])
+def test_flash_kernel_only_takes_shapes_it_can_lower(T, D, Dv, fits):
+  assert _flash_fits(jnp.zeros((1, T, 2, D)), jnp.zeros((1, T, 2, Dv))) == fits
 
 
 def test_flash_training_attention_lowers_to_triton(h200, monkeypatch):  # noqa: F811

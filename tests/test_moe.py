@@ -2,7 +2,6 @@
 expert parallelism on 8 fake devices."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -16,15 +15,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import base
+from moe_jax.model import experts
 from moe_jax.model import moe as moe_lib
 from moe_jax.model import router
 from moe_jax.model.moe import MoE
 from moe_jax.train import optim
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.moe import decode_experts
-from tests.conftest import count_calls, make_small_config, rel_err
+from tests.conftest import ROOT, count_calls, cpu_devices_env, make_small_config, rel_err
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _moe_cfg(**moe):
@@ -151,6 +150,23 @@ def test_decode_path_resolves_auto(setting, assignments, backend, path):
   assert moe_lib.decode_path(setting, assignments, backend) == path
 
 
+@pytest.mark.parametrize("backend,dtype,impl", [
+    ("gpu", jnp.bfloat16, "tokamax"), ("gpu", jnp.float32, "xla"), ("tpu", jnp.float32, "tokamax"),
+    ("cpu", jnp.bfloat16, "xla")])
+def test_grouped_matmul_default_follows_backend_and_dtype(monkeypatch, backend, dtype, impl):
+  """tokamax's GPU kernel takes no float32: fp32 models on GPU take XLA's ragged_dot."""
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  assert experts.default_grouped_matmul(dtype) == impl
+
+
+def test_tokamax_on_gpu_rejects_float32(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  x, w = jnp.ones((4, 8)), jnp.ones((2, 8, 16))
+  with pytest.raises(ValueError, match="grouped_matmul='tokamax' on GPU takes bfloat16/float16 "
+                                       "inputs, got float32"):
+    experts.grouped_matmul(x, w, jnp.array([2, 2]), "tokamax")
+
+
 # ---- balancers -----------------------------------------------------------------------------
 
 _E, _K, _N = 16, 2, 4096
@@ -274,8 +290,7 @@ print("RESULT", json.dumps(results))
 @pytest.fixture(scope="module")
 def expert_parallel_runs():
   """One subprocess with 8 fake CPU devices runs every EP variant against one device."""
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "PYTHONPATH": ROOT}
+  env = cpu_devices_env(8)
   proc = subprocess.run([sys.executable, "-c", _EP], env=env, capture_output=True, text=True,
                         cwd=ROOT, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,13 +2,12 @@
 single-device ops in output and gradients, with segments crossing shard boundaries."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT, cpu_devices_env
 
 _SCRIPT = """
 import json
@@ -90,8 +89,7 @@ print("RESULT", json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "PYTHONPATH": ROOT}
+  env = cpu_devices_env(8)
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                         text=True, cwd=ROOT, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]

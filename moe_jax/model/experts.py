@@ -6,7 +6,10 @@ grouped matmul does both) and `down` [E, F, D].
 * grouped (dropless): rows sorted by expert, `ragged_dot` over group sizes.
   `jax.lax.ragged_dot` is emulated densely on GPU (2% of peak, and at E=256 it
   tries to allocate 128 GiB on an H200), so GPU/TPU use `tokamax.ragged_dot`
-  (a Pallas Mosaic kernel). tokamax is imported lazily: CPU runs never need it.
+  (a Pallas Mosaic kernel) for bf16/fp16. tokamax's GPU kernel takes no float32, so
+  float32 models (debugging, numerics checks) take XLA's ragged_dot on GPU: exact, but
+  dense in E (fine at the tiny config's 8 experts). tokamax is imported lazily: CPU runs
+  never need it.
 * batched (capacity): tokens laid out [E, C, D], plain batched matmuls.
 """
 
@@ -16,8 +19,17 @@ import jax.numpy as jnp
 GROUPED_MATMULS = ("xla", "tokamax")
 
 
-def default_grouped_matmul() -> str:
-  return "xla" if jax.default_backend() == "cpu" else "tokamax"
+def default_grouped_matmul(dtype) -> str:
+  """tokamax on GPU/TPU, except for float32 on GPU (tokamax's Mosaic GPU kernel is bf16/fp16
+  only); xla on CPU."""
+  backend = jax.default_backend()
+  if backend == "cpu" or (backend == "gpu" and not _tokamax_gpu_dtype(dtype)):
+    return "xla"
+  return "tokamax"
+
+
+def _tokamax_gpu_dtype(dtype) -> bool:
+  return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
 
 
 def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
@@ -26,14 +38,19 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
   Rows past sum(group_sizes) are undefined (xla writes 0, tokamax's GPU kernel leaves
   them unwritten): callers with padding rows mask them.
   """
-  implementation = implementation or default_grouped_matmul()
+  implementation = implementation or default_grouped_matmul(x_MxK.dtype)
   if implementation == "xla":
     return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
   if implementation == "tokamax":
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and not _tokamax_gpu_dtype(x_MxK.dtype):
+      raise ValueError(f"model.moe.grouped_matmul='tokamax' on GPU takes bfloat16/float16 "
+                       f"inputs, got {x_MxK.dtype}; use '' (xla for float32) or "
+                       f"model.dtype='bfloat16'")
     import tokamax  # heavy optional dependency: the gpu/tpu extras install it
 
-    impl = "mosaic" if jax.default_backend() == "gpu" else None
-    return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, implementation=impl)
+    return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G,
+                              implementation="mosaic" if on_gpu else None)
   raise ValueError(f"grouped_matmul implementation must be one of {GROUPED_MATMULS} or '', "
                    f"got {implementation!r}")
 

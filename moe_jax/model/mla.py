@@ -79,9 +79,12 @@ FLASH_BLOCK = 128  # query/key block of jax's Pallas flash attention (its defaul
 
 
 def _flash_fits(q_BxTxHxDqk, v_BxTxHxDv) -> bool:
-  """jax's Pallas flash kernel needs one head dim for q, k, v and T in whole blocks."""
+  """jax's Pallas flash kernel needs one head dim (≥ 16, Triton's smallest dot) for q, k, v,
+  and position blocks (min(128, T) forward, min(32, T) backward) that Triton can hold: a
+  power of two. So T is a multiple of 128, or a power of two from 16 up."""
   T, D = q_BxTxHxDqk.shape[1], q_BxTxHxDqk.shape[-1]
-  return D == v_BxTxHxDv.shape[-1] and T % min(FLASH_BLOCK, T) == 0
+  blocks_fit = T % FLASH_BLOCK == 0 or (T >= 16 and T & (T - 1) == 0)
+  return D == v_BxTxHxDv.shape[-1] and D >= 16 and blocks_fit
 
 
 def flash_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids_BxT):

@@ -88,11 +88,13 @@ def _exp_where(mask, x):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _anchor(G_ref, a, b, cols):
-  """[1, BK] anchor row for tile (a, b) (see reference._sub_chunk_decays): the middle row of
-  sub-chunk a on the diagonal, the last row of sub-chunk b below it."""
-  row = jnp.where(a == b, a * SUB + SUB // 2, b * SUB + SUB - 1)
-  return G_ref[pl.ds(row, 1), cols].astype(F32)
+def _anchor_row(a, b):
+  """Anchor row of tile (a, b) (see reference._sub_chunk_decays): the middle row of sub-chunk
+  a on the diagonal, the last row of sub-chunk b below it. A Python int, as the forward's:
+  the same row computed in the kernel (jnp.where of constants) gave NaN dq/dk/dg from this
+  kernel under Triton on the H200 (41% of elements; 2026-11-30) while interpret mode was
+  exact. Any anchor gives the same products, so a wrong row overflows e^{anchor - G}."""
+  return a * SUB + SUB // 2 if a == b else b * SUB + SUB - 1
 
 
 def _chunk_gates(G_ref, seg_ref, cols):
@@ -268,13 +270,12 @@ def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk
                       *, scale):
   """Backward of _tiles_kernel for one chunk and one block of K columns (they are
   independent): the anchored [16, 16] tiles transposed (_tile_bwd). Its anchors are
-  _anchor's; any anchor gives the same products, and these keep both factors ≤ 1 below
+  _anchor_row's; any anchor gives the same products, and these keep both factors ≤ 1 below
   the diagonal."""
   C, BK = q_ref.shape
   L, S = SUB, C // SUB
   i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
   j_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 1)
-  cols = slice(None)
   rows = [pl.ds(a * L, L) for a in range(S)]
   q, k, G = ([ref[r, :].astype(F32) for r in rows] for ref in (q_ref, k_ref, G_ref))
   dq, dk, dG = ([jnp.zeros((L, BK), F32) for _ in range(S)] for _ in range(3))
@@ -283,8 +284,8 @@ def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk
     keep = (i_LL >= j_LL) if a == b else (i_LL >= 0)
     same = seg_ref[rows[a]][:, None] == seg_ref[rows[b]][None, :]
     dAqk = jnp.where(keep & same, dAqk_ref[blk].astype(F32), 0.0) * scale
-    _tile_bwd(q, k, G, a, b, _anchor(G_ref, a, b, cols), dA_ref[blk].astype(F32), dAqk,
-              dq, dk, dG)
+    anchor = G_ref[pl.ds(_anchor_row(a, b), 1), :].astype(F32)
+    _tile_bwd(q, k, G, a, b, anchor, dA_ref[blk].astype(F32), dAqk, dq, dk, dG)
   for a in range(S):
     dq_ref[rows[a], :] = dq[a].astype(dq_ref.dtype)
     dk_ref[rows[a], :] = dk[a].astype(dk_ref.dtype)
