@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= workdir/tiny
 CONFIG ?= configs/tiny.py
 ARGS ?=
+PYTEST_WORKERS ?= 2   # xdist processes; most of the time is single-threaded compiles
 
 # First interpreter that actually runs as Python >= 3.12: python3.12 / python3.13 on PATH
 # (pyenv shims on PATH may not resolve, so each candidate is executed), then pyenv's versions.
@@ -33,7 +34,7 @@ train: setup
 	$(PY) scripts/train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -n 2 tests  # two workers: most of the time is single-threaded XLA compiles
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) tests
 
 clean:
 	rm -rf $(VENV) workdir *.egg-info

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The test suite natively on a GPU machine, with a per-file table (benchmarks/gpu_tests.md).
+#   bash tests/gpu_suite.sh [pytest args]      (default: tests; WORKERS=8 xdist processes)
+# On the project's lent H200 (no network), carry .whl (../shared/device/wheels.sh) and this
+# installs it first. Workers share the GPU: conftest turns JAX's 75% preallocation off, and
+# the suite's time is mostly compiles, which several processes run side by side.
+set -o pipefail
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/gpu_suite}; mkdir -p "$out"
+start=$(date +%s)
+timeout "${SUITE_TIMEOUT:-3000}" python3 -m pytest -q -n "${WORKERS:-8}" -rfE --tb=short \
+  -o addopts="-p no:cacheprovider" --junitxml="$out/junit.xml" "${@:-tests}" 2>&1 \
+  | grep --line-buffered -v "Autotuning cache miss" > "$out/pytest_gpu.txt"
+echo "wall $(( $(date +%s) - start )) s"
+tail -n 3 "$out/pytest_gpu.txt"
+python3 - "$out/junit.xml" <<'PY'
+import collections, sys, xml.etree.ElementTree as ET
+try:
+    t = ET.parse(sys.argv[1])
+except Exception as e:
+    sys.exit(f"no junit report ({e})")
+rows = collections.defaultdict(collections.Counter)
+for tc in t.iter("testcase"):
+    f = (tc.get("classname") or "?").replace(".", "/") + ".py"
+    kind = next((k for k in ("failure", "error", "skipped") if tc.find(k) is not None), "passed")
+    rows[f][kind] += 1
+    rows[f]["secs"] += float(tc.get("time") or 0)
+print("| file | passed | failed | errors | skipped | test seconds |\n|---|---|---|---|---|---|")
+for f, c in sorted(rows.items()):
+    print(f"| {f} | {c['passed']} | {c['failure']} | {c['error']} | {c['skipped']} | {c['secs']:.0f} |")
+tot = sum(rows.values(), collections.Counter())
+print(f"| **all** | {tot['passed']} | {tot['failure']} | {tot['error']} | {tot['skipped']} | {tot['secs']:.0f} |")
+PY
