@@ -19,6 +19,7 @@ from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
     (3, 40, 2, 32, 16, 300, [0, 100, 251], [40, 140, 260]),
     (2, 130, 1, 64, 64, 200, [0, 70], [130, 0]),
     (1, 5, 2, 16, 16, 20, [3], [8]),        # cache shorter than one key block
+    (2, 33, 2, 24, 40, 90, [10, 0], [43, 33]),   # head dims that are not tiles: padded
 ])
 def test_equals_materialised_attention(B, T, H, D, Dv, S, q_start, kv_len):
   kq, kk, kv = jax.random.split(jax.random.key(B * T + S), 3)
@@ -53,9 +54,10 @@ def test_mismatched_shapes_raise():
                         jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
 
 
-def test_lowers_to_triton(h200):  # noqa: F811
-  args = (jnp.zeros((1, 256, 2, 64), jnp.bfloat16), jnp.zeros((1, 1000, 2, 64), jnp.bfloat16),
-          jnp.zeros((1, 1000, 2, 64), jnp.bfloat16), jnp.zeros(1, jnp.int32),
+@pytest.mark.parametrize("D,Dv", [(64, 64), (24, 40)])
+def test_lowers_to_triton(h200, D, Dv):  # noqa: F811
+  args = (jnp.zeros((1, 256, 2, D), jnp.bfloat16), jnp.zeros((1, 1000, 2, D), jnp.bfloat16),
+          jnp.zeros((1, 1000, 2, Dv), jnp.bfloat16), jnp.zeros(1, jnp.int32),
           jnp.ones(1, jnp.int32))
   fn = lambda *a: ca.cached_attention(*a, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -84,6 +86,12 @@ def test_latent_decode_equals_materialised_attention(B, Q, R, S, pos, kv_len, mo
   ref = jnp.einsum("bqs,bsr->bqr", p / jnp.where(l == 0, 1, l), c)
   assert got.shape == (B, Q, R) and np.isfinite(np.asarray(got)).all()
   assert rel_err(got, ref) < 1e-5
+
+
+def test_latent_decode_rejects_ranks_it_cannot_tile():
+  with pytest.raises(ValueError, match="power of two >= 16, got R=24"):
+    ld.latent_decode_attention(jnp.zeros((1, 2, 24)), jnp.zeros((1, 64, 24)),
+                               jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32))
 
 
 def test_latent_decode_lowers_to_triton(h200):  # noqa: F811

@@ -19,7 +19,7 @@ from moe_jax.model.layers import dense, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size, per_device
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention.cached_attention import cached_attention
-from pallas_kernels.attention.latent_decode import latent_decode_attention
+from pallas_kernels.attention import latent_decode
 
 
 class MLAMixer(nn.Module):
@@ -128,10 +128,10 @@ def _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT, cache, k_b, v_
   q_BxTxHxDqk = q_BxTxHxDqk * jnp.asarray(Dqk ** -0.5, q_BxTxHxDqk.dtype)
   if T < R:
     q_BxTxHxR = jnp.einsum("bthd,rhd->bthr", q_BxTxHxDqk, w_kb_RxHxDqk)
-    if impl == "gpu" and T * H <= DECODE_ROWS and R & (R - 1) == 0:
+    if impl == "gpu" and T * H <= DECODE_ROWS and latent_decode.fits(R):
       pos_BxTH = jnp.repeat(pos_BxT, H, axis=1)
-      o_BxTxHxR = latent_decode_attention(q_BxTxHxR.reshape(B, T * H, R), ckv_BxSxR,
-                                          pos_BxTH, filled_B).reshape(B, T, H, R)
+      o_BxTxHxR = latent_decode.latent_decode_attention(
+          q_BxTxHxR.reshape(B, T * H, R), ckv_BxSxR, pos_BxTH, filled_B).reshape(B, T, H, R)
     else:
       key_block = min(S, max(KEY_BLOCK, min(MAX_KEY_BLOCK, SCORE_BUDGET // (B * T * H))))
       o_BxTxHxR = _online_softmax(q_BxTxHxR, ckv_BxSxR, lambda c: c, lambda c: c, pos_BxT,

@@ -28,6 +28,11 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
+def _tile_dim(d: int) -> int:
+  """A head dim as Triton can hold it: a power of two, at least 16 (its smallest dot)."""
+  return max(16, pl.next_power_of_2(d))
+
+
 def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k):
   BQ, BK = q_ref.shape[0], block_k
   S = k_ref.shape[0]
@@ -86,10 +91,13 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   scale = D ** -0.5 if scale is None else scale
   BQ = min(BLOCK_Q, pl.next_power_of_2(T))
   Tp = pl.cdiv(T, BQ) * BQ
-  q_BxTxHxD = jnp.pad(q_BxTxHxD, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
-  if S < BLOCK_K:  # a block must fit in the cache; padded keys are past kv_len
-    pad = ((0, 0), (0, BLOCK_K - S), (0, 0), (0, 0))
-    k_BxSxHxD, v_BxSxHxDv, S = jnp.pad(k_BxSxHxD, pad), jnp.pad(v_BxSxHxDv, pad), BLOCK_K
+  # Zero head-dim columns change no score; the extra output columns are sliced off.
+  Dp, Dvp = _tile_dim(D), _tile_dim(Dv)
+  q_BxTxHxD = jnp.pad(q_BxTxHxD, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D)))
+  Sp = max(S, BLOCK_K)  # a block must fit in the cache; padded keys are past kv_len
+  k_BxSxHxD = jnp.pad(k_BxSxHxD, ((0, 0), (0, Sp - S), (0, 0), (0, Dp - D)))
+  v_BxSxHxDv = jnp.pad(v_BxSxHxDv, ((0, 0), (0, Sp - S), (0, 0), (0, Dvp - Dv)))
+  S = Sp
   row = pl.BlockSpec((1,), lambda b, h, i: (b,))
   params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS,
                                                           num_stages=NUM_STAGES)
@@ -97,14 +105,14 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
       functools.partial(_kernel, scale=scale, block_k=BLOCK_K),
       grid=(B, H, Tp // BQ),
       in_specs=[row, row,
-                pl.BlockSpec((None, BQ, None, D), lambda b, h, i: (b, i, h, 0)),
-                pl.BlockSpec((None, S, None, D), lambda b, h, i: (b, 0, h, 0)),
-                pl.BlockSpec((None, S, None, Dv), lambda b, h, i: (b, 0, h, 0))],
-      out_specs=pl.BlockSpec((None, BQ, None, Dv), lambda b, h, i: (b, i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dv), q_BxTxHxD.dtype),
+                pl.BlockSpec((None, BQ, None, Dp), lambda b, h, i: (b, i, h, 0)),
+                pl.BlockSpec((None, S, None, Dp), lambda b, h, i: (b, 0, h, 0)),
+                pl.BlockSpec((None, S, None, Dvp), lambda b, h, i: (b, 0, h, 0))],
+      out_specs=pl.BlockSpec((None, BQ, None, Dvp), lambda b, h, i: (b, i, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dvp), q_BxTxHxD.dtype),
       interpret=interpret, name="cached_attention", compiler_params=params,
   )(q_start_B.astype(jnp.int32), kv_len_B.astype(jnp.int32), q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv)
-  return o_BxTxHxDv[:, :T]
+  return o_BxTxHxDv[:, :T, :, :Dv]
 
 
 def cached_attention_reference(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *,

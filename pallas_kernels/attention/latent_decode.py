@@ -62,6 +62,12 @@ def _kernel(kv_len_ref, pos_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, block_k
   m_ref[...], l_ref[...], acc_ref[...] = m_Q, l_Q, acc_QxR
 
 
+def fits(R: int) -> bool:
+  """The latent rank is a whole Triton tile: a power of two, at least 16. (Padding it would
+  copy the whole cache every decode step.)"""
+  return R >= 16 and R & (R - 1) == 0
+
+
 def latent_decode_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B, *, interpret=None):
   """softmax(q · cᵀ) c over the visible cache positions, per row: [B, Q, R] fp32.
 
@@ -71,6 +77,9 @@ def latent_decode_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B, *, interpret=
   """
   B, Q, R = q_BxQxR.shape
   S = ckv_BxSxR.shape[1]
+  if not fits(R):
+    raise ValueError(f"latent_decode_attention needs a latent rank R that is a power of two "
+                     f">= 16, got R={R}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   Qp = max(16, pl.next_power_of_2(Q))   # matmul tiles need ≥ 16 rows

@@ -129,14 +129,27 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, do_ref, lse_re
   dv_ref[...] = dv_KxDv
 
 
+def _tile_dim(d: int) -> int:
+  """A head dim as Triton can hold it: a power of two, at least 16 (its smallest dot)."""
+  return max(16, pl.next_power_of_2(d))
+
+
+def _pad4(x, Tp):
+  """[B, T, H, d] → [B, Tp, H, _tile_dim(d)] with zeros: zero head-dim columns change no
+  score and give output columns that are sliced off."""
+  T, d = x.shape[1], x.shape[-1]
+  return jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, _tile_dim(d) - d)))
+
+
 def _padded(q, k, v, seg_q, seg_k):
-  """Pads T to whole blocks; padding rows get segment ids nothing matches."""
+  """Pads T to whole blocks and head dims to tile dims; padding rows get segment ids
+  nothing matches."""
   T = q.shape[1]
   Bl = min(BLOCK, pl.next_power_of_2(T))
   Tp = pl.cdiv(T, Bl) * Bl
-  pad4 = lambda x: jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
   pad2 = lambda x, c: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=c)
-  return pad4(q), pad4(k), pad4(v), pad2(seg_q, _PAD_Q), pad2(seg_k, _PAD_K), Bl, Tp
+  return (_pad4(q, Tp), _pad4(k, Tp), _pad4(v, Tp), pad2(seg_q, _PAD_Q), pad2(seg_k, _PAD_K),
+          Bl, Tp)
 
 
 def _specs(Bl, Tp, D, Dv, rows_of_q):
@@ -167,15 +180,16 @@ def ring_step_forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_
   Dv = v_BxTxHxDv.shape[-1]
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
   q, k, v, sq, sk, Bl, Tp = _padded(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT)
+  Dp, Dvp = q.shape[-1], v.shape[-1]
   off = jnp.stack([q_first, k_first]).astype(jnp.int32)
   o, lse = _call(
       functools.partial(_fwd_kernel, scale=scale), (B, H, Tp // Bl),
-      _specs(Bl, Tp, D, Dv, rows_of_q=True),
-      [pl.BlockSpec((None, Bl, None, Dv), lambda b, h, i: (b, i, h, 0)),
+      _specs(Bl, Tp, Dp, Dvp, rows_of_q=True),
+      [pl.BlockSpec((None, Bl, None, Dvp), lambda b, h, i: (b, i, h, 0)),
        pl.BlockSpec((None, None, Bl), lambda b, h, i: (b, h, i))],
-      [jax.ShapeDtypeStruct((B, Tp, H, Dv), F32), jax.ShapeDtypeStruct((B, H, Tp), F32)],
+      [jax.ShapeDtypeStruct((B, Tp, H, Dvp), F32), jax.ShapeDtypeStruct((B, H, Tp), F32)],
       interpret, "ring_step_fwd")(off, q, k, v, sq, sk)
-  return o[:, :T], lse[..., :T]
+  return o[:, :T, :, :Dv], lse[..., :T]
 
 
 def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_first, k_first,
@@ -185,9 +199,9 @@ def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q
   Dv = v_BxTxHxDv.shape[-1]
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
   q, k, v, sq, sk, Bl, Tp = _padded(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT)
-  pad = Tp - T
-  do = jnp.pad(do_BxTxHxDv.astype(q.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
-  lse, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (lse_BxHxT, delta_BxHxT))
+  Dp, Dvp = q.shape[-1], v.shape[-1]
+  do = _pad4(do_BxTxHxDv.astype(q.dtype), Tp)
+  lse, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T))) for x in (lse_BxHxT, delta_BxHxT))
   off = jnp.stack([q_first, k_first]).astype(jnp.int32)
   row_tile = pl.BlockSpec((None, None, Bl), lambda b, h, i: (b, h, i))
   row_whole = pl.BlockSpec((None, None, Tp), lambda b, h, i: (b, h, 0))
@@ -195,10 +209,10 @@ def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q
   whole = lambda d: pl.BlockSpec((None, Tp, None, d), lambda b, h, i: (b, 0, h, 0))
   out = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), F32)
   dq = _call(functools.partial(_dq_kernel, scale=scale), (B, H, Tp // Bl),
-             _specs(Bl, Tp, D, Dv, rows_of_q=True) + [tile(Dv), row_tile, row_tile],
-             tile(D), out(D), interpret, "ring_step_dq")(off, q, k, v, sq, sk, do, lse, delta)
+             _specs(Bl, Tp, Dp, Dvp, rows_of_q=True) + [tile(Dvp), row_tile, row_tile],
+             tile(Dp), out(Dp), interpret, "ring_step_dq")(off, q, k, v, sq, sk, do, lse, delta)
   dk, dv = _call(functools.partial(_dkv_kernel, scale=scale), (B, H, Tp // Bl),
-                 _specs(Bl, Tp, D, Dv, rows_of_q=False) + [whole(Dv), row_whole, row_whole],
-                 [tile(D), tile(Dv)], [out(D), out(Dv)], interpret,
+                 _specs(Bl, Tp, Dp, Dvp, rows_of_q=False) + [whole(Dvp), row_whole, row_whole],
+                 [tile(Dp), tile(Dvp)], [out(Dp), out(Dvp)], interpret,
                  "ring_step_dkv")(off, q, k, v, sq, sk, do, lse, delta)
-  return dq[:, :T], dk[:, :T], dv[:, :T]
+  return dq[:, :T, :, :D], dk[:, :T, :, :D], dv[:, :T, :, :Dv]
