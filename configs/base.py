@@ -107,6 +107,16 @@ def get_config(arg=None):
   k.max_to_keep = 3
   k.async_save = True
 
+  t = c.train = ml_collections.ConfigDict()
+  g = t.guard = ml_collections.ConfigDict()  # divergence guard (moe_jax/train/guard.py)
+  g.enabled = False
+  g.spike_factor = 3.0          # a loss above this x the EMA of healthy losses is a spike...
+  g.ema_steps = 100             # ... EMA over about this many steps
+  g.warmup_steps = 100          # healthy steps before spikes are checked
+  g.max_skipped = 10            # this many skipped (non-finite) updates in a row also trigger
+  g.skip_batches = 100          # batches skipped past the one that triggered, after a rollback
+  g.max_rollbacks = 3           # one more trigger than this stops the run
+
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10
 

@@ -108,6 +108,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("optim.router_grad_clip_norm", c.optim.router_grad_clip_norm, ">= 0 (0 = off)")
   _positive_int("checkpoint.every_steps", c.checkpoint.every_steps)
   _positive_int("checkpoint.max_to_keep", c.checkpoint.max_to_keep)
+  _validate_guard(c.train.guard)
   for axis in MESH_AXES:
     size = c.mesh[axis]
     if not isinstance(size, int) or (size <= 0 and size != -1):
@@ -115,6 +116,16 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if sum(c.mesh[a] == -1 for a in MESH_AXES) > 1:
     _fail("mesh", {a: c.mesh[a] for a in MESH_AXES}, "at most one axis set to -1")
   return c
+
+
+def _validate_guard(g: ml_collections.ConfigDict):
+  if not g.spike_factor > 1:
+    _fail("train.guard.spike_factor", g.spike_factor, "> 1")
+  for f in ("ema_steps", "max_skipped"):
+    _positive_int(f"train.guard.{f}", g[f])
+  for f in ("warmup_steps", "skip_batches", "max_rollbacks"):
+    if not isinstance(g[f], int) or isinstance(g[f], bool) or g[f] < 0:
+      _fail(f"train.guard.{f}", g[f], "a non-negative integer")
 
 
 def _validate_moe(c: ml_collections.ConfigDict):

@@ -1,9 +1,24 @@
-"""orbax checkpoints of the train state and the grain iterator position; resume from latest."""
+"""orbax checkpoints of the train state and the grain iterator position; resume from the
+newest readable one.
 
+Faults: a checkpoint that cannot be read is moved aside to `<checkpoints>_unreadable/`
+(never deleted) and the next older one is restored. A save that fails (disk full,
+permissions) stops the run with a CheckpointSaveError; orbax writes each step to a
+temporary folder and renames it when complete, so earlier checkpoints are untouched.
+"""
+
+import os
+import shutil
+
+import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-import grain
+from absl import logging
+
+
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written; the earlier ones are intact."""
 
 
 def make_manager(directory: str, c: ml_collections.ConfigDict) -> ocp.CheckpointManager:
@@ -16,22 +31,85 @@ def make_manager(directory: str, c: ml_collections.ConfigDict) -> ocp.Checkpoint
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, data_iter) -> bool:
-  """Saves `step` (the caller decides when): async for the state, sync for the iterator."""
-  return manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state),
-      data=grain.checkpoint.CheckpointSave(data_iter)), force=True)
+  """Saves `step` (the caller decides when): async for the state, sync for the iterator.
+  An async save that failed since the last call also raises here (CheckpointSaveError)."""
+  try:
+    return manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(data_iter)), force=True)
+  except Exception as e:  # orbax / tensorstore raise many kinds: OSError, ValueError, ...
+    raise _save_error(manager, f"step {step}, or an asynchronous save before it", e) from e
+
+
+def finish(manager: ocp.CheckpointManager):
+  """Waits for async saves; one that failed raises CheckpointSaveError."""
+  try:
+    manager.wait_until_finished()
+  except Exception as e:
+    raise _save_error(manager, "an asynchronous save", e) from e
+
+
+def _save_error(manager, what, e) -> CheckpointSaveError:
+  return CheckpointSaveError(
+      f"saving a checkpoint ({what}) in {manager.directory} failed ({type(e).__name__}: {e}). "
+      "Earlier checkpoints are untouched; free space or fix permissions, then run again to "
+      "resume from the newest one.")
 
 
 def restore_latest(manager: ocp.CheckpointManager, state, data_iter):
-  """(state, step) from the latest checkpoint, data_iter moved to its position; else unchanged."""
-  step = manager.latest_step()
-  if step is None:
+  """(state, step) from the newest readable checkpoint, data_iter moved to its position;
+  (state, None) unchanged when there is none."""
+  return _restore_newest(manager, state, data_iter, sorted(manager.all_steps(), reverse=True))
+
+
+def restore_before(manager: ocp.CheckpointManager, state, data_iter, step: int):
+  """(state, its step) from the newest readable checkpoint before `step` (a rollback)."""
+  steps = sorted((s for s in manager.all_steps() if s < step), reverse=True)
+  if not steps:
+    raise RuntimeError(f"no checkpoint before step {step} in {manager.directory} to roll "
+                       "back to: save more often (checkpoint.every_steps)")
+  return _restore_newest(manager, state, data_iter, steps)
+
+
+def _restore_newest(manager, state, data_iter, steps):
+  """Tries `steps` newest first. Unreadable ones are logged and, once an older one has been
+  restored, moved aside; if none is readable, ValueError listing each step's error (and
+  nothing is moved)."""
+  if not steps:
     return state, None
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract),
-      data=grain.checkpoint.CheckpointRestore(data_iter)))
-  return restored.state, step
+  failed = []
+  for step in steps:
+    try:
+      restored = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract),
+          data=grain.checkpoint.CheckpointRestore(data_iter)))
+    except Exception as e:  # a truncated or missing file surfaces as many error types
+      logging.warning("checkpoint step %d in %s cannot be read (%s: %s)", step,
+                      manager.directory, type(e).__name__, e)
+      failed.append((step, e))
+      continue
+    for bad, e in failed:
+      aside = _set_aside(manager, bad)
+      print(f"moe_jax: checkpoint step {bad} is unreadable ({type(e).__name__}); moved to "
+            f"{aside}; restored step {step}", flush=True)
+    if failed:
+      manager.reload()
+    return restored.state, step
+  raise ValueError(f"no readable checkpoint in {manager.directory}; tried " + "; ".join(
+      f"step {s}: {type(e).__name__}: {str(e)[:200]}" for s, e in failed))
+
+
+def _set_aside(manager, step: int) -> str:
+  """Moves a step's folder to `<checkpoints>_unreadable/<step>[.n]` on the same disk."""
+  src = os.fspath(manager.directory / str(step))
+  dest_dir = os.fspath(manager.directory).rstrip("/") + "_unreadable"
+  os.makedirs(dest_dir, exist_ok=True)
+  dest, n = os.path.join(dest_dir, str(step)), 1
+  while os.path.exists(dest):
+    dest, n = os.path.join(dest_dir, f"{step}.{n}"), n + 1
+  shutil.move(src, dest)
+  return dest
 
 
 def restore_state(directory: str, abstract_state, step: int | None = None):

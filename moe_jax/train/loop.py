@@ -1,11 +1,13 @@
 """train_and_evaluate: config → data → model → jitted steps → eval / metrics / checkpoints."""
 
+import contextlib
 import json
 import os
 import time
 
 import jax
 import ml_collections
+from absl import logging
 from tqdm import tqdm
 
 from moe_jax import config as config_lib
@@ -13,6 +15,8 @@ from moe_jax.data import pipeline
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import checkpoint, metrics, optim, state as state_lib, step as step_lib
+from moe_jax.train.guard import DivergenceGuard
+from moe_jax.train.preemption import Preemption
 
 
 def evaluate(eval_step, state, eval_ds, sharding) -> dict[str, float]:
@@ -32,7 +36,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
 
   Returns a summary dict: final validation metrics, the validation split's byte-unigram
   entropy (text sources), the step resumed from (or None), the train-loss history and, for
-  MoE models, the history of MaxVio averaged over MoE layers.
+  MoE models, the history of MaxVio averaged over MoE layers. After SIGTERM it checkpoints
+  at the next step boundary and returns early with "preempted": that step (no final eval).
   """
   config_lib.validate(c)
   mesh = make_mesh(c.mesh)
@@ -81,38 +86,59 @@ def _train(c, workdir, mesh, progress, stop_after):
   end = total if stop_after is None else min(stop_after, total)
   bar = tqdm(total=total, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
   last_time, last_step = time.perf_counter(), start
-  for step in range(start, end):
-    batch = jax.device_put(next(train_iter), batch_sh)
-    state, m = train_step(state, batch)
-    done = step + 1
-    bar.update(1)
-    if done % c.log.every_steps == 0 or done == end:
-      m = jax.device_get(m)
-      now = time.perf_counter()
-      m["tokens_per_sec"] = tokens_per_step * (done - last_step) / (now - last_time)
-      last_time, last_step = now, done
-      train_log.write(done, m)
-      history.append((done, float(m["loss"])))
-      if "moe/max_vio_mean" in m:
-        max_vio_history.append((done, float(m["moe/max_vio_mean"])))
-      postfix = {"loss": f"{m['loss']:.3f}", "tok_s": f"{m['tokens_per_sec']:.0f}",
-                 "skipped": int(m["skipped_updates"])}
-      if "moe/max_vio_mean" in m:
-        postfix["max_vio"] = f"{m['moe/max_vio_mean']:.2f}"
-      bar.set_postfix(postfix)
-    if done % c.eval.every_steps == 0 or done == end:
-      eval_metrics = evaluate(eval_step, state, eval_ds, batch_sh)
-      eval_log.write(done, eval_metrics)
-      bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in eval_metrics.items()))
-    if done % c.checkpoint.every_steps == 0 or done == end:
-      checkpoint.save(manager, done, state, train_iter)
+  guard = DivergenceGuard(c.train.guard) if c.train.guard.enabled else None
+  preempted = None
+  step = start
+  closing = contextlib.ExitStack()   # however the loop ends: a fault, SIGTERM, or done
+  closing.callback(_close_quietly, manager)
+  closing.callback(train_log.close)
+  closing.callback(eval_log.close)
+  with closing, Preemption() as preemption:
+    while step < end:
+      if preemption.requested(step, manager):
+        checkpoint.save(manager, step, state, train_iter)
+        bar.write(f"moe_jax: preempted (SIGTERM); saved step {step}, run again to resume")
+        preempted = step
+        break
+      batch = jax.device_put(next(train_iter), batch_sh)
+      state, m = train_step(state, batch)
+      done = step + 1
+      if guard is not None and (trigger := guard.observe(
+          done, float(m["loss"]), float(m["skipped_updates"]))) is not None:
+        state, step = _roll_back(manager, state, train_iter, guard, trigger, c, train_log, bar)
+        last_time, last_step = time.perf_counter(), step
+        bar.reset(total=total)
+        bar.update(step)
+        continue
+      bar.update(1)
+      if done % c.log.every_steps == 0 or done == end:
+        m = jax.device_get(m)
+        now = time.perf_counter()
+        m["tokens_per_sec"] = tokens_per_step * (done - last_step) / (now - last_time)
+        last_time, last_step = now, done
+        train_log.write(done, m)
+        history.append((done, float(m["loss"])))
+        if "moe/max_vio_mean" in m:
+          max_vio_history.append((done, float(m["moe/max_vio_mean"])))
+        postfix = {"loss": f"{m['loss']:.3f}", "tok_s": f"{m['tokens_per_sec']:.0f}",
+                   "skipped": int(m["skipped_updates"])}
+        if "moe/max_vio_mean" in m:
+          postfix["max_vio"] = f"{m['moe/max_vio_mean']:.2f}"
+        bar.set_postfix(postfix)
+      if done % c.eval.every_steps == 0 or done == end:
+        eval_metrics = evaluate(eval_step, state, eval_ds, batch_sh)
+        eval_log.write(done, eval_metrics)
+        bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in eval_metrics.items()))
+      if done % c.checkpoint.every_steps == 0 or done == end:
+        checkpoint.save(manager, done, state, train_iter)
+      step = done
+    checkpoint.finish(manager)
   bar.close()
+  if preempted is not None:  # the grace period is short: no final evaluation
+    return {"step": int(state.step), "resumed_from": resumed, "preempted": preempted,
+            "state": state, "history": history, "max_vio_history": max_vio_history}
   if eval_metrics is None:  # nothing left to train: report the restored model
     eval_metrics = evaluate(eval_step, state, eval_ds, batch_sh)
-  manager.wait_until_finished()
-  manager.close()
-  train_log.close()
-  eval_log.close()
 
   summary = {"step": int(state.step), "resumed_from": resumed, "unigram_entropy_bits": unigram,
              **{f"val_{k}": v for k, v in eval_metrics.items()}}
@@ -127,3 +153,30 @@ def _train(c, workdir, mesh, progress, stop_after):
     print(f"final validation accuracy {eval_metrics['accuracy']:.4f}, loss "
           f"{eval_metrics['loss']:.4f}", flush=True)
   return {**summary, "state": state, "history": history, "max_vio_history": max_vio_history}
+
+
+def _roll_back(manager, state, train_iter, guard, trigger, c, train_log, bar):
+  """Restores the newest checkpoint before the trigger, skips the batches from there through
+  the triggering one plus train.guard.skip_batches, and logs the event. Returns (state,
+  step)."""
+  checkpoint.finish(manager)
+  guard.rolled_back(trigger)
+  state, to_step = checkpoint.restore_before(manager, state, train_iter, trigger.step)
+  skip = trigger.step - to_step + c.train.guard.skip_batches
+  for _ in range(skip):
+    next(train_iter)
+  train_log.write(trigger.step, {"guard/rollbacks": guard.rollbacks, "guard/rollback_to": to_step,
+                                 "guard/skipped_batches": skip, "guard/loss": trigger.loss})
+  bar.write(f"moe_jax: divergence guard: {trigger.reason} at step {trigger.step}; rolled back "
+            f"to step {to_step} and skipped {skip} batches (rollback {guard.rollbacks} of at "
+            f"most {c.train.guard.max_rollbacks})")
+  return state, to_step
+
+
+def _close_quietly(manager):
+  """Closes the checkpoint manager while unwinding; checkpoint.finish has already raised any
+  save error on the way out of a normal run."""
+  try:
+    manager.close()
+  except Exception as e:  # a second report of a failed save would hide the first
+    logging.warning("closing the checkpoint manager: %s: %s", type(e).__name__, e)
