@@ -15,6 +15,7 @@ import pytest
 from moe_jax.data import pipeline
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.train import checkpoint, optim, state as state_lib
+from moe_jax.train.guard import DivergenceGuard
 from moe_jax.train.loop import train_and_evaluate
 from tests.conftest import ROOT, make_small_config, subprocess_env
 
@@ -125,6 +126,17 @@ def test_loss_spike_rolls_back_and_skips_the_batch(tmp_path, monkeypatch, capsys
   # Steps 9-14 re-trained on clean batches, all well below the spike.
   after = [r["loss"] for r in rows[rows.index(events[0]) + 1:]]
   assert len(after) == 6 and max(after) < 0.8 * events[0]["guard/loss"]
+
+
+def test_guard_counts_skipped_updates_in_a_row_from_the_restored_count():
+  """A resumed run's count starts where the checkpoint left it: not a skip by itself."""
+  g = _guarded(14, 1).train.guard
+  g.update(max_skipped=3, warmup_steps=100)
+  guard = DivergenceGuard(g)
+  totals = [5, 5, 6, 7, 7, 8, 9, 10]              # skips at 3-4, then 6-8 (three in a row)
+  fired = [guard.observe(i + 1, 4.0, t) for i, t in enumerate(totals)]
+  assert [f is not None for f in fired] == [False] * 7 + [True]
+  assert fired[-1].reason == "3 skipped (non-finite) updates in a row"
 
 
 def test_divergence_guard_stops_after_max_rollbacks(tmp_path, monkeypatch):

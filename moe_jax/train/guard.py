@@ -28,13 +28,13 @@ class DivergenceGuard:
     self.ema = None
     self.healthy_steps = 0
     self.skipped_in_a_row = 0
-    self.last_skipped_total = 0.0
+    self.last_skipped_total = None   # the count restored with the state: the baseline
     self.rollbacks = 0
 
   def observe(self, step: int, loss: float, skipped_total: float) -> Trigger | None:
     """Feeds one step's loss and cumulative skipped-update count; a Trigger to roll back."""
     g = self.g
-    skipped = skipped_total > self.last_skipped_total
+    skipped = self.last_skipped_total is not None and skipped_total > self.last_skipped_total
     self.last_skipped_total = skipped_total
     self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
     if self.skipped_in_a_row >= g.max_skipped:
@@ -58,3 +58,4 @@ class DivergenceGuard:
           f"{self.g.max_rollbacks} rollbacks already (train.guard.max_rollbacks); stopping. "
           f"Lower the learning rate or inspect the data near step {trigger.step}.")
     self.skipped_in_a_row = 0
+    self.last_skipped_total = None   # the restored state carries an older count

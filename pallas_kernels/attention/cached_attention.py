@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.attention.tiles import tile_dim
+
 F32 = jnp.float32
 
 # Launch knobs for head dims ≤ 128 (H200).
@@ -26,11 +28,6 @@ BLOCK_Q = 128
 BLOCK_K = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-
-
-def _tile_dim(d: int) -> int:
-  """A head dim as Triton can hold it: a power of two, at least 16 (its smallest dot)."""
-  return max(16, pl.next_power_of_2(d))
 
 
 def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k):
@@ -92,7 +89,7 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   BQ = min(BLOCK_Q, pl.next_power_of_2(T))
   Tp = pl.cdiv(T, BQ) * BQ
   # Zero head-dim columns change no score; the extra output columns are sliced off.
-  Dp, Dvp = _tile_dim(D), _tile_dim(Dv)
+  Dp, Dvp = tile_dim(D), tile_dim(Dv)
   q_BxTxHxD = jnp.pad(q_BxTxHxD, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D)))
   Sp = max(S, BLOCK_K)  # a block must fit in the cache; padded keys are past kv_len
   k_BxSxHxD = jnp.pad(k_BxSxHxD, ((0, 0), (0, Sp - S), (0, 0), (0, Dp - D)))

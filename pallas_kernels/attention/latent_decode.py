@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.attention.tiles import tile_dim
+
 F32 = jnp.float32
 
 CHUNK = 4096      # cache positions per program
@@ -63,9 +65,8 @@ def _kernel(kv_len_ref, pos_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, block_k
 
 
 def fits(R: int) -> bool:
-  """The latent rank is a whole Triton tile: a power of two, at least 16. (Padding it would
-  copy the whole cache every decode step.)"""
-  return R >= 16 and R & (R - 1) == 0
+  """The latent rank is a whole tile (padding it would copy the whole cache every step)."""
+  return tile_dim(R) == R
 
 
 def latent_decode_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B, *, interpret=None):

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.attention.tiles import tile_dim
+
 F32 = jnp.float32
 BLOCK = 64        # query and key positions per tile
 NUM_WARPS = 4
@@ -129,16 +131,11 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, do_ref, lse_re
   dv_ref[...] = dv_KxDv
 
 
-def _tile_dim(d: int) -> int:
-  """A head dim as Triton can hold it: a power of two, at least 16 (its smallest dot)."""
-  return max(16, pl.next_power_of_2(d))
-
-
 def _pad4(x, Tp):
-  """[B, T, H, d] → [B, Tp, H, _tile_dim(d)] with zeros: zero head-dim columns change no
+  """[B, T, H, d] → [B, Tp, H, tile_dim(d)] with zeros: zero head-dim columns change no
   score and give output columns that are sliced off."""
   T, d = x.shape[1], x.shape[-1]
-  return jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, _tile_dim(d) - d)))
+  return jnp.pad(x, ((0, 0), (0, Tp - T), (0, 0), (0, tile_dim(d) - d)))
 
 
 def _padded(q, k, v, seg_q, seg_k):
