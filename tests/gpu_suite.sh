@@ -13,7 +13,8 @@ fi
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/gpu_suite}; mkdir -p "$out"
 start=$(date +%s)
-timeout "${SUITE_TIMEOUT:-3000}" python3 -m pytest -q -n "${WORKERS:-8}" -rfE --tb=short \
+# SIGINT at the time limit: pytest still prints its summary and writes the junit report.
+timeout -s INT -k 30 "${SUITE_TIMEOUT:-3000}" python3 -m pytest -v -n "${WORKERS:-8}" -rfE --tb=short \
   -o addopts="-p no:cacheprovider" --junitxml="$out/junit.xml" "${@:-tests}" 2>&1 \
   | grep --line-buffered -v "Autotuning cache miss" > "$out/pytest_gpu.txt"
 echo "wall $(( $(date +%s) - start )) s"

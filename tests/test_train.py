@@ -27,10 +27,12 @@ def test_tiny_training_lowers_loss(tmp_path):
   assert (tmp_path / "tb" / "train").is_dir() and (tmp_path / "metrics_eval.jsonl").exists()
   # MoE layers (tiny: 3 of 4). The router's own learning first skews the load (without a
   # balancer MaxVio climbs from 0.9 to ≈2 in these 30 steps); the loss_free bias then pulls
-  # it back below where it started (≈0.1 by step 300 of `make train`).
+  # it back below where it started (≈0.1 by step 300 of `make train`). Without a balancer the
+  # last five steps sit at the peak (ratio ≈ 1); with it they end at 0.48 (CPU) and 0.60 (H200,
+  # other reduction order) of the peak.
   vio = [v for _, v in out["max_vio_history"]]
   assert len(vio) == 30 and np.isfinite(vio).all()
-  assert np.mean(vio[-5:]) < min(np.mean(vio[:5]), 0.6 * max(vio))
+  assert np.mean(vio[-5:]) < min(np.mean(vio[:5]), 0.75 * max(vio))
 
 
 def test_resume_is_exact(small_config, tmp_path):

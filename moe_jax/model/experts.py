@@ -6,8 +6,9 @@ grouped matmul does both) and `down` [E, F, D].
 * grouped (dropless): rows sorted by expert, `ragged_dot` over group sizes.
   `jax.lax.ragged_dot` is emulated densely on GPU (2% of peak, and at E=256 it
   tries to allocate 128 GiB on an H200), so GPU/TPU use `tokamax.ragged_dot`
-  (a Pallas Mosaic kernel) for bf16/fp16. tokamax's GPU kernel takes no float32, so
-  float32 models (debugging, numerics checks) take XLA's ragged_dot on GPU: exact, but
+  (a Pallas Mosaic kernel) for bf16/fp16. On GPU its weight gradient comes from
+  pallas_kernels/moe/grouped_dw.py instead: tokamax 0.0.17's is wrong on the H200.
+  tokamax's GPU kernel takes no float32, so float32 models (debugging, numerics checks) take XLA's ragged_dot on GPU: exact, but
   dense in E (fine at the tiny config's 8 experts). tokamax is imported lazily: CPU runs
   never need it.
 * batched (capacity): tokens laid out [E, C, D], plain batched matmuls.
@@ -15,6 +16,8 @@ grouped matmul does both) and `down` [E, F, D].
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.moe import grouped_dw
 
 GROUPED_MATMULS = ("xla", "tokamax")
 
@@ -49,10 +52,49 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
                        f"model.dtype='bfloat16'")
     import tokamax  # heavy optional dependency: the gpu/tpu extras install it
 
-    return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G,
-                              implementation="mosaic" if on_gpu else None)
+    if on_gpu:
+      return _tokamax_gpu(x_MxK, w_GxKxN, group_sizes_G)
+    return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
   raise ValueError(f"grouped_matmul implementation must be one of {GROUPED_MATMULS} or '', "
                    f"got {implementation!r}")
+
+
+F32 = jnp.float32
+# dw's layout in ragged_dot_general terms: the rows (contracting dim) are split into groups.
+_RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+@jax.custom_vjp
+def _tokamax_gpu(x_MxK, w_GxKxN, group_sizes_G):
+  """tokamax's Mosaic kernel on GPU for y and dx; dw by pallas_kernels/moe/grouped_dw.py,
+  because tokamax 0.0.17's dw kernel is wrong on the H200 (that module says how)."""
+  import tokamax
+  return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, implementation="mosaic")
+
+
+def _tokamax_gpu_fwd(x_MxK, w_GxKxN, group_sizes_G):
+  return _tokamax_gpu(x_MxK, w_GxKxN, group_sizes_G), (x_MxK, w_GxKxN, group_sizes_G)
+
+
+def _tokamax_gpu_bwd(res, dy_MxN):
+  import tokamax
+  x_MxK, w_GxKxN, group_sizes_G = res
+  dy_MxN = dy_MxN.astype(x_MxK.dtype)
+  dx_MxK = tokamax.ragged_dot(dy_MxN, jnp.swapaxes(w_GxKxN, 1, 2), group_sizes_G,
+                              implementation="mosaic")
+  K, N = x_MxK.shape[1], dy_MxN.shape[1]
+  if grouped_dw.fits(K, N):
+    dw_GxKxN = grouped_dw.grouped_dw(x_MxK, dy_MxN, group_sizes_G, out_dtype=w_GxKxN.dtype)
+  else:   # dims off the kernel's 16-multiples: XLA's exact (dense in G) version
+    dw_GxKxN = jax.lax.ragged_dot_general(
+        x_MxK, dy_MxN, group_sizes_G, _RAGGED_CONTRACTING,
+        preferred_element_type=F32).astype(w_GxKxN.dtype)
+  return dx_MxK, dw_GxKxN, None
+
+
+_tokamax_gpu.defvjp(_tokamax_gpu_fwd, _tokamax_gpu_bwd)
 
 
 def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation=""):
