@@ -73,7 +73,8 @@ def get_config(arg=None):
   moe.exact_damping = 0.5       # quantile_exact: b += damping * (target - b)
 
   d = c.data = ml_collections.ConfigDict()
-  d.source = "stdlib"           # stdlib (embedded default) | files | mqar
+  d.source = "stdlib"           # stdlib (embedded default, a document per file) |
+                                # stdlib_packages (a document per package) | files | mqar
   d.paths = ""                  # glob of text files, used when source == "files"
   d.seq_len = 2048
   d.batch_size = 32
@@ -81,6 +82,8 @@ def get_config(arg=None):
   d.shuffle_seed = 0
   d.mqar_num_pairs = 16         # MQAR: key-value pairs per sequence
   d.mqar_vocab = 256            # MQAR: keys and values drawn from disjoint halves of this range
+  d.synthetic_fraction = 0.0    # text sources: this share of train rows is synthetic retrieval
+  d.synthetic_tasks = "passkey"  # comma-separated: passkey | mqar (taken in turn)
 
   o = c.optim = ml_collections.ConfigDict()
   o.learning_rate = 3e-4
@@ -119,6 +122,7 @@ def get_config(arg=None):
 
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10
+  lg.stage = ""                 # a context-extension stage's name: tags every metric line
 
   mesh = c.mesh = ml_collections.ConfigDict()
   # Sizes of ("data", "fsdp", "expert", "sequence", "tensor"); -1 = all remaining devices.

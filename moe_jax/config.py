@@ -4,7 +4,8 @@ import ml_collections
 
 MIXERS = {"K": "KDA linear attention", "A": "gated MLA full attention"}
 DTYPES = ("float32", "bfloat16")
-SOURCES = ("stdlib", "files", "mqar")
+SOURCES = ("stdlib", "stdlib_packages", "files", "mqar")
+SYNTHETIC_TASKS = ("passkey", "mqar")
 SCHEDULES = ("cosine", "wsd")
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 BALANCERS = ("none", "aux_loss", "loss_free", "quantile_ema", "quantile_exact")
@@ -87,7 +88,16 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("data.seq_len", d.seq_len,
           f"a multiple of model.kda_chunk_size * mesh.sequence = {chunk * max(c.mesh.sequence, 1)}"
           " (each sequence shard holds whole KDA chunks)")
-  if d.source == "mqar" and 4 * d.mqar_num_pairs + 1 > d.seq_len:
+  if not 0.0 <= d.synthetic_fraction < 1.0:
+    _fail("data.synthetic_fraction", d.synthetic_fraction, "in [0, 1)")
+  tasks = [t for t in d.synthetic_tasks.split(",") if t]
+  if d.synthetic_fraction and (not tasks or any(t not in SYNTHETIC_TASKS for t in tasks)):
+    _fail("data.synthetic_tasks", d.synthetic_tasks,
+          f"a comma-separated list of {SYNTHETIC_TASKS} when data.synthetic_fraction > 0")
+  if d.synthetic_fraction and d.source == "mqar":
+    _fail("data.synthetic_fraction", d.synthetic_fraction, "0 with data.source='mqar'")
+  if ((d.source == "mqar" or (d.synthetic_fraction and "mqar" in tasks))
+      and 4 * d.mqar_num_pairs + 1 > d.seq_len):
     _fail("data.mqar_num_pairs", d.mqar_num_pairs,
           f"at most (data.seq_len - 1) // 4 = {(d.seq_len - 1) // 4}")
 

@@ -5,18 +5,12 @@ the latest checkpoint).
   python scripts/generate.py --workdir=workdir/tiny --prompts_file=prompts.txt --temperature=0
 """
 
-import json
-import os
-
 import jax
-import numpy as np
 from absl import app, flags, logging
 
-from configs import base
-from moe_jax import config as config_lib
 from moe_jax.infer.generate import complete
-from moe_jax.model.transformer import HybridMoE
-from moe_jax.train import checkpoint, optim, state as state_lib
+from moe_jax.infer.workdir import load
+from moe_jax.train import state as state_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json, checkpoints/).",
                                required=True)
@@ -29,23 +23,6 @@ _TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus: keep the smallest set with 
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per prefill step.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-
-
-def load(workdir: str, step=None):
-  """(config, variables {"params", "router"}, step) of a training workdir."""
-  c = base.get_config()   # fields added since that run keep their defaults
-  with open(os.path.join(workdir, "config.json")) as f:
-    c.update(json.load(f))
-  c = config_lib.validate(c)
-  model = HybridMoE(state_lib.frozen_model_config(c))
-  T = c.model.kda_chunk_size
-  example = {"tokens": np.zeros((1, T), np.int32), "segment_ids": np.ones((1, T), np.int32)}
-  abstract = state_lib.abstract_train_state(
-      model, optim.make_optimizer(c), example,
-      jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-  state, step = checkpoint.restore_state(
-      os.path.abspath(os.path.join(workdir, "checkpoints")), abstract, step)
-  return c, {"params": state.params, "router": state.router}, step
 
 
 def main(argv):

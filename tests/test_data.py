@@ -1,10 +1,14 @@
-"""Tokenizer, packing (segments, positions, masked labels), splits, MQAR and grain iterators."""
+"""Tokenizer, packing (segments, positions, masked labels), splits, package documents, MQAR,
+passkey and mixed rows, and grain iterators."""
+
+import os
 
 import numpy as np
 import pytest
 
 from configs import tiny
-from moe_jax.data import corpus, mqar, packing, pipeline, tokenizer
+from moe_jax import config as config_lib
+from moe_jax.data import corpus, mqar, packing, passkey, pipeline, tokenizer
 
 
 def test_tokenizer_round_trip():
@@ -113,3 +117,52 @@ def test_grain_iterator_state_restores_exact_order():
 def test_unigram_entropy_of_uniform_bytes_is_8_bits():
   rows = packing.PackedRows([np.arange(256, dtype=np.int32).repeat(4)], 128)
   assert abs(pipeline.unigram_entropy_bits(rows) - 8.0) < 1e-9
+
+
+def test_package_documents_are_stable_and_split_by_package():
+  pkgs = corpus.stdlib_package_documents()
+  assert pkgs == corpus.stdlib_package_documents()            # deterministic
+  email = pkgs["email"]
+  assert os.path.basename(email[0]) == "__init__.py"          # defining file first ...
+  assert [os.path.basename(p) for p in email[1:]] == sorted(os.path.basename(p)
+                                                             for p in email[1:])  # ... then by name
+  split = corpus.split_packages(pkgs, 5)
+  train = {p for ps in split["train"] for p in ps}
+  val = {p for ps in split["validation"] for p in ps}
+  assert not train & val and len(train) + len(val) == sum(len(ps) for ps in pkgs.values())
+  val_dirs = {os.path.dirname(ps[0]) for ps in split["validation"] if len(ps) > 1}
+  assert not any(os.path.dirname(p) in val_dirs for p in train)   # no package on both sides
+  c = tiny.get_config()
+  c.data.source, c.data.seq_len = "stdlib_packages", 256
+  docs = pipeline.text_documents(c)
+  assert len(docs["train"]) == len(split["train"]) and max(map(len, docs["validation"])) > 32768
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_rows_put_the_key_where_they_say(depth):
+  rows = passkey.PasskeyRows(seq_len=2048, digits=5, depth=depth, seed=4)
+  tokens, key_at, answer_at = rows.layout(7)
+  n_filler = 2048 - 1 - len(passkey._key_sentence(b"00000")) - len(passkey.QUESTION) - 5
+  assert key_at == 1 + round(depth * n_filler)
+  text = bytes(tokens[1:].astype(np.uint8).tolist())
+  key = text[key_at - 1 + len(b"The pass key is "):][:5]
+  assert text[key_at - 1:].startswith(b"The pass key is " + key + b". Remember it.")
+  assert key.isdigit() and text.endswith(passkey.QUESTION + key) and answer_at == 2048 - 5
+  ex = rows[7]
+  assert bytes(ex["targets"][ex["loss_mask"] > 0].astype(np.uint8).tolist()) == key
+  assert ex["tokens"].shape == (2048,) and ex["tokens"][0] == tokenizer.BOS
+  with pytest.raises(ValueError, match="passkey seq_len=64 must be at least"):
+    passkey.PasskeyRows(seq_len=64)
+
+
+def test_mixed_rows_hold_the_synthetic_share():
+  c = tiny.get_config()
+  c.data.synthetic_fraction, c.data.synthetic_tasks, c.data.seq_len = 0.25, "passkey,mqar", 256
+  train = pipeline.sources(c)["train"]
+  n_synth = len(train) - train.n_text
+  assert abs(n_synth / len(train) - 0.25) < 0.01
+  assert train[train.n_text]["loss_mask"].sum() == 5              # a passkey row: 5 digits
+  assert train[train.n_text + 1]["loss_mask"].sum() == c.data.mqar_num_pairs   # then MQAR
+  c.data.synthetic_tasks = "copy"
+  with pytest.raises(ValueError, match="data.synthetic_tasks must be a comma-separated list"):
+    config_lib.validate(c)

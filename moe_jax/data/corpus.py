@@ -1,4 +1,5 @@
-"""Text corpora: the embedded Python-stdlib corpus and user globs, split by path hash."""
+"""Text corpora: the embedded Python-stdlib corpus (one document per file, or one per
+package) and user globs, split by path hash."""
 
 import glob
 import hashlib
@@ -26,9 +27,7 @@ def glob_paths(pattern: str) -> list[str]:
 
 def is_validation(path: str, root: str, val_percent: float) -> bool:
   """Deterministic split: a file is held out iff its relative path hashes below val_percent."""
-  rel = os.path.relpath(path, root).replace(os.sep, "/")
-  bucket = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "little") % 10_000
-  return bucket < val_percent * 100
+  return _bucket(os.path.relpath(path, root).replace(os.sep, "/")) < val_percent * 100
 
 
 def split_paths(paths: list[str], val_percent: float) -> dict[str, list[str]]:
@@ -49,3 +48,32 @@ def read_documents(paths: list[str]) -> list[bytes]:
     if data:
       docs.append(data)
   return docs
+
+
+def stdlib_package_documents() -> dict[str, list[str]]:
+  """The stdlib as long documents: one per directory (package), its .py files in a stable
+  order, `__init__.py` first and then by name, so later files use names the earlier ones
+  define. Files directly in the stdlib root stay one document each. Keys are the
+  directory's (or root file's) path relative to the stdlib root."""
+  root = sysconfig.get_paths()["stdlib"]
+  docs: dict[str, list[str]] = {}
+  for path in stdlib_paths():
+    rel_dir = os.path.relpath(os.path.dirname(path), root)
+    key = os.path.relpath(path, root) if rel_dir == "." else rel_dir
+    docs.setdefault(key.replace(os.sep, "/"), []).append(path)
+  order = lambda p: (os.path.basename(p) != "__init__.py", os.path.basename(p))
+  return {k: sorted(v, key=order) for k, v in sorted(docs.items())}
+
+
+def split_packages(packages: dict[str, list[str]], val_percent: float) -> dict[str, list]:
+  """Splits whole packages by the hash of their relative path: no package is in both."""
+  val = [ps for k, ps in packages.items() if _bucket(k) < val_percent * 100]
+  train = [ps for k, ps in packages.items() if _bucket(k) >= val_percent * 100]
+  if not train or not val:
+    raise ValueError(f"data.val_percent={val_percent} leaves an empty split over "
+                     f"{len(packages)} packages; use another val_percent")
+  return {"train": train, "validation": val}
+
+
+def _bucket(rel: str) -> int:
+  return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "little") % 10_000

@@ -6,15 +6,49 @@ import grain
 import ml_collections
 import numpy as np
 
-from moe_jax.data import corpus, mqar, packing, tokenizer
+from moe_jax.data import corpus, mqar, packing, passkey, tokenizer
+
+
+def text_documents(c: ml_collections.ConfigDict) -> dict[str, list[bytes]]:
+  """Train / validation documents of a text source (stdlib, stdlib_packages, files)."""
+  if c.data.source == "stdlib_packages":
+    splits = corpus.split_packages(corpus.stdlib_package_documents(), c.data.val_percent)
+    return {name: [b"".join(corpus.read_documents(ps)) for ps in packages]
+            for name, packages in splits.items()}
+  paths = corpus.stdlib_paths() if c.data.source == "stdlib" else corpus.glob_paths(c.data.paths)
+  return {name: corpus.read_documents(ps)
+          for name, ps in corpus.split_paths(paths, c.data.val_percent).items()}
 
 
 def _text_rows(c: ml_collections.ConfigDict) -> dict[str, packing.PackedRows]:
-  paths = corpus.stdlib_paths() if c.data.source == "stdlib" else corpus.glob_paths(c.data.paths)
-  splits = corpus.split_paths(paths, c.data.val_percent)
-  return {name: packing.PackedRows([tokenizer.encode(d) for d in corpus.read_documents(ps)],
-                                   c.data.seq_len)
-          for name, ps in splits.items()}
+  return {name: packing.PackedRows([tokenizer.encode(d) for d in docs], c.data.seq_len)
+          for name, docs in text_documents(c).items()}
+
+
+class MixedRows:
+  """Text rows followed by synthetic rows (passkey / MQAR, taken in turn) so that a
+  `synthetic_fraction` of all rows is synthetic; the train shuffle interleaves them."""
+
+  def __init__(self, text, synthetic: list, fraction: float):
+    self.text, self.synthetic = text, synthetic
+    self.n_text = len(text)
+    self.n_synth = int(round(self.n_text * fraction / (1.0 - fraction)))
+
+  def __len__(self):
+    return self.n_text + self.n_synth
+
+  def __getitem__(self, i):
+    if i < self.n_text:
+      return self.text[i]
+    j = i - self.n_text
+    return self.synthetic[j % len(self.synthetic)][j // len(self.synthetic)]
+
+
+def synthetic_sources(c: ml_collections.ConfigDict, seed: int) -> list:
+  d, tasks = c.data, [t for t in c.data.synthetic_tasks.split(",") if t]
+  make = {"passkey": lambda: passkey.PasskeyRows(d.seq_len, seed=seed),
+          "mqar": lambda: mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab, seed=seed)}
+  return [make[t]() for t in tasks]
 
 
 def sources(c: ml_collections.ConfigDict) -> dict:
@@ -25,7 +59,11 @@ def sources(c: ml_collections.ConfigDict) -> dict:
     return {"train": mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab, seed=d.shuffle_seed),
             "validation": mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab,
                                         seed=d.shuffle_seed + 1, length=val_rows)}
-  return _text_rows(c)
+  rows = _text_rows(c)
+  if d.synthetic_fraction:
+    rows["train"] = MixedRows(rows["train"], synthetic_sources(c, d.shuffle_seed),
+                              d.synthetic_fraction)
+  return rows
 
 
 def _stack(examples):

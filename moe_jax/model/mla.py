@@ -38,6 +38,8 @@ class MLAMixer(nn.Module):
     else:
       q_BxTxHxDqk = dense(cfg, (H, Dqk), ("embed", "heads", "kv"), "q_proj")(x_BxTxD)
 
+    # Kept only when asked (apply(..., mutable=["intermediates"])): attention-entropy evals.
+    self.sow("intermediates", "q", q_BxTxHxDqk)
     ckv_BxTxR = dense(cfg, cfg.mla_kv_lora_rank, ("embed", "kv_lora"), "kv_a")(x_BxTxD)
     ckv_BxTxR = rms_norm(cfg, "kv_a_norm", "kv_lora")(ckv_BxTxR)
     k_b = dense(cfg, (H, Dqk), ("kv_lora", "heads", "kv"), "k_b")

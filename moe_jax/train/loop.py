@@ -28,7 +28,7 @@ def evaluate(eval_step, state, eval_ds, sharding) -> dict[str, float]:
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
-                       stop_after: int | None = None):
+                       stop_after: int | None = None, start_from=None):
   """Trains to schedule.total_steps, resuming from the latest checkpoint in `workdir`.
 
   `stop_after` ends this invocation early at that step (checkpointed), as a preempted job
@@ -46,10 +46,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
     raise ValueError(f"data.batch_size={c.data.batch_size} must be a multiple of the data × fsdp "
                      f"× expert mesh size {data_shards}")
   with jax.set_mesh(mesh):  # the MoE layer reads the expert axis from the context mesh
-    return _train(c, workdir, mesh, progress, stop_after)
+    return _train(c, workdir, mesh, progress, stop_after, start_from)
 
 
-def _train(c, workdir, mesh, progress, stop_after):
+def _train(c, workdir, mesh, progress, stop_after, start_from):
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))
@@ -70,6 +70,8 @@ def _train(c, workdir, mesh, progress, stop_after):
   batch_sh = state_lib.batch_sharding(mesh)
   manager = checkpoint.make_manager(os.path.abspath(os.path.join(workdir, "checkpoints")), c)
   state, resumed = checkpoint.restore_latest(manager, state, train_iter)
+  if resumed is None and start_from is not None:
+    state = start_from(state)
   start = int(state.step)
   print(f"moe_jax: {state_lib.param_count(state.params):,} params; "
         + (f"resumed from checkpoint at step {resumed}" if resumed is not None
@@ -77,8 +79,9 @@ def _train(c, workdir, mesh, progress, stop_after):
 
   train_step = step_lib.jit_train_step(c, state_sh, batch_sh)
   eval_step = step_lib.jit_eval_step(model.apply, state_sh, batch_sh)
-  train_log = metrics.MetricWriter(workdir, "train")
-  eval_log = metrics.MetricWriter(workdir, "eval")
+  tags = {"stage": c.log.stage} if c.log.stage else None
+  train_log = metrics.MetricWriter(workdir, "train", tags)
+  eval_log = metrics.MetricWriter(workdir, "eval", tags)
   tokens_per_step = c.data.batch_size * c.data.seq_len
   history, max_vio_history, eval_metrics = [], [], None
 

@@ -14,7 +14,8 @@ class MetricWriter:
   and a list in the JSONL line.
   """
 
-  def __init__(self, workdir: str, name: str):
+  def __init__(self, workdir: str, name: str, tags: dict | None = None):
+    self._tags = dict(tags or {})   # e.g. {"stage": "s1k"}: added to every JSONL line
     self._tb = SummaryWriter(os.path.join(workdir, "tb", name))
     self._jsonl = open(os.path.join(workdir, f"metrics_{name}.jsonl"), "a")
 
@@ -28,7 +29,7 @@ class MetricWriter:
       else:
         self._tb.add_scalar(k, float(v), step)
         row[k] = float(v)
-    self._jsonl.write(json.dumps({"step": int(step), **row}) + "\n")
+    self._jsonl.write(json.dumps({"step": int(step), **self._tags, **row}) + "\n")
     self._jsonl.flush()
 
   def close(self):

@@ -1,0 +1,73 @@
+"""Staged context extension (scripts/extend_context.py, moe_jax/train/stages.py).
+
+  :cpu  the tiny model on package-length stdlib documents with 20% passkey and MQAR rows,
+        256 → 1K → 4K at 4096 tokens per step (the 2-core CPU, ≈ 10 min)
+  :1b   configs/long_context_1b.py, 8K → 64K → 256K → 1M (the method's layout; GPUs)
+
+  python scripts/extend_context.py --config=configs/stages.py:cpu --workdir=workdir/stages
+  python scripts/extend_context.py --config=configs/stages.py:cpu --workdir=... \
+      --config.stages.s1k.steps=100 --config.carry_optimizer=False
+
+Each stage: seq_len, steps, tokens_per_step (the batch is tokens_per_step / seq_len, so
+it shrinks as the length grows), its own schedule (re-warmup, then cosine decay to
+final_lr_fraction) and optional overrides: kda_chunk_size and mesh_sequence (0 = keep),
+remat (None = keep).
+"""
+
+import ml_collections
+
+from configs import long_context_1b, tiny
+
+
+def _stage(seq_len, steps, tokens_per_step, learning_rate, warmup_steps, *,
+           final_lr_fraction=0.1, kda_chunk_size=0, mesh_sequence=0, remat=None):
+  return ml_collections.ConfigDict({
+      "seq_len": seq_len, "steps": steps, "tokens_per_step": tokens_per_step,
+      "learning_rate": learning_rate, "warmup_steps": warmup_steps,
+      "final_lr_fraction": final_lr_fraction, "kda_chunk_size": kda_chunk_size,
+      "mesh_sequence": mesh_sequence,
+      "remat": ml_collections.FieldReference(remat, field_type=bool)})
+
+
+def get_config(arg="cpu"):
+  sc = ml_collections.ConfigDict()
+  sc.carry_optimizer = True     # Adam moments carried over a stage boundary (stages.py says why)
+  sc.stages = ml_collections.ConfigDict()
+  ev = sc.eval = ml_collections.ConfigDict()
+  ev.multipliers = "0.5,1,2,4,8"  # eval lengths, × the last stage's seq_len
+  ev.buckets = 8                # position buckets of the loss-by-position table
+  ev.max_windows = 2            # held-out document windows per length
+  ev.retrieval_rows = 8         # passkey and MQAR rows per length
+  ev.chunk = 1024               # the eval runs the inference path in chunks of this
+  ev.entropy_queries = 128      # MLA attention entropy over the last this many positions
+
+  if arg == "cpu":
+    run = tiny.get_config()
+    run.data.source = "stdlib_packages"
+    run.data.synthetic_fraction = 0.2
+    run.data.synthetic_tasks = "passkey,mqar"
+    run.eval.every_steps = 100
+    run.eval.num_batches = 4
+    run.checkpoint.every_steps = 50
+    sc.stages.s256 = _stage(256, 240, 4096, 3e-3, 20)
+    sc.stages.s1k = _stage(1024, 60, 4096, 1.5e-3, 10)
+    sc.stages.s4k = _stage(4096, 30, 4096, 1e-3, 5)
+    sc.stage_names = "s256,s1k,s4k"
+  elif arg == "1b":
+    run = long_context_1b.get_config()
+    run.data.source = "stdlib_packages"
+    run.data.synthetic_fraction = 0.1
+    run.data.synthetic_tasks = "passkey,mqar"
+    run.eval.every_steps = 200
+    run.eval.num_batches = 4
+    run.checkpoint.every_steps = 200
+    sc.stages.s8k = _stage(8192, 2000, 262144, 3e-4, 200)
+    sc.stages.s64k = _stage(65536, 500, 262144, 1.5e-4, 50, remat=True)
+    sc.stages.s256k = _stage(262144, 200, 524288, 1e-4, 20, remat=True)
+    sc.stages.s1m = _stage(1048576, 100, 1048576, 5e-5, 10, mesh_sequence=8, remat=True)
+    sc.stage_names = "s8k,s64k,s256k,s1m"
+    ev.chunk = 8192
+  else:
+    raise ValueError(f"configs/stages.py arg must be one of 'cpu', '1b'; got {arg!r}")
+  sc.run = run
+  return sc

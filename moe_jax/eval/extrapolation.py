@@ -1,0 +1,151 @@
+"""Length-extrapolation evals of a trained model, at lengths beyond the trained one:
+
+* loss by position bucket on held-out long documents (bits per byte),
+* passkey and MQAR retrieval accuracy,
+* entropy of each MLA layer's attention over the last positions.
+
+Everything runs through the inference path (moe_jax/infer: KDA state + MLA latent cache,
+in chunks), so memory is bounded by the chunk, not by the length squared.
+
+  rows = evaluate_lengths(model_cfg, variables, docs, lengths, ...)   # one dict per length
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.data import mqar, passkey, tokenizer
+from moe_jax.infer.cache import init_cache
+from moe_jax.infer.generate import inference_model
+
+LN2 = math.log(2.0)
+
+
+def run_chunks(model, variables, tokens_BxT, chunk: int, *, capture_last: bool = False):
+  """Teacher-forced forward over [B, T] tokens in chunks of `chunk` (T a multiple of it).
+
+  Returns (log-prob of each next token [B, T-1] (positions 1..T-1 given the ones
+  before), the greedy prediction after each position [B, T-1], and with capture_last the last chunk's sown MLA queries and the final cache).
+  """
+  B, T = tokens_BxT.shape
+  if T % chunk:
+    raise ValueError(f"length {T} must be a multiple of the eval chunk {chunk}")
+  cache = init_cache(model.cfg, B, T)
+
+  @jax.jit
+  def step(variables, tokens_BxC, cache):
+    batch = {"tokens": tokens_BxC, "segment_ids": jnp.ones_like(tokens_BxC)}
+    (logits_BxCxV, aux), inter = model.apply(variables, batch, cache, mutable=["intermediates"])
+    logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
+    return logp_BxCxV, logits_BxCxV.argmax(-1), aux["cache"], inter
+
+  logps, preds, inter = [], [], None
+  for c in range(T // chunk):
+    tok_BxC = jnp.asarray(tokens_BxT[:, c * chunk:(c + 1) * chunk], jnp.int32)
+    logp_BxCxV, pred_BxC, cache, inter = step(variables, tok_BxC, cache)
+    nxt = tokens_BxT[:, c * chunk + 1:(c + 1) * chunk + 1]       # next tokens in this chunk
+    n = nxt.shape[1]
+    logps.append(np.take_along_axis(np.asarray(logp_BxCxV[:, :n]), nxt[..., None], -1)[..., 0])
+    preds.append(np.asarray(pred_BxC[:, :n]))
+  out = (np.concatenate(logps, 1), np.concatenate(preds, 1))
+  return (*out, inter, cache) if capture_last else out
+
+
+def loss_by_position(logp_BxN, buckets: int) -> list[float]:
+  """Mean next-token loss (bits) in `buckets` equal spans of positions."""
+  edges = np.linspace(0, logp_BxN.shape[1], buckets + 1).astype(int)
+  return [float(-logp_BxN[:, a:b].mean() / LN2) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def attention_entropy(params, inter, cache, n_queries: int) -> dict[str, float]:
+  """Mean entropy (nats) of each MLA layer's attention for the last n_queries positions,
+  and the same divided by log(visible keys) (1 = uniform over everything visible)."""
+  out = {}
+  for path, leaves in _sown_queries(inter["intermediates"]):
+    q_BxCxHxD = leaves["q"][0]
+    mixer_params = params
+    for key in path:
+      mixer_params = mixer_params[key]
+    w_kb_RxHxD = mixer_params["k_b"]["kernel"]       # [R, H, D]: the latent → key map
+    layer = path[0]
+    ckv_BxSxR = cache["layers"][layer]["ckv"]
+    B, C, H, D = q_BxCxHxD.shape
+    S = ckv_BxSxR.shape[1]
+    n = min(n_queries, C)
+    k_BxSxHxD = jnp.einsum("bsr,rhd->bshd", ckv_BxSxR.astype(jnp.float32), w_kb_RxHxD)
+    s_BxHxNxS = jnp.einsum("bnhd,bshd->bhns", q_BxCxHxD[:, C - n:].astype(jnp.float32),
+                           k_BxSxHxD) * D ** -0.5
+    pos_N = S - n + jnp.arange(n)
+    visible_NxS = jnp.arange(S)[None, :] <= pos_N[:, None]
+    logp = jax.nn.log_softmax(jnp.where(visible_NxS, s_BxHxNxS, -jnp.inf), axis=-1)
+    ent_BxHxN = -jnp.sum(jnp.where(visible_NxS, jnp.exp(logp) * logp, 0.0), axis=-1)
+    out[f"{layer}/entropy"] = float(ent_BxHxN.mean())
+    out[f"{layer}/entropy_normalised"] = float((ent_BxHxN / jnp.log(pos_N + 1.0)).mean())
+  return out
+
+
+def _sown_queries(tree, path=()):
+  """(module path, its sown leaves) for every module that sowed "q" (the MLA mixers)."""
+  if "q" in tree:
+    yield path, tree
+    return
+  for key, sub in tree.items():
+    if isinstance(sub, dict):
+      yield from _sown_queries(sub, path + (key,))
+
+
+def document_windows(docs: list[bytes], length: int, max_windows: int) -> np.ndarray:
+  """Up to max_windows windows [W, length] of token ids, each inside one document,
+  longest documents first (documents shorter than `length` are not used)."""
+  windows = []
+  for d in sorted(docs, key=len, reverse=True):
+    ids = tokenizer.encode(d)
+    for start in range(0, len(ids) - length + 1, length):
+      windows.append(ids[start:start + length])
+      if len(windows) == max_windows:
+        return np.stack(windows)
+  return np.stack(windows) if windows else np.zeros((0, length), np.int32)
+
+
+def retrieval_accuracy(model, variables, task: str, length: int, rows: int, chunk: int,
+                       cfg_data) -> dict[str, float]:
+  """Greedy (teacher-forced) accuracy on the answer tokens: per token, and rows with every
+  answer token right."""
+  if task == "passkey":
+    src = passkey.PasskeyRows(length, seed=10_000)
+  else:
+    src = mqar.MQARRows(length, cfg_data.mqar_num_pairs, cfg_data.mqar_vocab, seed=10_000)
+  examples = [src[i] for i in range(rows)]
+  tokens = np.stack([e["tokens"] for e in examples])
+  mask = np.stack([e["loss_mask"] for e in examples])[:, :length - 1] > 0   # at position t
+  _, pred = run_chunks(model, variables, tokens, chunk)     # pred[:, t] guesses token t + 1
+  right = (pred == tokens[:, 1:]) & mask
+  per_row = mask.sum(1)
+  return {f"{task}/token_acc": float(right.sum() / max(per_row.sum(), 1)),
+          f"{task}/row_acc": float(np.mean(right.sum(1) == per_row))}
+
+
+def evaluate_lengths(model_cfg, variables, docs: list[bytes], lengths: list[int], *,
+                     chunk: int, buckets: int, max_windows: int, retrieval_rows: int,
+                     entropy_queries: int, tasks: tuple[str, ...], cfg_data) -> list[dict]:
+  """One row per length: windows used, mean bits/byte, loss per bucket, retrieval and MLA
+  attention entropy."""
+  model = inference_model(model_cfg)
+  rows = []
+  for L in lengths:
+    ch = min(chunk, L)
+    row = {"length": L}
+    win = document_windows(docs, L, max_windows)
+    row["windows"] = len(win)
+    if len(win):
+      logp, _, inter, cache = run_chunks(model, variables, win, ch, capture_last=True)
+      row["bits_per_byte"] = float(-logp.mean() / LN2)
+      row["bits_by_bucket"] = loss_by_position(logp, buckets)
+      row.update(attention_entropy(variables["params"], inter, cache, entropy_queries))
+    for task in tasks:
+      row.update(retrieval_accuracy(model, variables, task, L, retrieval_rows, ch, cfg_data))
+    rows.append(row)
+  return rows
+

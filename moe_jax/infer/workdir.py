@@ -1,0 +1,30 @@
+"""A trained model from its training workdir: config.json and the newest (or a given)
+checkpoint, as inference variables."""
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from configs import base
+from moe_jax import config as config_lib
+from moe_jax.model.transformer import HybridMoE
+from moe_jax.train import checkpoint, optim, state as state_lib
+
+
+def load(workdir: str, step=None):
+  """(config, variables {"params", "router"}, step) of a training workdir."""
+  c = base.get_config()   # fields added since that run keep their defaults
+  with open(os.path.join(workdir, "config.json")) as f:
+    c.update(json.load(f))
+  c = config_lib.validate(c)
+  model = HybridMoE(state_lib.frozen_model_config(c))
+  T = c.model.kda_chunk_size
+  example = {"tokens": np.zeros((1, T), np.int32), "segment_ids": np.ones((1, T), np.int32)}
+  abstract = state_lib.abstract_train_state(
+      model, optim.make_optimizer(c), example,
+      jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  state, step = checkpoint.restore_state(
+      os.path.abspath(os.path.join(workdir, "checkpoints")), abstract, step)
+  return c, {"params": state.params, "router": state.router}, step

@@ -1,0 +1,147 @@
+"""Staged context extension (moe_jax/train/stages.py): the handover carries params, router
+state and Adam's moments exactly and restarts the schedule; a run killed mid-stage resumes to
+the same result as an uninterrupted one; the extrapolation evals are consistent."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from configs import stages as stages_config
+from moe_jax.eval import extrapolation
+from moe_jax.infer.workdir import load
+from moe_jax.model.transformer import HybridMoE
+from moe_jax.parallel.mesh import make_mesh
+from moe_jax.train import optim, stages, state as state_lib
+from tests.conftest import make_small_config
+
+
+def _stages(tmp_corpus):
+  """Two small stages on a small text corpus: 64 × 4 rows, then 128 × 2 rows."""
+  sc = stages_config.get_config("cpu")
+  run = make_small_config()
+  run.data.source, run.data.paths, run.data.val_percent = "files", tmp_corpus, 20
+  run.data.synthetic_fraction = 0.0
+  run.eval.every_steps, run.eval.num_batches = 100, 1
+  sc.run = run
+  sc.stages = ml_collections.ConfigDict({"s64": stages_config._stage(64, 3, 256, 3e-3, 1),
+               "s128": stages_config._stage(128, 3, 256, 1e-3, 2)})
+  sc.stage_names = "s64,s128"
+  return sc
+
+
+@pytest.fixture(scope="module")
+def corpus_glob(tmp_path_factory):
+  d = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(0)
+  words = ["def", "return", "self", "import", "class", "value", "(", ")", ":", "\n", "    "]
+  for i in range(30):
+    (d / f"f{i}.py").write_text(" ".join(rng.choice(words, size=400)))
+  return str(d / "*.py")
+
+
+@pytest.fixture(scope="module")
+def straight(corpus_glob, tmp_path_factory):
+  """Both stages run without interruption."""
+  workdir = tmp_path_factory.mktemp("straight")
+  sc = _stages(corpus_glob)
+  return sc, str(workdir), stages.run_stages(sc, str(workdir), progress=False)
+
+
+def _params(workdir):
+  return load(workdir)[1]
+
+
+def test_handover_carries_state_and_restarts_the_schedule(straight):
+  sc, workdir, results = straight
+  assert [results[n]["step"] for n in ("s64", "s128")] == [3, 3]
+  c2 = stages.stage_config(sc, "s128")
+  assert (c2.data.seq_len, c2.data.batch_size, c2.log.stage) == (128, 2, "s128")
+  model = HybridMoE(state_lib.frozen_model_config(c2))
+  tx = optim.make_optimizer(c2)
+  example = {k: np.zeros((2, 128), np.int32) for k in ("tokens", "segment_ids")}
+  mesh = make_mesh(c2.mesh)
+  with jax.set_mesh(mesh):
+    fresh, _ = state_lib.create_train_state(model, tx, example, mesh, jax.random.key(1))
+    prev_dir = f"{workdir}/s64/checkpoints"
+    carried = stages.handover(prev_dir, carry_optimizer=True)(fresh)
+    reset = stages.handover(prev_dir, carry_optimizer=False)(fresh)
+  prev = load(f"{workdir}/s64")[1]
+  for got in (carried, reset):
+    assert int(got.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, got.params, prev["params"])
+    jax.tree.map(np.testing.assert_array_equal, got.router, prev["router"])
+  biases = jax.tree.leaves(prev["router"])
+  assert biases and any(np.abs(b).max() > 0 for b in biases)   # the balancer state moved
+  adam = lambda s: next(x for x in jax.tree.leaves(
+      s.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+      if isinstance(x, optax.ScaleByAdamState))
+  sched = lambda s: [x.count for x in jax.tree.leaves(
+      s.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+      if isinstance(x, optax.ScaleByScheduleState)]
+  assert int(adam(carried).count) == 3 and int(adam(reset).count) == 0
+  assert np.abs(np.asarray(jax.tree.leaves(adam(carried).nu)[0])).max() > 0
+  assert all(np.abs(np.asarray(x)).max() == 0 for x in jax.tree.leaves(adam(reset).nu))
+  assert sched(carried) == [0] and sched(reset) == [0]
+  # The second stage re-warms: from 0 at its step 0 to its own peak at its warmup's end.
+  assert float(optim.learning_rate(c2, 0)) == 0.0
+  assert float(optim.learning_rate(c2, 2)) == pytest.approx(1e-3)
+
+
+def test_killed_mid_stage_resumes_to_the_same_result(straight, corpus_glob, tmp_path):
+  sc, workdir, _ = straight
+  shutil.copytree(f"{workdir}/s64", tmp_path / "s64")   # the first stage is complete: skipped
+  first = stages.run_stages(sc, str(tmp_path), progress=False, stop_after=("s128", 1))
+  assert first["s64"]["step"] == 3 and first["s128"]["step"] == 1
+  assert not stages.is_complete(str(tmp_path / "s128"), 3)
+  again = stages.run_stages(sc, str(tmp_path), progress=False)
+  assert again["s128"]["resumed_from"] == 1 and again["s128"]["step"] == 3
+  got, want = _params(str(tmp_path / "s128")), _params(f"{workdir}/s128")
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  done = stages.run_stages(sc, str(tmp_path), progress=False)   # nothing left: both skipped
+  assert done["s128"]["step"] == 3
+
+
+def test_extrapolation_evals(straight):
+  sc, workdir, _ = straight
+  c, variables, _ = load(f"{workdir}/s128")
+  model = extrapolation.inference_model(c.model)
+  tokens = np.random.default_rng(0).integers(0, 256, size=(2, 256)).astype(np.int32)
+  # Chunked inference scores the same tokens as one full forward pass.
+  logp, pred, inter, cache = extrapolation.run_chunks(model, variables, tokens, 64,
+                                                      capture_last=True)
+  logits, _ = model.apply(variables, {"tokens": jnp.asarray(tokens),
+                                      "segment_ids": jnp.ones_like(jnp.asarray(tokens))})
+  full = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits))[:, :-1],
+                            tokens[:, 1:, None], -1)[..., 0]
+  np.testing.assert_allclose(logp, full, atol=2e-4)
+  np.testing.assert_array_equal(pred, np.asarray(logits.argmax(-1))[:, :-1])
+  steps = -np.log(2) * np.repeat(np.arange(1.0, 5.0), 64)[None].repeat(2, 0)   # 1..4 bits
+  assert extrapolation.loss_by_position(steps, 4) == pytest.approx([1.0, 2.0, 3.0, 4.0])
+  ent = extrapolation.attention_entropy(variables["params"], inter, cache, 16)
+  assert set(ent) == {"layer_1/entropy", "layer_1/entropy_normalised"}
+  assert 0.0 < ent["layer_1/entropy_normalised"] <= 1.0
+  # With the key map zeroed every visible key scores the same: exactly uniform attention.
+  zeroed = jax.tree_util.tree_map_with_path(
+      lambda p, x: jnp.zeros_like(x) if "k_b" in jax.tree_util.keystr(p) else x,
+      variables["params"])
+  ent0 = extrapolation.attention_entropy(zeroed, inter, cache, 16)
+  assert ent0["layer_1/entropy_normalised"] == pytest.approx(1.0, abs=1e-5)
+  wins = extrapolation.document_windows([b"x" * 500, b"y" * 100], 128, 8)
+  assert wins.shape == (3, 128) and (wins[:, 1:] == ord("x")).all()
+
+
+def test_stage_config_errors():
+  sc = stages_config.get_config("cpu")
+  sc.stages.s1k.tokens_per_step = 1000
+  with pytest.raises(ValueError, match="stages.s1k.tokens_per_step=1000 must be a multiple"):
+    stages.stage_config(sc, "s1k")
+  sc.stage_names = "s256,s2k"
+  with pytest.raises(ValueError, match="names 's2k', which is not one of stages"):
+    stages.stage_names(sc)
+  with pytest.raises(ValueError, match="configs/stages.py arg must be one of"):
+    stages_config.get_config("tpu")
