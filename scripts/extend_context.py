@@ -83,7 +83,7 @@ def _plot(results: dict, curves: dict, trained: int, path: str):
     for r in rows:
       if "bits_by_bucket" in r and run == next(iter(results)):
         n = len(r["bits_by_bucket"])
-        ax[0, 1].plot([(i + 0.5) * r["length"] / n for i in range(n)], r["bits_by_bucket"],
+        ax[0, 1].plot([(i + 0.5) / n for i in range(n)], r["bits_by_bucket"],
                       "o-", label=f"{run} @ {r['length']}")
     for task in ("passkey", "mqar"):
       if f"{task}/token_acc" in rows[0]:
@@ -91,11 +91,11 @@ def _plot(results: dict, curves: dict, trained: int, path: str):
                       "o-", label=f"{run}: {task}")
   for run, (tok, loss) in curves.items():
     ax[1, 1].plot(tok, loss, label=run)
-  for a in (ax[0, 0], ax[0, 1], ax[1, 0]):
+  for a in (ax[0, 0], ax[1, 0]):
     a.set_xscale("log", base=2)
     a.axvline(trained, color="gray", ls="--", lw=1)
   ax[0, 0].set(title="held-out bits/byte by eval length", xlabel="length")
-  ax[0, 1].set(title="bits/byte by position (staged run)", xlabel="position")
+  ax[0, 1].set(title="bits/byte by position (staged run)", xlabel="position / window length")
   ax[1, 0].set(title="retrieval token accuracy", xlabel="length", ylim=(-0.02, 1.02))
   ax[1, 1].set(title="train loss (nats/byte)", xlabel="tokens seen")
   for a in ax.flat:
@@ -128,7 +128,6 @@ def main(argv):
     runs["control"] = control_dir
   if not _EVAL.value:
     return
-  trained = sc.stages[names[-1]].seq_len
   docs = pipeline.text_documents(stages.stage_config(sc, names[-1]))["validation"]
   tasks = tuple(t for t in sc.run.data.synthetic_tasks.split(",") if t)
   results = {}
@@ -140,9 +139,16 @@ def main(argv):
         entropy_queries=sc.eval.entropy_queries, tasks=tasks, cfg_data=c.data)
   with open(os.path.join(workdir, "extrapolation.json"), "w") as f:
     json.dump(results, f, indent=1)
+  print(report(sc, workdir, results))
+
+
+def report(sc, workdir: str, results: dict) -> str:
+  """Writes extrapolation.md and extrapolation.png for finished runs; returns the table."""
+  names = stages.stage_names(sc)
+  trained = sc.stages[names[-1]].seq_len
   curves = {name: _curve(os.path.join(workdir, name)) for name in names}
-  if "control" in runs:
-    curves["control"] = _curve(runs["control"])
+  if "control" in results:
+    curves["control"] = _curve(os.path.join(workdir, "control"))
   # The staged curve continues across stages: offset each stage by the tokens before it.
   offset, staged = 0, ([], [])
   for name in names:
@@ -155,7 +161,7 @@ def main(argv):
   table = _table(results, trained)
   with open(os.path.join(workdir, "extrapolation.md"), "w") as f:
     f.write(table + "\n")
-  print(table)
+  return table
 
 
 if __name__ == "__main__":

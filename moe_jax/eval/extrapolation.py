@@ -10,17 +10,32 @@ in chunks), so memory is bounded by the chunk, not by the length squared.
   rows = evaluate_lengths(model_cfg, variables, docs, lengths, ...)   # one dict per length
 """
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from moe_jax.data import mqar, passkey, tokenizer
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import inference_model
 
 LN2 = math.log(2.0)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_step(model):
+  """One chunk through the model with the cache; one jitted function per model, so calls
+  at the same shapes reuse its compilation."""
+  @jax.jit
+  def step(variables, tokens_BxC, cache):
+    batch = {"tokens": tokens_BxC, "segment_ids": jnp.ones_like(tokens_BxC)}
+    (logits_BxCxV, aux), inter = model.apply(variables, batch, cache, mutable=["intermediates"])
+    logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
+    return logp_BxCxV, logits_BxCxV.argmax(-1), aux["cache"], inter
+  return step
 
 
 def run_chunks(model, variables, tokens_BxT, chunk: int, *, capture_last: bool = False):
@@ -33,14 +48,7 @@ def run_chunks(model, variables, tokens_BxT, chunk: int, *, capture_last: bool =
   if T % chunk:
     raise ValueError(f"length {T} must be a multiple of the eval chunk {chunk}")
   cache = init_cache(model.cfg, B, T)
-
-  @jax.jit
-  def step(variables, tokens_BxC, cache):
-    batch = {"tokens": tokens_BxC, "segment_ids": jnp.ones_like(tokens_BxC)}
-    (logits_BxCxV, aux), inter = model.apply(variables, batch, cache, mutable=["intermediates"])
-    logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
-    return logp_BxCxV, logits_BxCxV.argmax(-1), aux["cache"], inter
-
+  step = _jitted_step(model)
   logps, preds, inter = [], [], None
   for c in range(T // chunk):
     tok_BxC = jnp.asarray(tokens_BxT[:, c * chunk:(c + 1) * chunk], jnp.int32)
@@ -134,7 +142,7 @@ def evaluate_lengths(model_cfg, variables, docs: list[bytes], lengths: list[int]
   attention entropy."""
   model = inference_model(model_cfg)
   rows = []
-  for L in lengths:
+  for L in tqdm(lengths, unit="length", desc="extrapolation evals"):
     ch = min(chunk, L)
     row = {"length": L}
     win = document_windows(docs, L, max_windows)
