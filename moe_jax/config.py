@@ -25,6 +25,11 @@ def _positive_int(field, value):
     _fail(field, value, "a positive integer")
 
 
+def synthetic_tasks(data: ml_collections.ConfigDict) -> list[str]:
+  """data.synthetic_tasks as a list ("passkey,mqar" → ["passkey", "mqar"])."""
+  return [t for t in data.synthetic_tasks.split(",") if t]
+
+
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Raises ValueError naming the field, its value and what is accepted."""
   m = c.model
@@ -90,7 +95,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
           " (each sequence shard holds whole KDA chunks)")
   if not 0.0 <= d.synthetic_fraction < 1.0:
     _fail("data.synthetic_fraction", d.synthetic_fraction, "in [0, 1)")
-  tasks = [t for t in d.synthetic_tasks.split(",") if t]
+  tasks = synthetic_tasks(d)
   if d.synthetic_fraction and (not tasks or any(t not in SYNTHETIC_TASKS for t in tasks)):
     _fail("data.synthetic_tasks", d.synthetic_tasks,
           f"a comma-separated list of {SYNTHETIC_TASKS} when data.synthetic_fraction > 0")

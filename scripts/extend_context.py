@@ -18,6 +18,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from moe_jax import config as config_lib
 from moe_jax.data import pipeline
 from moe_jax.eval import extrapolation
 from moe_jax.infer.workdir import load
@@ -129,7 +130,7 @@ def main(argv):
   if not _EVAL.value:
     return
   docs = pipeline.text_documents(stages.stage_config(sc, names[-1]))["validation"]
-  tasks = tuple(t for t in sc.run.data.synthetic_tasks.split(",") if t)
+  tasks = tuple(config_lib.synthetic_tasks(sc.run.data))
   results = {}
   for run, run_dir in runs.items():
     c, variables, _ = load(run_dir)

@@ -8,7 +8,7 @@ its query q_i. A longer seq_len puts the queries further from the pairs.
 
 import numpy as np
 
-from moe_jax.data import tokenizer
+from moe_jax.data import packing, tokenizer
 
 
 class MQARRows:
@@ -39,14 +39,6 @@ class MQARRows:
     tokens_L[1:1 + 2 * n:2], tokens_L[2:2 + 2 * n:2] = keys_N, values_N
     q0 = self.seq_len - 2 * n
     tokens_L[q0::2], tokens_L[q0 + 1::2] = keys_N[order_N], values_N[order_N]
-    targets_L = np.full(self.seq_len, tokenizer.PAD, np.int32)
-    targets_L[:-1] = tokens_L[1:]
     loss_mask_L = np.zeros(self.seq_len, np.float32)
     loss_mask_L[q0::2] = 1.0  # predict the answer that follows each query key
-    return {
-        "tokens": tokens_L,
-        "targets": targets_L,
-        "segment_ids": np.ones(self.seq_len, np.int32),
-        "positions": np.arange(self.seq_len, dtype=np.int32),
-        "loss_mask": loss_mask_L,
-    }
+    return packing.single_segment_example(tokens_L, loss_mask_L)

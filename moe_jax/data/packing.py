@@ -32,6 +32,20 @@ class PackedRows:
     return row_example(self.tokens_NxL[i].astype(np.int32), self.starts_NxL[i])
 
 
+def single_segment_example(tokens_L: np.ndarray, loss_mask_L: np.ndarray) -> dict:
+  """Model inputs for a row that is one segment (the synthetic tasks): the label at t is
+  token t + 1, trained where loss_mask_L is 1."""
+  targets_L = np.full(len(tokens_L), tokenizer.PAD, np.int32)
+  targets_L[:-1] = tokens_L[1:]
+  return {
+      "tokens": tokens_L,
+      "targets": targets_L,
+      "segment_ids": np.ones(len(tokens_L), np.int32),
+      "positions": np.arange(len(tokens_L), dtype=np.int32),
+      "loss_mask": loss_mask_L,
+  }
+
+
 def row_example(tokens_L: np.ndarray, starts_L: np.ndarray) -> dict[str, np.ndarray]:
   """Model inputs for one row: tokens, targets, segment_ids, positions, loss_mask."""
   is_pad_L = tokens_L == tokenizer.PAD

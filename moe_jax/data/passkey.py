@@ -9,7 +9,7 @@ away from the question.
 
 import numpy as np
 
-from moe_jax.data import tokenizer
+from moe_jax.data import packing, tokenizer
 
 FILLER = (b"The grass is green. The sky is blue. The sun is yellow. Here we go. "
           b"There and back again. ")
@@ -52,14 +52,6 @@ class PasskeyRows:
 
   def __getitem__(self, i):
     tokens_L, _, answer = self.layout(i)
-    targets_L = np.full(self.seq_len, tokenizer.PAD, np.int32)
-    targets_L[:-1] = tokens_L[1:]
     loss_mask_L = np.zeros(self.seq_len, np.float32)
     loss_mask_L[answer - 1:self.seq_len - 1] = 1.0   # predict each answer digit
-    return {
-        "tokens": tokens_L,
-        "targets": targets_L,
-        "segment_ids": np.ones(self.seq_len, np.int32),
-        "positions": np.arange(self.seq_len, dtype=np.int32),
-        "loss_mask": loss_mask_L,
-    }
+    return packing.single_segment_example(tokens_L, loss_mask_L)

@@ -6,6 +6,7 @@ import grain
 import ml_collections
 import numpy as np
 
+from moe_jax import config as config_lib
 from moe_jax.data import corpus, mqar, packing, passkey, tokenizer
 
 
@@ -45,10 +46,10 @@ class MixedRows:
 
 
 def synthetic_sources(c: ml_collections.ConfigDict, seed: int) -> list:
-  d, tasks = c.data, [t for t in c.data.synthetic_tasks.split(",") if t]
+  d = c.data
   make = {"passkey": lambda: passkey.PasskeyRows(d.seq_len, seed=seed),
           "mqar": lambda: mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab, seed=seed)}
-  return [make[t]() for t in tasks]
+  return [make[t]() for t in config_lib.synthetic_tasks(d)]
 
 
 def sources(c: ml_collections.ConfigDict) -> dict:

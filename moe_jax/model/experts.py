@@ -8,8 +8,8 @@ grouped matmul does both) and `down` [E, F, D].
   tries to allocate 128 GiB on an H200), so GPU/TPU use `tokamax.ragged_dot`
   (a Pallas Mosaic kernel) for bf16/fp16. On GPU its weight gradient comes from
   pallas_kernels/moe/grouped_dw.py instead: tokamax 0.0.17's is wrong on the H200.
-  tokamax's GPU kernel takes no float32, so float32 models (debugging, numerics checks) take XLA's ragged_dot on GPU: exact, but
-  dense in E (fine at the tiny config's 8 experts). tokamax is imported lazily: CPU runs
+  tokamax's GPU kernel takes no float32, so float32 models (debugging, numerics checks)
+  take XLA's ragged_dot on GPU: exact, but dense in E (fine at the tiny config's 8 experts). tokamax is imported lazily: CPU runs
   never need it.
 * batched (capacity): tokens laid out [E, C, D], plain batched matmuls.
 """
