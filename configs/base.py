@@ -25,6 +25,8 @@ def get_config(arg=None):
   m.tie_embeddings = False
   m.norm_eps = 1e-6
   m.remat = False
+  m.remat_policy = "full"       # with remat: full | dots | kernels (model/remat.py)
+  m.scan_layers = True          # one nn.scan over the periods of layer_pattern (layer_stack.py)
   # KDA (linear attention) mixer.
   m.kda_head_dim = 64           # K = V per head; n_heads * kda_head_dim need not equal d_model
   m.kda_lower_bound = -5.0      # bounded gate g in [lower_bound, 0); None = legacy unbounded gate
@@ -111,6 +113,8 @@ def get_config(arg=None):
   k.async_save = True
 
   t = c.train = ml_collections.ConfigDict()
+  # Persistent XLA compilation cache (train/compile_cache.py); "" = off.
+  t.compile_cache_dir = "~/.cache/moe_jax/xla"
   g = t.guard = ml_collections.ConfigDict()  # divergence guard (moe_jax/train/guard.py)
   g.enabled = False
   g.spike_factor = 3.0          # a loss above this x the EMA of healthy losses is a spike...

@@ -31,6 +31,10 @@ def get_config(arg=None):
   e.num_shared = 1
   e.expert_hidden = 704
   e.first_dense = 1
+  # Training at 8K: the scanned layers keep the kernels' outputs and recompute the rest
+  # (model/remat.py; benchmarks/train.md).
+  m.remat = True
+  m.remat_policy = "kernels"
   if arg == "all_mla":
     m.layer_pattern = "A"
   elif arg not in (None, ""):

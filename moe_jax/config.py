@@ -65,6 +65,11 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("model.attn_res_mix_coef", m.attn_res_mix_coef, "in [0.1, 0.3]")
   if m.mla_implementation not in ("", "xla", "gpu"):
     _fail("model.mla_implementation", m.mla_implementation, "one of ('', 'xla', 'gpu')")
+  for f in ("remat", "scan_layers"):
+    if not isinstance(m.get(f), bool):
+      _fail(f"model.{f}", m.get(f), "True or False")
+  if m.remat_policy not in ("full", "dots", "kernels"):
+    _fail("model.remat_policy", m.remat_policy, "one of ('full', 'dots', 'kernels')")
   if m.decode_matmul not in ("xla", "pallas"):
     _fail("model.decode_matmul", m.decode_matmul, "one of ('xla', 'pallas')")
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from moe_jax.model import layer_stack
 from moe_jax.model.transformer import HybridMoE, mixer_kind
 from moe_jax.train.state import frozen_model_config
 
@@ -44,7 +45,7 @@ def count(c: ml_collections.ConfigDict) -> dict:
   batch = {"tokens": jax.ShapeDtypeStruct((1, T), jnp.int32),
            "segment_ids": jax.ShapeDtypeStruct((1, T), jnp.int32)}
   abstract = jax.eval_shape(HybridMoE(cfg).init, jax.random.key(0), batch)
-  params = nn.meta.unbox(abstract["params"])
+  params = layer_stack.unstack(cfg, nn.meta.unbox(abstract["params"]))
   total = collections.Counter({k: 0 for k in COMPONENTS})
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     keys = tuple(p.key for p in path)

@@ -114,6 +114,24 @@ def test_grain_iterator_state_restores_exact_order():
     np.testing.assert_array_equal(next(fresh)["tokens"], e)
 
 
+def test_each_process_loads_its_rows_of_every_global_batch():
+  """Two processes' batches, side by side, are the one-process batches (train and eval), and
+  a batch that does not split over the processes is refused."""
+  c = tiny.get_config()
+  c.data.seq_len, c.data.batch_size, c.eval.num_batches = 64, 4, 2
+  src = packing.PackedRows(_docs(range(1, 200)), c.data.seq_len)
+  for make in (pipeline.train_dataset, pipeline.eval_dataset):
+    one = iter(make(src, c, 0, 1))
+    parts = [iter(make(src, c, p, 2)) for p in range(2)]
+    for _ in range(2):
+      halves = [next(it)["tokens"] for it in parts]
+      assert halves[0].shape == (2, 64)
+      np.testing.assert_array_equal(np.concatenate(halves), next(one)["tokens"])
+  with pytest.raises(ValueError, match="data.batch_size=4 must be a multiple of the number "
+                     "of processes \\(3\\)"):
+    pipeline.train_dataset(src, c, 0, 3)
+
+
 def test_unigram_entropy_of_uniform_bytes_is_8_bits():
   rows = packing.PackedRows([np.arange(256, dtype=np.int32).repeat(4)], 128)
   assert abs(pipeline.unigram_entropy_bits(rows) - 8.0) < 1e-9

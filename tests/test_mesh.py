@@ -50,13 +50,60 @@ def _losses(tmp_path, data, fsdp, devices, expert=1, sequence=1):
   return json.loads(line.split(" ", 1)[1])
 
 
+_RUN_PROCESS = """
+import json, sys
+from moe_jax.parallel import distributed
+assert distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from tests.conftest import make_small_config
+from moe_jax.train.loop import train_and_evaluate
+c = make_small_config()
+c.schedule.total_steps = 5
+c.checkpoint.every_steps = 100
+c.mesh.data, c.mesh.fsdp = 2, 2
+first = train_and_evaluate(c, sys.argv[3], progress=False, stop_after=3)
+second = train_and_evaluate(c, sys.argv[3], progress=False)
+print("LOSSES", json.dumps([l for _, l in first["history"] + second["history"]]),
+      second["resumed_from"])
+"""
+
+
+def _two_process_losses(tmp_path):
+  """data=2 × fsdp=2 over two processes of two CPU devices each (jax.distributed, gloo);
+  each trains steps 1-3, checkpoints (orbax, both processes), then resumes to step 5."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  workdir = tmp_path / "two_processes"
+  procs = [subprocess.Popen([sys.executable, "-c", _RUN_PROCESS, f"localhost:{port}", str(i),
+                             str(workdir)], env=cpu_devices_env(2), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  lines = [[l for l in out.splitlines() if l.startswith("LOSSES")][0] for out, _ in outs]
+  assert lines[0] == lines[1]   # both processes see the same global losses
+  losses, resumed_from = lines[0].split(" ", 1)[1].rsplit(" ", 1)
+  assert resumed_from == "3"
+  # Process 0 alone wrote the metrics: one line per logged step, steps 1-5.
+  steps = [json.loads(l)["step"] for l in open(workdir / "metrics_train.jsonl")]
+  assert steps == [1, 2, 3, 4, 5]
+  return json.loads(losses)
+
+
 def test_sharded_training_equals_one_device(tmp_path):
-  """data=2 × fsdp=2, data=2 × expert=2 (experts sharded, tokens moved by all-to-all), and
-  data=2 × sequence=4 on 8 (time sharded: ring attention for MLA, state passing for KDA),
-  on fake CPU devices: the same 5 losses as one device (the small config has an MoE layer)."""
+  """On fake CPU devices, the same 5 losses as one device (the small config has an MoE
+  layer) from: data=2 × fsdp=2 over two processes (each loading its half of every batch,
+  stopped at step 3 and resumed from the checkpoint both wrote), data=2 × expert=2 (experts
+  sharded, tokens moved by all-to-all), and data=2 × sequence=4 on 8 (time sharded: ring
+  attention for MLA, state passing for KDA)."""
   one = _losses(tmp_path, 1, 1, 1)
   assert len(one) == 5
-  for data, fsdp, expert, sequence in ((2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 4)):
+  two = _two_process_losses(tmp_path)
+  assert len(two) == 5
+  for a, b in zip(one, two):
+    assert abs(a - b) <= 1e-4 * abs(b), ("two processes", one, two)
+  for data, fsdp, expert, sequence in ((2, 1, 2, 1), (2, 1, 1, 4)):
     sharded = _losses(tmp_path, data, fsdp, data * fsdp * expert * sequence, expert, sequence)
     assert len(sharded) == 5
     for a, b in zip(one, sharded):

@@ -3,6 +3,7 @@
 import math
 
 import grain
+import jax
 import ml_collections
 import numpy as np
 
@@ -71,17 +72,41 @@ def _stack(examples):
   return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
 
 
-def train_dataset(source, c: ml_collections.ConfigDict) -> grain.MapDataset:
-  """Infinite, reshuffled each epoch; iterate with iter(), checkpoint with get_state()."""
+def _process_shard(ds: grain.MapDataset, global_batch: int, index: int, count: int,
+                   drop_remainder: bool) -> grain.MapDataset:
+  """This process's rows of every global batch: the stream is cut into per-process batches
+  of global_batch / count rows, and process p takes batches p, p + count, ... So global batch
+  s is rows [s·B, (s+1)·B) of the stream, process 0's rows first, as with one process, and
+  each process reads only its own rows."""
+  if global_batch % count:
+    raise ValueError(f"data.batch_size={global_batch} must be a multiple of the number of "
+                     f"processes ({count})")
+  ds = ds.batch(global_batch // count, drop_remainder=drop_remainder or count > 1,
+                batch_fn=_stack)
+  return ds if count == 1 else ds.slice(slice(index, None, count))
+
+
+def train_dataset(source, c: ml_collections.ConfigDict, process_index: int | None = None,
+                  process_count: int | None = None) -> grain.MapDataset:
+  """Infinite, reshuffled each epoch; iterate with iter(), checkpoint with get_state().
+  Yields this process's rows of each global batch (jax.process_index / process_count)."""
   ds = grain.MapDataset.source(source).shuffle(seed=c.data.shuffle_seed).repeat()
-  return ds.batch(c.data.batch_size, drop_remainder=True, batch_fn=_stack)
+  return _process_shard(ds, c.data.batch_size, *_process(process_index, process_count), True)
 
 
-def eval_dataset(source, c: ml_collections.ConfigDict) -> grain.MapDataset:
-  """A fixed, seeded sample of eval.num_batches batches (same every evaluation)."""
+def eval_dataset(source, c: ml_collections.ConfigDict, process_index: int | None = None,
+                 process_count: int | None = None) -> grain.MapDataset:
+  """A fixed, seeded sample of eval.num_batches batches (same every evaluation); this
+  process's rows of each."""
   ds = grain.MapDataset.source(source).shuffle(seed=1234)
   n = min(len(ds), c.eval.num_batches * c.data.batch_size)
-  return ds.slice(slice(0, n)).batch(c.data.batch_size, batch_fn=_stack)
+  return _process_shard(ds.slice(slice(0, n)), c.data.batch_size,
+                        *_process(process_index, process_count), False)
+
+
+def _process(index, count) -> tuple[int, int]:
+  return (jax.process_index() if index is None else index,
+          jax.process_count() if count is None else count)
 
 
 def unigram_entropy_bits(rows: packing.PackedRows) -> float:

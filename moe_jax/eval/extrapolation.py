@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from moe_jax.data import mqar, passkey, tokenizer
 from moe_jax.infer.cache import init_cache
-from moe_jax.infer.generate import inference_model
+from moe_jax.infer.generate import inference_model, inference_variables
 
 LN2 = math.log(2.0)
 
@@ -141,6 +141,7 @@ def evaluate_lengths(model_cfg, variables, docs: list[bytes], lengths: list[int]
   """One row per length: windows used, mean bits/byte, loss per bucket, retrieval and MLA
   attention entropy."""
   model = inference_model(model_cfg)
+  variables = inference_variables(model_cfg, variables)
   rows = []
   for L in tqdm(lengths, unit="length", desc="extrapolation evals"):
     ch = min(chunk, L)

@@ -19,6 +19,7 @@ import numpy as np
 from moe_jax.data import tokenizer
 from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
+from moe_jax.model import layer_stack
 from moe_jax.model.transformer import HybridMoE
 
 
@@ -28,7 +29,14 @@ def inference_model(model_cfg) -> HybridMoE:
   if c.moe.num_experts:
     c.moe.dispatch = "dropless"
   c.remat = False
+  c.scan_layers = False   # each layer's weights and cache read in place (model/layer_stack.py)
   return HybridMoE(ml_collections.FrozenConfigDict(c))
+
+
+def inference_variables(model_cfg, variables: dict) -> dict:
+  """Training variables (params, router; scanned layers stacked or not) in the per-layer
+  layout the inference model reads. Call once, outside the decode loop."""
+  return {k: layer_stack.unstack(model_cfg, v) for k, v in variables.items()}
 
 
 def make_step(model: HybridMoE):
@@ -110,6 +118,7 @@ def complete(model_cfg, variables, prompts: list[str], *, max_new: int, key, pre
   for b, x in enumerate(ids):
     tokens_BxT[b, :len(x)] = x
   model = inference_model(model_cfg)
+  variables = inference_variables(model_cfg, variables)
   step = make_step(model)
   cache = init_cache(model.cfg, len(ids), int(lengths_B.max()) + max_new)
   logits_BxV, cache = prefill(step, variables, cache, tokens_BxT, lengths_B, chunk=prefill_chunk)

@@ -9,6 +9,7 @@ import numpy as np
 
 from configs import base
 from moe_jax import config as config_lib
+from moe_jax.model import layer_stack
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.train import checkpoint, optim, state as state_lib
 
@@ -26,5 +27,7 @@ def load(workdir: str, step=None):
       model, optim.make_optimizer(c), example,
       jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   state, step = checkpoint.restore_state(
-      os.path.abspath(os.path.join(workdir, "checkpoints")), abstract, step)
-  return c, {"params": state.params, "router": state.router}, step
+      os.path.abspath(os.path.join(workdir, "checkpoints")), abstract, step, c.model)
+  # Inference reads layers unscanned (model/layer_stack.py).
+  return c, {"params": layer_stack.unstack(c.model, state.params),
+             "router": layer_stack.unstack(c.model, state.router)}, step

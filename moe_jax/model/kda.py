@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.model import remat
 from moe_jax.model.layers import ShortConv, dense, l2_normalize, lp, out_scale, rms_norm
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
 from moe_jax.parallel.mesh import axis_size, per_device
@@ -77,6 +78,7 @@ class KDAMixer(nn.Module):
                              segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
                              lower_bound=cfg.kda_lower_bound, implementation=impl,
                              initial_state=cache["state"], output_final_state=True)
+    o_BxTxHxV = remat.tag(o_BxTxHxV, "kda_out")
 
     # Gated RMSNorm per head: norm(o) * sigmoid(low-rank gate(x)).
     gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)

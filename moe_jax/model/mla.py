@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.model import remat
 from moe_jax.model.layers import dense, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size, per_device
 from moe_jax.parallel.ring_attention import ring_attention
@@ -64,6 +65,7 @@ class MLAMixer(nn.Module):
       o_BxTxHxDv, new_cache = _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT,
                                                    cache, k_b, v_b, mla_implementation(cfg))
 
+    o_BxTxHxDv = remat.tag(o_BxTxHxDv, "mla_out")
     gate_BxTxHxDv = dense(cfg, (H, Dv), ("embed", "heads", "kv"), "gate", use_bias=True)(x_BxTxD)
     o_BxTxHxDv = o_BxTxHxDv * nn.sigmoid(gate_BxTxHxDv)
     out_BxTxD = dense(cfg, D, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),

@@ -81,7 +81,8 @@ def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=
   E = gate_up_ExDx2xF.shape[0]
   order_A, sizes_E, _ = sort_by_group(idx_NxK.reshape(-1), E)
   x_AxD = take_rows(repeat_rows(x_NxD, K), order_A)
-  y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation)
+  with jax.named_scope("moe_experts"):
+    y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation)
   return combine(take_rows(y_AxD, inverse_permutation(order_A)), w_NxK, x_NxD.dtype)
 
 
@@ -154,9 +155,32 @@ def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C
   # The assignment in each [E, C] slot (N·K, out of range, for an empty slot).
   assign_S = jnp.full((E * C,), N * K, jnp.int32).at[slot_A].set(jnp.arange(N * K), mode="drop")
   x_ExCxD = take_rows(repeat_rows(x_NxD, K), assign_S).reshape(E, C, D)
-  y_ExCxD = experts.swiglu_batched(x_ExCxD, gate_up_ExDx2xF, down_ExFxD)
+  with jax.named_scope("moe_experts"):
+    y_ExCxD = experts.swiglu_batched(x_ExCxD, gate_up_ExDx2xF, down_ExFxD)
   y_AxD = take_rows(y_ExCxD.reshape(E * C, D), slot_A)
   return combine(y_AxD, w_NxK, x_NxD.dtype), (~keep_A).sum()
+
+
+def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
+  """(y [N, D], dropped assignments) by the dispatch path the config and the mesh pick."""
+  N, K = idx_NxK.shape
+  E = gate_up_ExDx2xF.shape[0]
+  gate_up, down = gate_up_ExDx2xF, down_ExFxD
+  ep = axis_size("expert")
+  if ep > 1:
+    from moe_jax.parallel import expert as expert_parallel  # it imports this module
+
+    return expert_parallel.moe_ffn(
+        x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
+        capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
+        implementation=mc.grouped_matmul)
+  if mc.dispatch == "dropless" and N * K <= E and (
+      decode := decode_path(mc.decode_dispatch, N * K)) != "grouped":
+    return gathered(x_NxD, idx_NxK, w_NxK, gate_up, down, fused=decode == "fused"), 0
+  if mc.dispatch == "dropless":
+    return dropless(x_NxD, idx_NxK, w_NxK, gate_up, down, mc.grouped_matmul), 0
+  C = capacity(N, K, E, mc.capacity_factor)
+  return with_capacity(x_NxD, idx_NxK, w_NxK, gate_up, down, C)
 
 
 class MoE(nn.Module):
@@ -177,9 +201,10 @@ class MoE(nn.Module):
     bias_E = self.variable("router", "bias", lambda: router.init_state(mc, E)["bias"]).value
     if mc.balancer == "quantile_ema":
       self.variable("router", "ema_load", lambda: router.init_state(mc, E)["ema_load"])
-    logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), kernel_DxE)
-    scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
-    idx_NxK, w_NxK = router.select(scores_NxE, bias_E, K, mc.route_scale)
+    with jax.named_scope("router"):
+      logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), kernel_DxE)
+      scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
+      idx_NxK, w_NxK = router.select(scores_NxE, bias_E, K, mc.route_scale)
 
     gate_up_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                     in_axis=1, out_axis=(2, 3), batch_axis=0)
@@ -191,30 +216,15 @@ class MoE(nn.Module):
                       jnp.float32).astype(dtype)
 
     x_NxD = x_NxD.astype(dtype)
-    ep = axis_size("expert")
-    if ep > 1:
-      from moe_jax.parallel import expert as expert_parallel  # it imports this module
-
-      y_NxD, dropped = expert_parallel.moe_ffn(
-          x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
-          capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
-          implementation=mc.grouped_matmul)
-    elif mc.dispatch == "dropless" and B * T * K <= E and (
-        decode := decode_path(mc.decode_dispatch, B * T * K)) != "grouped":
-      y_NxD = gathered(x_NxD, idx_NxK, w_NxK, gate_up, down, fused=decode == "fused")
-      dropped = 0
-    elif mc.dispatch == "dropless":
-      y_NxD = dropless(x_NxD, idx_NxK, w_NxK, gate_up, down, mc.grouped_matmul)
-      dropped = 0
-    else:
-      C = capacity(B * T, K, E, mc.capacity_factor)
-      y_NxD, dropped = with_capacity(x_NxD, idx_NxK, w_NxK, gate_up, down, C)
-
+    with jax.named_scope("moe_dispatch"):   # sort, gather, all-to-all, combine
+      y_NxD, dropped = routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up, down)
     if mc.num_shared:
-      y_NxD = y_NxD + SwiGLU(cfg, mc.num_shared * F, name="shared")(x_NxD)
+      with jax.named_scope("shared_experts"):
+        y_NxD = y_NxD + SwiGLU(cfg, mc.num_shared * F, name="shared")(x_NxD)
 
-    stats = router.routing_stats(mc, logits_NxE, scores_NxE, idx_NxK, bias_E,
-                                 jnp.asarray(dropped, jnp.float32) / idx_NxK.size)
+    with jax.named_scope("router"):
+      stats = router.routing_stats(mc, logits_NxE, scores_NxE, idx_NxK, bias_E,
+                                   jnp.asarray(dropped, jnp.float32) / idx_NxK.size)
     penalty = mc.z_loss * stats["z_loss"]
     if mc.balancer == "aux_loss":
       penalty = penalty + mc.aux_loss_coef * stats["aux_loss"]

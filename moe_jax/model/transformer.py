@@ -1,9 +1,10 @@
 """HybridMoE: embedding → layer stack from the pattern string → final norm → LM head."""
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from moe_jax.model import attn_res
+from moe_jax.model import attn_res, layer_stack, remat
 from moe_jax.model.kda import KDAMixer
 from moe_jax.model.layers import SwiGLU, dtype_of, lp, rms_norm
 from moe_jax.model.mla import MLAMixer
@@ -48,17 +49,61 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, res, segment_ids_BxT, cache=None):
     cfg = self.cfg
-    mixer = MIXERS[mixer_kind(cfg, self.layer)](cfg, name="mixer")
+    kind = mixer_kind(cfg, self.layer)
+    mixer = MIXERS[kind](cfg, name="mixer")
     h_BxTxD = rms_norm(cfg, "mixer_norm")(attn_res.read(cfg, res, "mixer_res"))
-    if cache is None:
-      y_BxTxD = mixer(h_BxTxD, segment_ids_BxT)
-    else:
-      y_BxTxD, cache = mixer(h_BxTxD, segment_ids_BxT, cache)
+    # Named scopes tag every op (and its backward) for the per-phase profile
+    # (scripts/bench_train.py).
+    with jax.named_scope("kda" if kind == "K" else "mla"):
+      if cache is None:
+        y_BxTxD = mixer(h_BxTxD, segment_ids_BxT)
+      else:
+        y_BxTxD, cache = mixer(h_BxTxD, segment_ids_BxT, cache)
     res = attn_res.write(cfg, res, y_BxTxD, 2 * self.layer)
     h_BxTxD = rms_norm(cfg, "ffn_norm")(attn_res.read(cfg, res, "ffn_res"))
-    y_BxTxD, stats = make_ffn(cfg, self.layer)(h_BxTxD)
+    with jax.named_scope("moe" if is_moe(cfg, self.layer) else "dense_ffn"):
+      y_BxTxD, stats = make_ffn(cfg, self.layer)(h_BxTxD)
     res = attn_res.write(cfg, res, y_BxTxD, 2 * self.layer + 1)
     return (res, stats) if cache is None else (res, stats, cache)
+
+
+def remat_block(cfg, scanned: bool):
+  """Block, rematerialised per model.remat / remat_policy (model/remat.py). Inside a scan
+  the loop already keeps XLA from merging the recomputation away (prevent_cse off)."""
+  if not cfg.remat:
+    return Block
+  return nn.remat(Block, policy=remat.policy(cfg.remat_policy), prevent_cse=not scanned)
+
+
+class Period(nn.Module):
+  """One period of the layer pattern: blocks start … start+P-1 (the body of nn.scan).
+  Carries the residual state; returns each block's routing stats as the scan output."""
+  cfg: object
+  start: int
+
+  @nn.compact
+  def __call__(self, res, segment_ids_BxT):
+    block = remat_block(self.cfg, scanned=True)
+    stats = []
+    for j in range(len(self.cfg.layer_pattern)):
+      res, s = block(self.cfg, self.start + j, name=f"block_{j}")(res, segment_ids_BxT)
+      stats.append(s)
+    return res, tuple(stats)
+
+
+def scanned_periods(cfg, plan, res, segment_ids_BxT):
+  """The body of the stack as one nn.scan over plan.n periods; the routing stats come back
+  per layer ("layer_l"), each a slice of the stacked scan output."""
+  scan = nn.scan(Period, variable_axes={"params": 0, "router": 0, "intermediates": 0},
+                 split_rngs={"params": True}, in_axes=(nn.broadcast,), length=plan.n,
+                 metadata_params={nn.PARTITION_NAME: "layers"})
+  res, stats = scan(cfg, plan.start, name=layer_stack.PERIODS)(res, segment_ids_BxT)
+  routing = {}
+  for i in range(plan.n):
+    for j, s in enumerate(stats):
+      if s:
+        routing[f"layer_{plan.layer(i, j)}"] = jax.tree.map(lambda x, i=i: x[i], s)
+  return res, routing
 
 
 class HybridMoE(nn.Module):
@@ -70,7 +115,10 @@ class HybridMoE(nn.Module):
 
   With `cache` (infer/cache.py) the tokens continue each row from its cached length
   (prefill chunks and decode steps; live tokens first in each row) and aux["cache"] is
-  the updated cache.
+  the updated cache. The cache path runs unscanned (infer.generate.inference_model).
+
+  With cfg.scan_layers the layers that repeat are one nn.scan (model/layer_stack.py: which
+  layers, and the "periods" parameter layout).
   """
   cfg: object
 
@@ -82,9 +130,18 @@ class HybridMoE(nn.Module):
                      embedding_init=lp(nn.initializers.normal(1.0), ("vocab", "embed")),
                      name="embed")
     res = attn_res.init(cfg, embed(tokens_BxT))
-    block = nn.remat(Block) if cfg.remat and cache is None else Block
+    block = remat_block(cfg, scanned=False) if cache is None else Block
+    plan = layer_stack.plan(cfg)
+    if plan.n and cache is not None:
+      raise ValueError("model.scan_layers: the cache path runs unscanned; build the model with "
+                       "infer.generate.inference_model and layer_stack.unstack its variables")
     routing, new_layers = {}, {}
     for i in range(cfg.n_layers):
+      if plan.start <= i < plan.end:
+        if i == plan.start:
+          res, scanned = scanned_periods(cfg, plan, res, segment_ids_BxT)
+          routing.update(scanned)
+        continue
       name = f"layer_{i}"
       layer = block(cfg, i, name=name)
       if cache is None:

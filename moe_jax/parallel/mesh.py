@@ -26,6 +26,7 @@ LOGICAL_RULES = (
     ("kv_lora", None),
     ("conv", None),
     ("norm", None),
+    ("layers", None),   # the scan axis of stacked layer params (model/layer_stack.py)
 )
 
 

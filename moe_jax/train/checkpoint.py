@@ -15,6 +15,9 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moe_jax.model import layer_stack
 
 
 class CheckpointSaveError(RuntimeError):
@@ -56,22 +59,50 @@ def _save_error(manager, what, e) -> CheckpointSaveError:
       "resume from the newest one.")
 
 
-def restore_latest(manager: ocp.CheckpointManager, state, data_iter):
+def restore_latest(manager: ocp.CheckpointManager, state, data_iter, model_cfg=None):
   """(state, step) from the newest readable checkpoint, data_iter moved to its position;
-  (state, None) unchanged when there is none."""
-  return _restore_newest(manager, state, data_iter, sorted(manager.all_steps(), reverse=True))
+  (state, None) unchanged when there is none. With `model_cfg`, a checkpoint in the other
+  layer layout (model/layer_stack.py: written before or without scan_layers) is converted."""
+  return _restore_newest(manager, state, data_iter, sorted(manager.all_steps(), reverse=True),
+                         model_cfg)
 
 
-def restore_before(manager: ocp.CheckpointManager, state, data_iter, step: int):
+def restore_before(manager: ocp.CheckpointManager, state, data_iter, step: int, model_cfg=None):
   """(state, its step) from the newest readable checkpoint before `step` (a rollback)."""
   steps = sorted((s for s in manager.all_steps() if s < step), reverse=True)
   if not steps:
     raise RuntimeError(f"no checkpoint before step {step} in {manager.directory} to roll "
                        "back to: save more often (checkpoint.every_steps)")
-  return _restore_newest(manager, state, data_iter, steps)
+  return _restore_newest(manager, state, data_iter, steps, model_cfg)
 
 
-def _restore_newest(manager, state, data_iter, steps):
+def _restore_any_layout(restore, abstract, model_cfg):
+  """restore(target) in the state's layout; if that fails and the model scans layers, in the
+  other layout (restored replicated), converted and placed like the state."""
+  try:
+    return restore(abstract)
+  except Exception as first:
+    if model_cfg is None or layer_stack.plan(model_cfg).n == 0:
+      raise
+    stacked = layer_stack.is_stacked(abstract.params)
+    other = jax.eval_shape(lambda s: layer_stack.convert(model_cfg, s, not stacked), abstract)
+    sharding = jax.tree.leaves(abstract)[0].sharding
+    if isinstance(sharding, NamedSharding):
+      sharding = NamedSharding(sharding.mesh, P())
+    other = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                         other)
+    try:
+      restored = restore(other)
+    except Exception:
+      raise first from None   # unreadable in either layout: report the state's own error
+    state = layer_stack.convert(model_cfg, restored.state, stacked)
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state, abstract)
+    print("moe_jax: converted a checkpoint to the " + ("scanned" if stacked else "per-layer")
+          + " layer layout (model/layer_stack.py)", flush=True)
+    return type(restored)(**{**dict(restored.items()), "state": state})
+
+
+def _restore_newest(manager, state, data_iter, steps, model_cfg=None):
   """Tries `steps` newest first. Unreadable ones are logged and, once an older one has been
   restored, moved aside; if none is readable, ValueError listing each step's error (and
   nothing is moved)."""
@@ -81,9 +112,10 @@ def _restore_newest(manager, state, data_iter, steps):
   failed = []
   for step in steps:
     try:
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract),
-          data=grain.checkpoint.CheckpointRestore(data_iter)))
+      restored = _restore_any_layout(
+          lambda target: manager.restore(step, args=ocp.args.Composite(
+              state=ocp.args.StandardRestore(target),
+              data=grain.checkpoint.CheckpointRestore(data_iter))), abstract, model_cfg)
     except Exception as e:  # a truncated or missing file surfaces as many error types
       logging.warning("checkpoint step %d in %s cannot be read (%s: %s)", step,
                       manager.directory, type(e).__name__, e)
@@ -112,14 +144,14 @@ def _set_aside(manager, step: int) -> str:
   return dest
 
 
-def restore_state(directory: str, abstract_state, step: int | None = None):
+def restore_state(directory: str, abstract_state, step: int | None = None, model_cfg=None):
   """(state, step) from `directory` (the latest step unless given), without the data iterator:
-  for inference and evaluation."""
+  for inference and evaluation. model_cfg: as in restore_latest."""
   manager = ocp.CheckpointManager(directory, item_names=("state", "data"))
   step = manager.latest_step() if step is None else step
   if step is None:
     raise ValueError(f"no checkpoint in {directory!r}: train first (scripts/train.py --workdir)")
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state)))
+  restored = _restore_any_layout(lambda target: manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(target))), abstract_state, model_cfg)
   manager.close()
   return restored.state, step

@@ -1,5 +1,6 @@
 """train_and_evaluate: config → data → model → jitted steps → eval / metrics / checkpoints."""
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -22,7 +23,7 @@ from moe_jax.train.preemption import Preemption
 def evaluate(eval_step, state, eval_ds, sharding) -> dict[str, float]:
   sums = None
   for batch in eval_ds:
-    out = eval_step(state.params, state.router, jax.device_put(batch, sharding))
+    out = eval_step(state.params, state.router, state_lib.global_batch(batch, sharding))
     sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
   return step_lib.summarize_eval(sums)
 
@@ -51,8 +52,10 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
 
 def _train(c, workdir, mesh, progress, stop_after, start_from):
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
+  primary = jax.process_index() == 0   # the one process that writes files and logs
+  if primary:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=2))
 
   # Data.
   sources = pipeline.sources(c)
@@ -64,20 +67,14 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   # Model, optimizer, state.
   model = HybridMoE(state_lib.frozen_model_config(c))
   tx = optim.make_optimizer(c)
-  example = next(iter(eval_ds))
-  state, state_sh = state_lib.create_train_state(model, tx, example, mesh,
-                                                 jax.random.key(c.seed))
-  batch_sh = state_lib.batch_sharding(mesh)
   manager = checkpoint.make_manager(os.path.abspath(os.path.join(workdir, "checkpoints")), c)
-  state, resumed = checkpoint.restore_latest(manager, state, train_iter)
-  if resumed is None and start_from is not None:
-    state = start_from(state)
-  start = int(state.step)
+  state, resumed, state_sh, batch_sh, train_step, _ = start(
+      c, mesh, model, tx, next(iter(eval_ds)), manager, train_iter, start_from)
+  start_step = int(state.step)
   print(f"moe_jax: {state_lib.param_count(state.params):,} params; "
         + (f"resumed from checkpoint at step {resumed}" if resumed is not None
            else "no checkpoint, starting from step 0"), flush=True)
 
-  train_step = step_lib.jit_train_step(c, state_sh, batch_sh)
   eval_step = step_lib.jit_eval_step(model.apply, state_sh, batch_sh)
   tags = {"stage": c.log.stage} if c.log.stage else None
   train_log = metrics.MetricWriter(workdir, "train", tags)
@@ -87,11 +84,12 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
 
   total = c.schedule.total_steps
   end = total if stop_after is None else min(stop_after, total)
-  bar = tqdm(total=total, initial=start, disable=not progress, unit="step", dynamic_ncols=True)
-  last_time, last_step = time.perf_counter(), start
+  bar = tqdm(total=total, initial=start_step, disable=not (progress and primary), unit="step",
+             dynamic_ncols=True)
+  last_time, last_step = time.perf_counter(), start_step
   guard = DivergenceGuard(c.train.guard) if c.train.guard.enabled else None
   preempted = None
-  step = start
+  step = start_step
   closing = contextlib.ExitStack()   # however the loop ends: a fault, SIGTERM, or done
   closing.callback(_close_quietly, manager)
   closing.callback(train_log.close)
@@ -103,7 +101,7 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
         bar.write(f"moe_jax: preempted (SIGTERM); saved step {step}, run again to resume")
         preempted = step
         break
-      batch = jax.device_put(next(train_iter), batch_sh)
+      batch = state_lib.global_batch(next(train_iter), batch_sh)
       state, m = train_step(state, batch)
       done = step + 1
       if guard is not None and (trigger := guard.observe(
@@ -145,8 +143,53 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
 
   summary = {"step": int(state.step), "resumed_from": resumed, "unigram_entropy_bits": unigram,
              **{f"val_{k}": v for k, v in eval_metrics.items()}}
-  with open(os.path.join(workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  if primary:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    _print_final(eval_metrics, unigram)
+  return {**summary, "state": state, "history": history, "max_vio_history": max_vio_history}
+
+
+def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=None):
+  """The state to train from and the compiled train step, side by side: the step compiles
+  (or loads from the compilation cache) on a second thread from the abstract state while
+  this one restores the newest checkpoint or, with none, runs init (and `start_from`).
+
+  Returns (state, resumed step or None, state shardings, batch sharding, compiled train
+  step, timings in seconds: "init_or_restore", "lower", "compile", "wall")."""
+  t0 = time.perf_counter()
+  abstract, state_sh, init = state_lib.train_state_plan(model, tx, example_batch, mesh)
+  batch_sh = state_lib.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len), v.dtype,
+                                   sharding=batch_sh) for k, v in example_batch.items()}
+  jitted = step_lib.jit_train_step(c, state_sh, batch_sh)
+  timings = {}
+
+  def compile_step():
+    t = time.perf_counter()
+    lowered = jitted.lower(abstract, batch)
+    timings["lower"] = time.perf_counter() - t
+    t = time.perf_counter()
+    compiled = lowered.compile()
+    timings["compile"] = time.perf_counter() - t
+    return compiled
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    compiling = pool.submit(compile_step)
+    t = time.perf_counter()
+    state, resumed = checkpoint.restore_latest(manager, abstract, train_iter, c.model)
+    if resumed is None:
+      state = init(jax.random.key(c.seed))
+      if start_from is not None:
+        state = start_from(state)
+    jax.block_until_ready(state)
+    timings["init_or_restore"] = time.perf_counter() - t
+    train_step = compiling.result()
+  timings["wall"] = time.perf_counter() - t0
+  return state, resumed, state_sh, batch_sh, train_step, timings
+
+
+def _print_final(eval_metrics, unigram):
   if unigram is not None:
     drop = 1.0 - eval_metrics["bits_per_byte"] / unigram
     print(f"final validation bits/byte {eval_metrics['bits_per_byte']:.4f} vs byte-unigram "
@@ -155,7 +198,6 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   else:
     print(f"final validation accuracy {eval_metrics['accuracy']:.4f}, loss "
           f"{eval_metrics['loss']:.4f}", flush=True)
-  return {**summary, "state": state, "history": history, "max_vio_history": max_vio_history}
 
 
 def _roll_back(manager, state, train_iter, guard, trigger, c, train_log, bar):
@@ -164,7 +206,7 @@ def _roll_back(manager, state, train_iter, guard, trigger, c, train_log, bar):
   step)."""
   checkpoint.finish(manager)
   guard.rolled_back(trigger)
-  state, to_step = checkpoint.restore_before(manager, state, train_iter, trigger.step)
+  state, to_step = checkpoint.restore_before(manager, state, train_iter, trigger.step, c.model)
   skip = trigger.step - to_step + c.train.guard.skip_batches
   for _ in range(skip):
     next(train_iter)

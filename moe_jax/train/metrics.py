@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import numpy as np
 from tensorboardX import SummaryWriter
 
@@ -16,10 +17,14 @@ class MetricWriter:
 
   def __init__(self, workdir: str, name: str, tags: dict | None = None):
     self._tags = dict(tags or {})   # e.g. {"stage": "s1k"}: added to every JSONL line
-    self._tb = SummaryWriter(os.path.join(workdir, "tb", name))
-    self._jsonl = open(os.path.join(workdir, f"metrics_{name}.jsonl"), "a")
+    self._on = jax.process_index() == 0   # one writer in a multi-process run
+    if self._on:
+      self._tb = SummaryWriter(os.path.join(workdir, "tb", name))
+      self._jsonl = open(os.path.join(workdir, f"metrics_{name}.jsonl"), "a")
 
   def write(self, step: int, scalars: dict):
+    if not self._on:
+      return
     row = {}
     for k, v in scalars.items():
       v = np.asarray(v, np.float64)
@@ -33,5 +38,7 @@ class MetricWriter:
     self._jsonl.flush()
 
   def close(self):
+    if not self._on:
+      return
     self._tb.close()
     self._jsonl.close()

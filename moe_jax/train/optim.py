@@ -5,6 +5,7 @@ import jax
 import ml_collections
 import optax
 
+from moe_jax.model import layer_stack
 from moe_jax.train.schedule import make_schedule
 
 # apply_if_finite applies a non-finite update after this many in a row; never let it.
@@ -12,8 +13,12 @@ _NEVER = 2**31 - 1
 
 
 def decay_mask(params):
-  """Weight decay on ≥2-D kernels and embeddings; not on norms, biases, gate scalars."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Weight decay on ≥2-D kernels and embeddings; not on norms, biases, gate scalars. A
+  scanned layer's params carry one more (leading) axis, not counted."""
+  def is_matrix(path, p):
+    stacked = any(getattr(k, "key", None) == layer_stack.PERIODS for k in path)
+    return p.ndim - stacked >= 2
+  return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def router_mask(params):

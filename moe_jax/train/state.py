@@ -24,18 +24,61 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(("data", "fsdp", "expert"), "sequence"))
 
 
+def init_model(model: nn.Module) -> nn.Module:
+  """The model as init builds it: params depend on no kernel choice, so the XLA paths run
+  (no Pallas or tokamax kernel is lowered and compiled only to be thrown away)."""
+  c = ml_collections.ConfigDict(model.cfg.to_dict())
+  c.kda_implementation, c.mla_implementation = "xla", "xla"
+  if c.moe.num_experts:
+    c.moe.grouped_matmul = "xla"
+  return model.clone(cfg=ml_collections.FrozenConfigDict(c))
+
+
+def init_batch(example_batch, mesh: Mesh | None = None):
+  """The smallest batch that builds the same params: one KDA chunk per sequence shard, one
+  row per batch shard (params depend on no batch or sequence length)."""
+  rows = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  seq = 1 if mesh is None else mesh.shape["sequence"]
+  T = example_batch["tokens"].shape[1]
+  return {k: v[:1].repeat(rows, 0)[:, :min(T, seq * _INIT_CHUNK)]
+          for k, v in example_batch.items()}
+
+
+_INIT_CHUNK = 128  # ≥ every kda_chunk_size
+
+
+def global_batch(local_batch: dict, sharding: NamedSharding) -> dict:
+  """The global batch array from each process's rows (data/pipeline.py shards them by
+  process); with one process, a device_put."""
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x),
+                      local_batch)
+
+
 def _boxed_state(model: nn.Module, tx, example_batch, rng):
-  variables = model.init(rng, example_batch)
+  variables = init_model(model).init(rng, example_batch)
   return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
                            router=variables.get("router", {}))
 
 
-def create_train_state(model: nn.Module, tx, example_batch, mesh: Mesh, rng):
-  """Returns (state, state_shardings). Params are fp32, laid out by their logical axes."""
+def train_state_plan(model: nn.Module, tx, example_batch, mesh: Mesh):
+  """(abstract state: shapes, dtypes and shardings; state shardings; init: rng → state),
+  without building anything: the train step can compile from the abstract state while init
+  runs, and a resumed run restores into it and never inits. Params are fp32, laid out by
+  their logical axes; init runs the XLA paths on a batch of one chunk per shard
+  (init_model, init_batch)."""
+  example_batch = init_batch(example_batch, mesh)
   boxed_state = lambda r: _boxed_state(model, tx, example_batch, r)
-  abstract = jax.eval_shape(boxed_state, rng)
-  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, LOGICAL_RULES)
+  boxed = jax.eval_shape(boxed_state, jax.random.key(0))
+  shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, LOGICAL_RULES)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          nn.meta.unbox(boxed), shardings)
   init = jax.jit(lambda r: nn.meta.unbox(boxed_state(r)), out_shardings=shardings)
+  return abstract, shardings, init
+
+
+def create_train_state(model: nn.Module, tx, example_batch, mesh: Mesh, rng):
+  """Returns (state, state_shardings): train_state_plan's init, run."""
+  _, shardings, init = train_state_plan(model, tx, example_batch, mesh)
   return init(rng), shardings
 
 

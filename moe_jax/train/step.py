@@ -6,13 +6,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moe_jax.model import router as router_lib
+from moe_jax.model import layer_stack, router as router_lib
 from moe_jax.train import optim
 
 
 def _nll(params, router_vars, apply_fn, batch):
   logits_BxTxV, aux = apply_fn({"params": params, "router": router_vars}, batch)
-  nll_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
+  with jax.named_scope("loss"):
+    nll_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
   return nll_BxT * batch["loss_mask"], logits_BxTxV, aux
 
 
@@ -41,10 +42,14 @@ def train_step(state, batch, *, config):
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (total, (nll, aux)), grads = grad_fn(state.params, state.router, state.apply_fn, batch)
   grad_norm = optax.tree.norm(grads)
-  router = router_lib.update_all(config.model.moe, state.router, aux["routing"], state.step)
+  # The balancers read the router state per layer; with scanned layers it is stacked.
+  router = layer_stack.stack(config.model, router_lib.update_all(
+      config.model.moe, layer_stack.unstack(config.model, state.router), aux["routing"],
+      state.step))
   router = jax.tree.map(lambda new, old: jnp.where(jnp.isfinite(grad_norm), new, old),
                         router, state.router)
-  new_state = state.apply_gradients(grads=grads).replace(router=router)
+  with jax.named_scope("optimizer"):
+    new_state = state.apply_gradients(grads=grads).replace(router=router)
   metrics = {
       "loss": nll,
       "penalty": total - nll,
