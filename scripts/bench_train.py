@@ -49,7 +49,10 @@ PEAK_FLOPS = 762e12   # bf16 dense matmul measured on the H200 (../shared/device
 PHASES = ("optimizer", "moe_experts", "moe_dispatch", "router", "shared_experts", "dense_ffn",
           "kda", "mla", "loss")
 
-# name: (config file[:arg], overrides, platform it is meant for)
+_1B = {"data.seq_len": 8192, "data.batch_size": 4}
+# name: (config file[:arg], overrides, platform it is meant for[, devices (default 1)]).
+# Multi-device rows keep 4 rows of 8K per device; their "× 1 device" column divides their
+# tokens/s by the 1-device row of the same config in the same run.
 ROWS = {
     "1b_dropless": ("configs/long_context_1b.py",
                     {"data.seq_len": 8192, "data.batch_size": 4}, "gpu"),
@@ -62,9 +65,21 @@ ROWS = {
     "1b_dropless_unscanned": ("configs/long_context_1b.py",
                               {"data.seq_len": 8192, "data.batch_size": 4,
                                "model.scan_layers": False}, "gpu"),
+    "1b_dropless_dp2": ("configs/long_context_1b.py",
+                        {**_1B, "data.batch_size": 8, "mesh.data": 2}, "gpu", 2),
+    "1b_dropless_ep2": ("configs/long_context_1b.py",
+                        {**_1B, "data.batch_size": 8, "mesh.data": 1, "mesh.expert": 2},
+                        "gpu", 2),
     "h200_dropless": ("configs/single_h200.py", {}, "gpu"),
     "tiny_cpu": ("configs/tiny.py", {}, "cpu"),
+    "tiny_cpu_dp2": ("configs/tiny.py", {"data.batch_size": 32, "mesh.data": 2}, "cpu", 2),
 }
+BASELINE = {"1b_dropless_dp2": "1b_dropless", "1b_dropless_ep2": "1b_dropless",
+            "tiny_cpu_dp2": "tiny_cpu"}
+
+
+def row_devices(name: str) -> int:
+  return ROWS[name][3] if len(ROWS[name]) > 3 else 1
 
 
 def _parse(value: str):
@@ -78,7 +93,7 @@ def _parse(value: str):
 
 def row_config(name: str, extra=()):
   import importlib.util
-  path, overrides, _ = ROWS[name]
+  path, overrides = ROWS[name][:2]
   path, _, arg = path.partition(":")
   spec = importlib.util.spec_from_file_location("row_config", path)
   module = importlib.util.module_from_spec(spec)
@@ -180,6 +195,7 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
   rec = {"row": name, "mode": mode, "imports_s": time.time() - _LAUNCH}
   c = config_lib.validate(row_config(name, extra))
   compile_cache.enable(cache_dir)
+  flops = model_flops_per_step(c)   # outside the mesh: params.count traces one row
   mesh = make_mesh(c.mesh)
   with jax.set_mesh(mesh):
     t = time.time()
@@ -220,16 +236,15 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
     rec["step_ms_min_max"] = [min(times) * 1e3, max(times) * 1e3]
     rec["tokens_per_s"] = tokens / statistics.median(times)
     rec["loss_after"] = float(m["loss"])
-    stats = jax.local_devices()[0].memory_stats() or {}
-    rec["peak_memory_gib"] = (stats["peak_bytes_in_use"] / 2**30
-                              if "peak_bytes_in_use" in stats else None)
-    flops = model_flops_per_step(c)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    rec["peak_memory_gib"] = None if None in peaks else max(peaks) / 2**30   # per device
+    rec["devices"] = jax.device_count()
     rec["flops"] = flops
     rec["tokens_per_step"] = tokens
     rec["platform"] = jax.default_backend()
     rec["device"] = jax.local_devices()[0].device_kind
     if rec["platform"] == "gpu":
-      rec["mfu"] = flops["total"] / (rec["step_ms"] / 1e3) / PEAK_FLOPS
+      rec["mfu"] = flops["total"] / (rec["step_ms"] / 1e3) / PEAK_FLOPS / rec["devices"]
     trace_dir = os.path.join(cache_dir or tempfile.mkdtemp(), "trace")
     n_prof = 3
     jax.profiler.start_trace(trace_dir)
@@ -255,7 +270,11 @@ def run_row(name: str, steps: int, extra) -> list[dict]:
            f"--result={result}", f"--steps={steps}", f"--out={_OUT.value}",
            *[f"--set={kv}" for kv in extra]]
     t = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    n = row_devices(name)   # the row's devices: the first n GPUs, or n CPU devices
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    if ROWS[name][2] == "gpu":
+      env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = os.path.join(_LOGS.value or os.path.join(_OUT.value, "logs"), f"{name}_{mode}.log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
     with open(log, "w") as f:
@@ -273,13 +292,22 @@ def run_row(name: str, steps: int, extra) -> list[dict]:
   return recs
 
 
+def _scaling(by_row: dict, row: str) -> str:
+  """tokens/s of a multi-device row over its 1-device baseline measured in the same run."""
+  cold = by_row[row]["cold"]
+  base = by_row.get(BASELINE.get(row, ""), {}).get("cold", {})
+  if "tokens_per_s" not in base:
+    return "—"
+  return f"{cold['tokens_per_s'] / base['tokens_per_s']:.2f}× on {cold['devices']}"
+
+
 def markdown(records: list[dict], extra) -> str:
   date = time.strftime("%Y-%m-%d")
   lines = [f"## {date}: `scripts/bench_train.py` " + (f"(--set {' '.join(extra)})" if extra
                                                         else ""), ""]
   head = ("| row | device | tokens/step | cold: init ‖ (lower + compile) = wall; launch→1st step "
-          "s | warm: same | step ms | tokens/s | MFU | peak GiB |")
-  lines += [head, "|---|---|---|---|---|---|---|---|---|"]
+          "s | warm: same | step ms | tokens/s | × 1 device | MFU | peak GiB / device |")
+  lines += [head, "|---|---|---|---|---|---|---|---|---|---|"]
   by_row = {}
   for r in records:
     by_row.setdefault(r["row"], {})[r["mode"]] = r
@@ -295,8 +323,8 @@ def markdown(records: list[dict], extra) -> str:
                        if "launch_to_first_step_s" in r else "—")
     lines.append(
         f"| {row} | {cold['device']} | {cold['tokens_per_step']} | {start(cold)} | "
-        f"{start(warm)} | {cold['step_ms']:.1f} | "
-        f"{cold['tokens_per_s']:,.0f} | {mfu} | {peak} |")
+        f"{start(warm)} | {cold['step_ms']:.1f} | {cold['tokens_per_s']:,.0f} | "
+        f"{_scaling(by_row, row)} | {mfu} | {peak} |")
   phases = sorted({p for rs in by_row.values() for p in (rs.get("cold", {}).get("phase_ms") or {})})
   if not phases:
     return "\n".join(lines) + "\n"
