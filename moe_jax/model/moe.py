@@ -165,22 +165,22 @@ def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
   """(y [N, D], dropped assignments) by the dispatch path the config and the mesh pick."""
   N, K = idx_NxK.shape
   E = gate_up_ExDx2xF.shape[0]
-  gate_up, down = gate_up_ExDx2xF, down_ExFxD
   ep = axis_size("expert")
   if ep > 1:
     from moe_jax.parallel import expert as expert_parallel  # it imports this module
 
     return expert_parallel.moe_ffn(
-        x_NxD, idx_NxK, w_NxK, gate_up, down, expert_shards=ep,
+        x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, expert_shards=ep,
         capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
         implementation=mc.grouped_matmul)
   if mc.dispatch == "dropless" and N * K <= E and (
       decode := decode_path(mc.decode_dispatch, N * K)) != "grouped":
-    return gathered(x_NxD, idx_NxK, w_NxK, gate_up, down, fused=decode == "fused"), 0
+    return gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD,
+                    fused=decode == "fused"), 0
   if mc.dispatch == "dropless":
-    return dropless(x_NxD, idx_NxK, w_NxK, gate_up, down, mc.grouped_matmul), 0
+    return dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, mc.grouped_matmul), 0
   C = capacity(N, K, E, mc.capacity_factor)
-  return with_capacity(x_NxD, idx_NxK, w_NxK, gate_up, down, C)
+  return with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, C)
 
 
 class MoE(nn.Module):
