@@ -9,11 +9,21 @@ settings that let one suite run on CPU and on a GPU.
 * `@pytest.mark.gpu` tests run the real kernels at realistic sizes; they skip off GPU.
 * Several test processes can share one GPU: JAX's 75% preallocation is off.
 * Fake multi-device runs are subprocesses on the CPU platform (`cpu_devices_env`).
+* One persistent compilation cache per session, in a fresh temporary folder: pytest
+  imports this file before it starts xdist workers, so workers and the subprocesses tests
+  start share it, and a test that compiles a program another already compiled (the same
+  small model trained again, a resumed run) loads it. The folder is removed at the end
+  (a JAX_COMPILATION_CACHE_DIR already set is used instead, and kept).
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ   # else the user's, kept
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe_jax_tests_xla_")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -24,6 +34,11 @@ from configs import tiny  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE and not hasattr(config, "workerinput"):   # the process that made it
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

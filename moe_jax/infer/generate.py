@@ -3,6 +3,7 @@ a jitted `lax.while_loop` that samples one token per row per step until every ro
 stop token or the budget.
 
   model = inference_model(cfg)
+  variables = inference_variables(cfg, train_variables)   # per-layer layout, once
   step = make_step(model)
   cache = init_cache(model.cfg, B, max_len)
   logits_BxV, cache = prefill(step, variables, cache, tokens_BxT, lengths_B, chunk=256)
