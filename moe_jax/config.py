@@ -13,6 +13,7 @@ ROUTER_SCORES = ("sigmoid", "softmax")
 DISPATCH = ("dropless", "capacity")
 DECODE_DISPATCH = ("auto", "gather", "grouped", "fused")
 GROUPED_MATMULS = ("", "xla", "tokamax")
+REMAT_POLICIES = ("full", "dots", "kernels")   # model/remat.py
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
 
 
@@ -68,8 +69,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for f in ("remat", "scan_layers"):
     if not isinstance(m.get(f), bool):
       _fail(f"model.{f}", m.get(f), "True or False")
-  if m.remat_policy not in ("full", "dots", "kernels"):
-    _fail("model.remat_policy", m.remat_policy, "one of ('full', 'dots', 'kernels')")
+  if m.remat_policy not in REMAT_POLICIES:
+    _fail("model.remat_policy", m.remat_policy, f"one of {REMAT_POLICIES}")
   if m.decode_matmul not in ("xla", "pallas"):
     _fail("model.decode_matmul", m.decode_matmul, "one of ('xla', 'pallas')")
 

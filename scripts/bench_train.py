@@ -54,17 +54,13 @@ _1B = {"data.seq_len": 8192, "data.batch_size": 4}
 # Multi-device rows keep 4 rows of 8K per device; their "× 1 device" column divides their
 # tokens/s by the 1-device row of the same config in the same run.
 ROWS = {
-    "1b_dropless": ("configs/long_context_1b.py",
-                    {"data.seq_len": 8192, "data.batch_size": 4}, "gpu"),
+    "1b_dropless": ("configs/long_context_1b.py", _1B, "gpu"),
     "1b_capacity": ("configs/long_context_1b.py",
-                    {"data.seq_len": 8192, "data.batch_size": 4,
-                     "model.moe.dispatch": "capacity"}, "gpu"),
+                    {**_1B, "model.moe.dispatch": "capacity"}, "gpu"),
     "1b_dropless_full_remat": ("configs/long_context_1b.py",
-                               {"data.seq_len": 8192, "data.batch_size": 4,
-                                "model.remat_policy": "full"}, "gpu"),
+                               {**_1B, "model.remat_policy": "full"}, "gpu"),
     "1b_dropless_unscanned": ("configs/long_context_1b.py",
-                              {"data.seq_len": 8192, "data.batch_size": 4,
-                               "model.scan_layers": False}, "gpu"),
+                              {**_1B, "model.scan_layers": False}, "gpu"),
     "1b_dropless_dp2": ("configs/long_context_1b.py",
                         {**_1B, "data.batch_size": 8, "mesh.data": 2}, "gpu", 2),
     "1b_dropless_ep2": ("configs/long_context_1b.py",
@@ -83,6 +79,7 @@ def row_devices(name: str) -> int:
 
 
 def _parse(value: str):
+  """A --set value as the int, float, bool or string it spells."""
   for conv in (int, float):
     try:
       return conv(value)
@@ -100,12 +97,8 @@ def row_config(name: str, extra=()):
   spec.loader.exec_module(module)
   c = module.get_config(arg or None)
   c.checkpoint.async_save = False
-  for k, v in list(overrides.items()) + [kv.split("=", 1) for kv in extra]:
-    node = c
-    *parents, leaf = k.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = _parse(v) if isinstance(v, str) else v
+  c.update_from_flattened_dict(overrides)
+  c.update_from_flattened_dict({k: _parse(v) for k, v in (kv.split("=", 1) for kv in extra)})
   return c
 
 

@@ -14,7 +14,8 @@ need a policy; measured choices are in benchmarks/train.md.
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-POLICIES = ("full", "dots", "kernels")
+from moe_jax.config import REMAT_POLICIES
+
 KERNEL_OUTPUTS = ("kda_out", "mla_out", "moe_h", "moe_y")
 
 
@@ -32,4 +33,4 @@ def policy(name: str):
   if name == "kernels":
     return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
                                       cp.save_only_these_names(*KERNEL_OUTPUTS))
-  raise ValueError(f"model.remat_policy must be one of {POLICIES}, got {name!r}")
+  raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")
