@@ -7,7 +7,7 @@ Mesh: every local device on the `sequence` axis (2 on nvidia-h200-x2). Batch 1, 
 document per row. Attention: 16 heads of 64 (the MLA shape of configs/long_context_1b.py),
 causal: ring steps as Pallas flash kernels, and as XLA score blocks at each --subs sub-block
 size (the fastest variant is in the table, all in the JSON); the single-device baselines are
-cuDNN flash attention and the model's Pallas flash kernel. KDA: 16 heads, K = V = 128,
+cuDNN flash attention and jax's Pallas flash kernel. KDA: 16 heads, K = V = 128,
 bounded gates; the baseline is kda(implementation=None) on one device. Memory per device is
 XLA's compiled estimate (arguments + outputs + temporaries) of the fwd+bwd program.
 A row whose program fails (out of memory) is recorded as such; results are written after
@@ -24,7 +24,7 @@ from absl import app, flags
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.model import mla
+from jax.experimental.pallas.ops.gpu.attention import mha as pallas_mha
 from moe_jax.parallel import ring_attention as ring_attention_lib
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
 from moe_jax.parallel.ring_attention import ring_attention
@@ -106,11 +106,11 @@ def main(argv):
                                                           implementation=impl)
       q1, k1, v1 = (jax.device_put(x, devices[0]) for x in (q, k, v))
       ms1, gb1 = _timed(fwd_bwd(base), (q1, k1, v1))
-      # The model's own single-device training path (Pallas flash with segment ids).
+      # jax's Pallas flash kernel with segment ids (the single-device path until 2026-12-01).
       seg1 = jax.device_put(seg, devices[0])
-      flash_ms, _ = _timed(fwd_bwd(lambda q, k, v: mla.flash_attention(q, k, v, seg1)),
-                           (q1, k1, v1))
-      # Our ring-step kernels on one device (a ring of one): a candidate for that path.
+      flash_ms, _ = _timed(fwd_bwd(lambda q, k, v: pallas_mha(
+          q, k, v, seg1, sm_scale=q.shape[-1] ** -0.5, causal=True)), (q1, k1, v1))
+      # Our ring-step kernels on one device (a ring of one): the model's path now.
       with jax.set_mesh(one):
         ring1_ms, _ = _timed(fwd_bwd(lambda q, k, v: ring_attention(
             q, k, v, seg1, implementation="pallas")), (q1, k1, v1))

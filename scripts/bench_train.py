@@ -24,8 +24,10 @@ import time
 
 _LAUNCH = time.time()
 
+import gzip  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -42,6 +44,8 @@ _MODE = flags.DEFINE_enum("mode", "cold", ["cold", "warm"], "Internal: cold or w
 _CACHE = flags.DEFINE_string("cache_dir", "", "Internal: the compilation cache of the row.")
 _RESULT = flags.DEFINE_string("result", "", "Internal: the child's JSON output.")
 _LOGS = flags.DEFINE_string("logs", "", "Where each process's log goes (default <out>/logs).")
+_XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA_FLAGS for every row's processes "
+                                 "(e.g. --xla_gpu_autotune_level=0), recorded with the row.")
 _SET = flags.DEFINE_multi_string("set", [], "Extra config override key=value for every row "
                                  "(e.g. model.remat=True), applied last.")
 
@@ -122,7 +126,7 @@ def model_flops_per_step(c) -> dict:
 
 # GPU kernels by name, for the kernels whose op name the profile does not carry (seen on
 # the H200: every kernel reported under "XlaModule").
-KERNEL_PHASES = (("kda_", "kda"), ("mha_", "mla"), ("ragged_dot", "moe_experts"),
+KERNEL_PHASES = (("kda_", "kda"), ("mha_", "mla"), ("ring_step", "mla"), ("ragged_dot", "moe_experts"),
                  ("grouped_dw", "moe_experts"), ("nvjet", "cublas_matmuls"),
                  ("gemm", "cublas_matmuls"), ("cutlass", "cublas_matmuls"),
                  ("fusion", "xla_fusions"), ("memcpy", "copies"), ("convert", "xla_fusions"))
@@ -151,9 +155,34 @@ def _tool_rows(paths, tool: str) -> list[dict]:
   return [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
 
 
-def phase_profile(trace_dir: str, steps: int) -> dict | None:
+def _kernel_name(name: str) -> str:
+  """An HLO instruction name as XLA names the GPU kernel emitted for it."""
+  return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def hlo_ops(hlo_text: str) -> dict[str, str]:
+  """Kernel name → op_name (the named scopes) of the HLO instruction it runs, from the
+  compiled step's HLO: on the GPU the profile names every XLA fusion's op "XlaModule", and
+  the instruction's metadata is what says whose gradient or norm it computes."""
+  ops = {}
+  for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo_text,
+                       re.M):
+    ops[_kernel_name(m.group(1))] = m.group(2)
+  return ops
+
+
+def _op_of(kernel: str, ops: dict[str, str]) -> str:
+  """The HLO op_name of a kernel: its instruction's, or that of the name without XLA's
+  trailing kernel index."""
+  if kernel in ops:
+    return ops[kernel]
+  return ops.get(re.sub(r"_\d+$", "", kernel), "")
+
+
+def phase_profile(trace_dir: str, steps: int, ops: dict[str, str]) -> dict | None:
   """Device time per phase and the top kernels (ms per step), from xprof's kernel_stats:
-  every GPU kernel with the framework op (named scopes) it ran for. None without xprof."""
+  every GPU kernel with the framework op (named scopes) it ran for, or, where the profile
+  has none, the op of its HLO instruction (hlo_ops). None without xprof."""
   try:
     import glob
     import xprof  # noqa: F401  (installed: the profile can be read)
@@ -165,10 +194,13 @@ def phase_profile(trace_dir: str, steps: int) -> dict | None:
   phases, kernels = {}, []
   for r in rows:
     op = str(r.get("op_name") or r.get("tf_op_name") or "")
+    kernel = str(r.get("kernel_name") or "")
+    if phase_of(op) == "other":   # no named scope in the profile's op: ask the HLO
+      op = _op_of(kernel, ops) or op
     ms = float(r.get("total_duration_us") or 0.0) / 1e3 / steps
-    phase = phase_of(op, str(r.get("kernel_name") or ""))
+    phase = phase_of(op, kernel)
     phases[phase] = phases.get(phase, 0.0) + ms
-    kernels.append((ms, str(r.get("kernel_name"))[:80], op[-120:], r.get("occurrences")))
+    kernels.append((ms, kernel[:80], op[-160:], r.get("occurrences")))
   kernels.sort(reverse=True)
   return {"phase_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
           "kernel_ms_per_step": sum(phases.values()),
@@ -185,10 +217,10 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
   from moe_jax.parallel.mesh import make_mesh
   from moe_jax.train import checkpoint, compile_cache, loop, optim, state as state_lib
 
-  rec = {"row": name, "mode": mode, "imports_s": time.time() - _LAUNCH}
+  rec = {"row": name, "mode": mode, "imports_s": time.time() - _LAUNCH,
+         "xla_flags": _XLA_FLAGS.value}
   c = config_lib.validate(row_config(name, extra))
   compile_cache.enable(cache_dir)
-  flops = model_flops_per_step(c)   # outside the mesh: params.count traces one row
   mesh = make_mesh(c.mesh)
   with jax.set_mesh(mesh):
     t = time.time()
@@ -232,12 +264,9 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     rec["peak_memory_gib"] = None if None in peaks else max(peaks) / 2**30   # per device
     rec["devices"] = jax.device_count()
-    rec["flops"] = flops
     rec["tokens_per_step"] = tokens
     rec["platform"] = jax.default_backend()
     rec["device"] = jax.local_devices()[0].device_kind
-    if rec["platform"] == "gpu":
-      rec["mfu"] = flops["total"] / (rec["step_ms"] / 1e3) / PEAK_FLOPS / rec["devices"]
     trace_dir = os.path.join(cache_dir or tempfile.mkdtemp(), "trace")
     n_prof = 3
     jax.profiler.start_trace(trace_dir)
@@ -245,31 +274,42 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
       state, m = step(state, state_lib.global_batch(next(train_iter), batch_sh))
     jax.block_until_ready(m["loss"])
     jax.profiler.stop_trace()
+    hlo = step.as_text()
+    if _LOGS.value:
+      with gzip.open(os.path.join(_LOGS.value, f"{name}.hlo.txt.gz"), "wt") as f:
+        f.write(hlo)
     try:
-      rec.update(phase_profile(trace_dir, n_prof) or {})
+      rec.update(phase_profile(trace_dir, n_prof, hlo_ops(hlo)) or {})
     except Exception as e:  # the profile is best effort; the timings above stand
       rec["phase_error"] = f"{type(e).__name__}: {e}"
+  # Outside the mesh (params.count traces one row) and after the timed start-up.
+  rec["flops"] = flops = model_flops_per_step(c)
+  if rec["platform"] == "gpu":
+    rec["mfu"] = flops["total"] / (rec["step_ms"] / 1e3) / PEAK_FLOPS / rec["devices"]
   return rec
 
 
 def run_row(name: str, steps: int, extra) -> list[dict]:
   """The cold and the warm process of one row, on a fresh cache."""
   cache = tempfile.mkdtemp(prefix=f"xla_cache_{name}_")
+  logs = _LOGS.value or os.path.join(_OUT.value, "logs")
+  os.makedirs(logs, exist_ok=True)
   recs = []
   modes = ("cold", "warm") if name in _WARM.value or "all" in _WARM.value else ("cold",)
   for mode in modes:
     result = os.path.join(cache, f"{mode}.json")
     cmd = [sys.executable, __file__, f"--child={name}", f"--mode={mode}", f"--cache_dir={cache}",
            f"--result={result}", f"--steps={steps}", f"--out={_OUT.value}",
+           f"--logs={logs}", f"--xla_flags={_XLA_FLAGS.value}",
            *[f"--set={kv}" for kv in extra]]
     t = time.time()
     n = row_devices(name)   # the row's devices: the first n GPUs, or n CPU devices
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n} "
+                                      f"{_XLA_FLAGS.value}"}
     if ROWS[name][2] == "gpu":
       env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    log = os.path.join(_LOGS.value or os.path.join(_OUT.value, "logs"), f"{name}_{mode}.log")
-    os.makedirs(os.path.dirname(log), exist_ok=True)
+    log = os.path.join(logs, f"{name}_{mode}.log")
     with open(log, "w") as f:
       f.write(proc.stdout + proc.stderr)
     if proc.returncode:

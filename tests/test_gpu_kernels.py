@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from moe_jax.model import experts
-from moe_jax.model.mla import flash_attention
+from pallas_kernels.attention.causal import causal_attention
 from moe_jax.model.moe import gathered_experts
 from pallas_kernels.attention import cached_attention as ca
 from pallas_kernels.attention import latent_decode as ld
@@ -97,7 +97,7 @@ def _segments(B, T, seed):
 
 
 def test_flash_training_attention_matches_xla():
-  """jax's Pallas flash kernel as MLA training uses it: bf16, causal, packed segments."""
+  """The causal flash kernels as MLA training uses them: bf16, causal, packed segments."""
   B, T, H, D = 2, 2048, 8, 64
   ks = jax.random.split(jax.random.key(0), 4)
   q, k, v, w = (jax.random.normal(key, (B, T, H, D)) for key in ks)
@@ -108,7 +108,7 @@ def test_flash_training_attention_matches_xla():
     return jax.nn.dot_product_attention(q, k, v, mask=same[:, None], is_causal=True)
 
   bf = lambda x: x.astype(jnp.bfloat16)
-  o, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, seg), bf(q), bf(k), bf(v))
+  o, vjp = jax.vjp(lambda q, k, v: causal_attention(q, k, v, seg), bf(q), bf(k), bf(v))
   o_ref, vjp_ref = jax.vjp(ref, q, k, v)
   assert rel_err(o.astype(jnp.float32), o_ref) < 1e-2
   for name, a, b in zip("qkv", vjp(bf(w)), vjp_ref(w)):

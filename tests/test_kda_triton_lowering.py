@@ -5,6 +5,9 @@ a Triton lowering (e.g. value slicing does not), forward and backward, so a GPU 
 not fail on lowering. PTX compilation itself still happens only on the GPU machine.
 """
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -39,3 +42,30 @@ def test_forward_and_backward_lower_to_triton(h200, K, V, T, with_segments):
                  "kda_intra_tiles_bwd", "kda_recurrence", "kda_recurrence_bwd",
                  "kda_recurrence_grads"):
     assert kernel in text
+
+
+def test_layers_with_equal_shapes_share_one_lowering(h200):
+  """Rematerialised KDA layers of one shape (as the model runs them) share their kernels'
+  lowering: the op is jitted, so 2 layers and 4 layers lower each Triton kernel equally
+  often (at most twice: the forward and its recomputation), and the step's lower time does
+  not grow with depth."""
+  B, T, H, K = 1, 128, 2, 64
+  bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
+  args = (bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, K), jnp.zeros((B, T, H, K)), bf(B, T, H))
+
+  def layer(x, k, v, g, beta):
+    return pallas_gpu.kda_pallas_gpu(x, k, v, g, beta, interpret=False)[0]
+
+  def stack(n):
+    def loss(x, k, v, g, beta):
+      for _ in range(n):
+        x = jax.checkpoint(layer)(x, k, v, g, beta)
+      return x.astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+
+  count = lambda n: collections.Counter(re.findall(
+      r'name = "(kda_\w+)"', jax.jit(stack(n)).trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text()))
+  two, four = count(2), count(4)
+  assert len(two) == 8 and max(two.values()) <= 2, two
+  assert four == two

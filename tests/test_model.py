@@ -90,3 +90,30 @@ def test_remat_gives_identical_logits_and_gradients(small_config):
   assert abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,vocab", [("bfloat16", 259), ("float32", 259),
+                                         ("bfloat16", 5000)])
+def test_embedding_lookup_equals_gather_with_its_gradient(dtype, vocab):
+  """embed_lookup (a one-hot matmul up to ONE_HOT_VOCAB, else the gather) gives exactly
+  nn.Embed's rows and table gradient, repeated tokens included."""
+  from moe_jax.model.layers import ONE_HOT_VOCAB, embed_lookup
+
+  class Lookup(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, one_hot):
+      embed = nn.Embed(vocab, 24, dtype=jnp.dtype(dtype), param_dtype=jnp.float32)
+      return embed_lookup(embed, tokens) if one_hot else embed(tokens)
+
+  assert (vocab <= ONE_HOT_VOCAB) == (vocab == 259)
+  tokens = jax.random.randint(jax.random.key(0), (3, 40), 0, vocab).at[:, :5].set(7)
+  m = Lookup()
+  params = m.init(jax.random.key(1), tokens, True)
+  w = jax.random.normal(jax.random.key(2), (3, 40, 24))
+  loss = lambda p, one_hot: (m.apply(p, tokens, one_hot).astype(jnp.float32) * w).sum()
+  np.testing.assert_array_equal(np.asarray(m.apply(params, tokens, True), np.float32),
+                                np.asarray(m.apply(params, tokens, False), np.float32))
+  g_one_hot, g_gather = (jax.grad(loss)(params, flag)["params"]["Embed_0"]["embedding"]
+                         for flag in (True, False))
+  assert float(jnp.abs(g_gather).max()) > 0
+  assert rel_err(g_one_hot, g_gather) < (1e-6 if dtype == "float32" else 1e-2)

@@ -32,6 +32,24 @@ def rms_norm(cfg, name, axis_name="norm"):
                     scale_init=lp(nn.initializers.ones, (axis_name,)), name=name)
 
 
+ONE_HOT_VOCAB = 4096   # up to this vocabulary the embedding lookup is a one-hot matmul
+
+
+def embed_lookup(embed: nn.Embed, tokens_BxT):
+  """embed(tokens), as a one-hot matmul for small vocabularies. Its gradient is then a matmul
+  too: the gather's gradient is a scatter-add of every token's row into V table rows, which
+  on the H200 took 28.6 ms per step for 32 768 tokens into the 259 byte rows (atomics on few
+  addresses), against well under a millisecond for the matmul. The lookup stays exact: each
+  output sums one table entry times 1."""
+  V = embed.num_embeddings
+  if V > ONE_HOT_VOCAB:
+    return embed(tokens_BxT)
+  table_VxD = embed.embedding.astype(embed.dtype)
+  one_hot_BxTxV = jax.nn.one_hot(tokens_BxT, V, dtype=embed.dtype)
+  return jnp.einsum("btv,vd->btd", one_hot_BxTxV, table_VxD,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
 def out_scale(cfg):
   """Residual-branch output projections shrink with depth (GPT-2 style)."""
   return 1.0 / (2 * cfg.n_layers)

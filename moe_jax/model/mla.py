@@ -20,6 +20,7 @@ from moe_jax.model.layers import dense, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size, per_device
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention.cached_attention import cached_attention
+from pallas_kernels.attention.causal import causal_attention
 from pallas_kernels.attention import latent_decode
 
 
@@ -52,14 +53,11 @@ class MLAMixer(nn.Module):
         o_BxTxHxDv = ring_attention(
             q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT,
             implementation="pallas" if mla_implementation(cfg) == "gpu" else "xla")
-      elif mla_implementation(cfg) == "gpu" and _flash_fits(q_BxTxHxDqk, v_BxTxHxDv):
-        o_BxTxHxDv = per_device(flash_attention, q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv,
+      elif mla_implementation(cfg) == "gpu":
+        o_BxTxHxDv = per_device(causal_attention, q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv,
                                 segment_ids_BxT)
       else:
-        # Attend only within a segment; padding (id 0) attends to padding: no row is empty.
-        same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
-        o_BxTxHxDv = jax.nn.dot_product_attention(
-            q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, mask=same_BxTxT[:, None], is_causal=True)
+        o_BxTxHxDv = _dense_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
       new_cache = None
     else:
       o_BxTxHxDv, new_cache = _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT,
@@ -74,32 +72,23 @@ class MLAMixer(nn.Module):
 
 
 def mla_implementation(cfg) -> str:
-  """"gpu" (Pallas kernels: training attention, prefill and decode over the cache) or
-  "xla"; "" picks by platform."""
+  """"gpu" (Pallas kernels: training attention (pallas_kernels/attention/causal.py), prefill
+  and decode over the cache) or "xla"; "" picks by platform."""
   return cfg.mla_implementation or ("gpu" if jax.default_backend() == "gpu" else "xla")
 
 
-FLASH_BLOCK = 128  # query/key block of jax's Pallas flash attention (its default)
-
-
-def _flash_fits(q_BxTxHxDqk, v_BxTxHxDv) -> bool:
-  """jax's Pallas flash kernel needs one head dim (≥ 16, Triton's smallest dot) for q, k, v,
-  and position blocks (min(128, T) forward, min(32, T) backward) that Triton can hold: a
-  power of two. So T is a multiple of 128, or a power of two from 16 up."""
-  T, D = q_BxTxHxDqk.shape[1], q_BxTxHxDqk.shape[-1]
-  blocks_fit = T % FLASH_BLOCK == 0 or (T >= 16 and T & (T - 1) == 0)
-  return D == v_BxTxHxDv.shape[-1] and D >= 16 and blocks_fit
-
-
-def flash_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids_BxT):
-  """Causal, segment-masked flash attention, forward and backward: jax's Pallas GPU kernel
-  (Triton; interpret mode off GPU). Segment ids are native here; cuDNN through
-  jax.nn.dot_product_attention would need them as a dense [B, 1, T, T] mask."""
-  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-
-  return pallas_attention.mha(q_BxTxHxD, k_BxTxHxD, v_BxTxHxD, segment_ids_BxT,
-                              sm_scale=q_BxTxHxD.shape[-1] ** -0.5, causal=True,
-                              interpret=jax.default_backend() != "gpu")
+def _dense_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT):
+  """The XLA path, written out ([B, H, T, T] scores, fp32 softmax): Dqk may differ from Dv,
+  which jax.nn.dot_product_attention refuses. Attends only within a segment; padding (id 0)
+  attends to padding, so no row is empty."""
+  T = q_BxTxHxDqk.shape[1]
+  s_BxHxTxT = jnp.einsum("bthd,bshd->bhts", q_BxTxHxDqk, k_BxTxHxDqk,
+                         preferred_element_type=jnp.float32) * q_BxTxHxDqk.shape[-1] ** -0.5
+  visible_BxTxT = (jnp.tril(jnp.ones((T, T), bool))[None]
+                   & (segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]))
+  s_BxHxTxT = jnp.where(visible_BxTxT[:, None], s_BxHxTxT, -jnp.inf)
+  p_BxHxTxT = jax.nn.softmax(s_BxHxTxT, axis=-1).astype(v_BxTxHxDv.dtype)
+  return jnp.einsum("bhts,bshd->bthd", p_BxHxTxT, v_BxTxHxDv)
 
 
 KEY_BLOCK = 1024          # cache positions per step of the XLA online softmax (prefill)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from moe_jax.model import attn_res, layer_stack, remat
 from moe_jax.model.kda import KDAMixer
-from moe_jax.model.layers import SwiGLU, dtype_of, lp, rms_norm
+from moe_jax.model.layers import SwiGLU, dtype_of, embed_lookup, lp, rms_norm
 from moe_jax.model.mla import MLAMixer
 from moe_jax.model.moe import MoE
 
@@ -129,7 +129,7 @@ class HybridMoE(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype_of(cfg), param_dtype=jnp.float32,
                      embedding_init=lp(nn.initializers.normal(1.0), ("vocab", "embed")),
                      name="embed")
-    res = attn_res.init(cfg, embed(tokens_BxT))
+    res = attn_res.init(cfg, embed_lookup(embed, tokens_BxT))
     block = remat_block(cfg, scanned=False) if cache is None else Block
     plan = layer_stack.plan(cfg)
     if plan.n and cache is not None:

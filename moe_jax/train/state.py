@@ -1,5 +1,6 @@
 """Train state (fp32 params + optax state + step), created sharded over the mesh."""
 
+import contextlib
 from typing import Any
 
 import flax.linen as nn
@@ -7,6 +8,7 @@ import jax
 import ml_collections
 from flax import struct
 from flax.training import train_state
+from jax._src import config as jax_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_jax.parallel.mesh import LOGICAL_RULES
@@ -72,8 +74,22 @@ def train_state_plan(model: nn.Module, tx, example_batch, mesh: Mesh):
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, LOGICAL_RULES)
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           nn.meta.unbox(boxed), shardings)
-  init = jax.jit(lambda r: nn.meta.unbox(boxed_state(r)), out_shardings=shardings)
+  jitted = jax.jit(lambda r: nn.meta.unbox(boxed_state(r)), out_shardings=shardings)
+
+  def init(rng):
+    with _threefry_kernels():
+      return jitted(rng)
+
   return abstract, shardings, init
+
+
+def _threefry_kernels():
+  """On GPU, each threefry call of the initialisers as one CUDA kernel instead of its
+  unrolled HLO (jax_threefry_gpu_kernel_lowering; the same bits): init is almost nothing
+  but random draws for every parameter, and their HLO was most of its compile time.
+  A no-op elsewhere; jax has no public context manager for the flag."""
+  flag = getattr(jax_config, "threefry_gpu_kernel_lowering", None)
+  return flag(True) if flag is not None else contextlib.nullcontext()
 
 
 def create_train_state(model: nn.Module, tx, example_batch, mesh: Mesh, rng):

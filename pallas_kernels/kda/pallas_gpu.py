@@ -652,11 +652,21 @@ intra.defvjp(_intra_fwd, _intra_bwd)
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                    chunk_size=64, bounded=True, interpret=None):
   """Chunked KDA on the Pallas kernels. Unbounded gates take the safe XLA stage 1."""
-  B, T, H, K = q.shape
-  V = v.shape[-1]
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  scale = K ** -0.5 if scale is None else scale
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  return _kda_jit(q, k, v, g, beta, initial_state, segment_ids, scale=scale,
+                  chunk_size=chunk_size, bounded=bounded, interpret=interpret)
+
+
+# Jitted, so that every layer with these shapes shares one trace and one lowering of the
+# kernels (forward, backward, recomputation): the step's trace + lower time stops growing
+# with the number of KDA layers.
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "bounded", "interpret"))
+def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, *, scale, chunk_size, bounded,
+             interpret):
+  B, T, H, K = q.shape
+  V = v.shape[-1]
   dt = q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) else F32
   q, k, v, g, beta, reset = reference.prepare(q, k, v, g, beta, segment_ids, dtype=dt)
   q, k, v, beta, G, seg = reference.chunk_layout(q, k, v, g, beta, reset, chunk_size)
