@@ -63,7 +63,9 @@ def get_config(arg=None):
   # gather | grouped | fused
   moe.decode_dispatch = "auto"
   moe.router_init_scale = 0.006  # std of the router kernel at init (small: near-uniform scores)
-  moe.router_init_reg = 0.0     # coefficient of ||W_router - W_router(init)||^2 in the loss
+  moe.latent_dim = 0            # latent MoE: route and run experts on an R-wide projection (0 = off)
+  moe.router_init_reg = 0.0     # coefficient of Σ ||p - p(init)||^2 over init_reg_params, in the loss
+  moe.init_reg_params = "router_kernel"   # comma-separated: router_kernel, latent_down
   moe.z_loss = 0.0              # coefficient of mean(logsumexp(router logits)^2)
   # Balancer: none | aux_loss | loss_free | quantile_ema | quantile_exact (router.py).
   moe.balancer = "loss_free"
@@ -94,7 +96,9 @@ def get_config(arg=None):
   o.eps = 1e-8
   o.weight_decay = 0.1
   o.grad_clip_norm = 1.0
-  o.router_grad_clip_norm = 1.0  # router kernels are clipped on their own first (0 = off)
+  o.router_grad_clip_norm = 1.0  # routing params are clipped on their own first (0 = off)
+  # ...these ones (comma-separated): router_kernel, latent_down, latent_norm, latent_up
+  o.router_clip_params = "router_kernel"
 
   s = c.schedule = ml_collections.ConfigDict()
   s.kind = "cosine"             # cosine | wsd (warmup-stable-decay)
@@ -127,6 +131,10 @@ def get_config(arg=None):
   lg = c.log = ml_collections.ConfigDict()
   lg.every_steps = 10
   lg.stage = ""                 # a context-extension stage's name: tags every metric line
+  # MoE: log moe/route_fluctuation, the fraction of (token, layer) top-k sets that changed
+  # over one step, on the first validation batch (train/probe.py; one extra forward at each
+  # logging step and the step before).
+  lg.route_fluctuation = False
 
   mesh = c.mesh = ml_collections.ConfigDict()
   # Sizes of ("data", "fsdp", "expert", "sequence", "tensor"); -1 = all remaining devices.

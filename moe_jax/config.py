@@ -175,6 +175,17 @@ def _validate_moe(c: ml_collections.ConfigDict):
       _fail(f"model.moe.{f}", e[f], ">= 0")
   if not 0 < e.exact_damping <= 1:
     _fail("model.moe.exact_damping", e.exact_damping, "in (0, 1]")
+  if not isinstance(e.latent_dim, int) or isinstance(e.latent_dim, bool) or e.latent_dim < 0:
+    _fail("model.moe.latent_dim", e.latent_dim, "0 (off) or a positive integer")
+  latent = ("latent_down", "latent_norm", "latent_up")
+  for field, spec, accepted in (
+      ("model.moe.init_reg_params", e.init_reg_params, ("router_kernel", "latent_down")),
+      ("optim.router_clip_params", c.optim.router_clip_params, ("router_kernel",) + latent)):
+    names = [n.strip() for n in str(spec).split(",") if n.strip()]
+    if not names or any(n not in accepted for n in names):
+      _fail(field, spec, f"comma-separated names from {accepted}")
+    if not e.latent_dim and any(n in latent for n in names):
+      _fail(field, spec, f"free of {latent} while model.moe.latent_dim is 0 (no latent MoE)")
   ep = c.mesh.expert
   if ep > 1 and e.num_experts % ep:
     _fail("mesh.expert", ep, f"a divisor of model.moe.num_experts={e.num_experts}")

@@ -17,8 +17,8 @@ from moe_jax.model import layer_stack
 from moe_jax.model.transformer import HybridMoE, mixer_kind
 from moe_jax.train.state import frozen_model_config
 
-COMPONENTS = ("embedding", "lm_head", "kda", "mla", "dense_ffn", "router", "shared_experts",
-              "routed_experts", "norms")
+COMPONENTS = ("embedding", "lm_head", "kda", "mla", "dense_ffn", "router", "moe_latent",
+              "shared_experts", "routed_experts", "norms")
 
 
 def _component(cfg, keys: tuple[str, ...]) -> str:
@@ -33,6 +33,8 @@ def _component(cfg, keys: tuple[str, ...]) -> str:
     return "norms"
   if keys[2] == "router_kernel":
     return "router"
+  if keys[2] in ("latent_down", "latent_norm", "latent_up"):   # every token uses them
+    return "moe_latent"
   if keys[2] in ("gate_up", "down"):
     return "routed_experts"
   return "shared_experts" if keys[2] == "shared" else "dense_ffn"

@@ -2,11 +2,15 @@
 forward+backward, dropless vs capacity paths, next to a dense SwiGLU of the same active FLOPs.
 
   python scripts/bench_moe.py --out=$OUT [--experts=64,256] [--paths=dropless,capacity1.0]
+  python scripts/bench_moe.py --out=$OUT --paths=dropless,latent1024,latent512   # latent MoE
 
 bf16, tokens = 16384, d_model = 2048, expert hidden 1024, top-8, no shared expert
 (the dense baseline is what a shared expert costs). FLOPs counted are the useful
 expert matmuls, 6·N·k·D·F forward and 3× that forward+backward: padding slots of
 the capacity path and the router are not counted. Median of --iters runs after warm-up.
+Path latent<R>: dropless latent MoE (model.moe.latent_dim = R) with expert hidden F·D/R, so
+its experts hold and compute as much as the standard ones (equal active expert params);
+the latent projections (4·N·D·R FLOPs forward) are cost, not counted.
 """
 
 import json
@@ -41,7 +45,10 @@ def layer_config(E, path):
   m = c.model.moe
   m.update({"num_experts": E, "top_k": _K, "expert_hidden": _F, "num_shared": 0,
             "balancer": "none", "grouped_matmul": ""})  # "" = tokamax on GPU
-  if path == "dropless_xla":
+  if path.startswith("latent"):
+    R = int(path.removeprefix("latent"))
+    m.dispatch, m.latent_dim, m.expert_hidden = "dropless", R, _F * _D // R
+  elif path == "dropless_xla":
     m.dispatch, m.grouped_matmul = "dropless", "xla"
   elif path.startswith("capacity"):
     m.dispatch, m.capacity_factor = "capacity", float(path.removeprefix("capacity"))
@@ -101,14 +108,16 @@ def main(argv):
   print(rows[-1], flush=True)
 
   for E in [int(e) for e in _EXPERTS.value.split(",")]:
-    params = None
+    params_of = {}   # per latent width (0 = standard): the paths' parameter trees
     for routing in _ROUTINGS.value.split(","):
       reference = None
       for path in _PATHS.value.split(","):
         try:
           cfg = layer_config(E, path)
-          if params is None:
-            params = nn.meta.unbox(MoE(cfg).init(jax.random.key(2), x[:1, :16])["params"])
+          if cfg.moe.latent_dim not in params_of:
+            params_of[cfg.moe.latent_dim] = nn.meta.unbox(
+                MoE(cfg).init(jax.random.key(2), x[:1, :16])["params"])
+          params = params_of[cfg.moe.latent_dim]
           router_vars = {"bias": router_bias(E, routing)}
           f, fb = fns(cfg, router_vars)
           y, stats = f(params, x)
@@ -116,7 +125,7 @@ def main(argv):
             reference = y
           err = (float(jnp.linalg.norm((y - reference).astype(jnp.float32))
                        / jnp.linalg.norm(reference.astype(jnp.float32)))
-                 if reference is not None else float("nan"))
+                 if reference is not None and not cfg.moe.latent_dim else float("nan"))
           ms_f = timing.median_ms(f, (params, x), _ITERS.value)
           ms_fb = timing.median_ms(fb, (params, x, dy), _ITERS.value)
           rows.append({"E": E, "routing": routing, "path": path,

@@ -62,6 +62,11 @@ def test_command_line_overrides(monkeypatch):
     ("model.moe.decode_dispatch", "dense", r"model\.moe\.decode_dispatch must be one of "),
     ("mesh.expert", 3, r"mesh\.expert must be a divisor of model\.moe\.num_experts=8, got 3"),
     ("optim.router_grad_clip_norm", -1.0, r"optim\.router_grad_clip_norm must be >= 0"),
+    ("model.moe.latent_dim", -4, r"model\.moe\.latent_dim must be 0 \(off\) or a positive "),
+    ("optim.router_clip_params", "router", r"optim\.router_clip_params must be comma-separated "
+                                           r"names from .*got 'router'"),
+    ("model.moe.init_reg_params", "router_kernel,latent_down",
+     r"model\.moe\.init_reg_params must be free of .* while model\.moe\.latent_dim is 0"),
     ("train.guard.spike_factor", 0.5, r"train\.guard\.spike_factor must be > 1, got 0\.5"),
     ("train.guard.ema_steps", 0, r"train\.guard\.ema_steps must be a positive integer, got 0"),
     ("train.guard.max_rollbacks", -1, r"train\.guard\.max_rollbacks must be a non-negative "),

@@ -55,6 +55,20 @@ def _with_model_fields(model, **fields):
   return model.clone(cfg=ml_collections.FrozenConfigDict(cfg))
 
 
+def _decode_errors(step, variables, cache, tokens, full, prompt, lengths):
+  """Feeds each row's true tokens one at a time from its prompt length to its length:
+  (relative errors of the decoded logits against the full forward's, final cache)."""
+  B, T = tokens.shape
+  pos, errs = prompt.copy(), []
+  while (pos < lengths).any():
+    live = pos < lengths
+    logits, cache = step(variables, tokens[np.arange(B), np.minimum(pos, T - 1)][:, None],
+                         live[:, None], cache)
+    errs += [rel_err(logits[b, 0], full[b, pos[b]]) for b in range(B) if live[b]]
+    pos = pos + live
+  return errs, cache
+
+
 @pytest.mark.parametrize("key_block,impl,matmul", [(1024, "xla", "xla"), (8, "xla", "xla"),
                                                    (1024, "gpu", "xla"),
                                                    (1024, "xla", "pallas")])
@@ -79,13 +93,7 @@ def test_decode_reproduces_full_forward(hybrid, key_block, impl, matmul, monkeyp
   last, cache = prefill(step, variables, cache, tokens[:, :13], prompt, chunk=4)
   for b in range(3):
     assert rel_err(last[b], full[b, prompt[b] - 1]) < 1e-4
-  jstep, pos, errs = jax.jit(step), prompt.copy(), []
-  while (pos < _LENGTHS).any():
-    live = pos < _LENGTHS
-    logits, cache = jstep(variables, tokens[np.arange(3), np.minimum(pos, _T - 1)][:, None],
-                          live[:, None], cache)
-    errs += [rel_err(logits[b, 0], full[b, pos[b]]) for b in range(3) if live[b]]
-    pos = pos + live
+  errs, cache = _decode_errors(jax.jit(step), variables, cache, tokens, full, prompt, _LENGTHS)
   assert len(errs) == (_LENGTHS - prompt).sum() and max(errs) < 1e-4
   np.testing.assert_array_equal(cache["length"], _LENGTHS)
   assert bool(kernel_calls) == (matmul == "pallas")
@@ -168,3 +176,25 @@ def test_generate_script_on_a_trained_checkpoint(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "# checkpoint step 2 of" in proc.stdout
   assert "=== 'def f(x):'" in proc.stdout and "=== 'import'" in proc.stdout
+
+
+def test_latent_moe_decode_reproduces_full_forward():
+  """Latent MoE (model.moe.latent_dim) at inference: prefill + token-by-token decode give the
+  full forward's logits (decode takes the gathered-experts path, the full forward the
+  sorted grouped matmul, both on the R-wide latent)."""
+  c = make_small_config()
+  c.model.update({"dtype": "float32", "n_layers": 2, "layer_pattern": "KA"})
+  c.model.moe.latent_dim = 24
+  model = inference_model(frozen_model_config(c))
+  T, lengths = 12, np.array([12, 9])
+  tokens = np.random.default_rng(1).integers(0, 256, (2, T)).astype(np.int32)
+  batch = {"tokens": tokens, "segment_ids": (np.arange(T)[None] < lengths[:, None]).astype(np.int32)}
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  assert "latent_down" in variables["params"]["layer_1"]["ffn"]
+  full, _ = jax.jit(model.apply)(variables, batch)
+  step = jax.jit(make_step(model))
+  prompt = np.array([4, 3])
+  cache = init_cache(model.cfg, 2, 16)
+  _, cache = prefill(make_step(model), variables, cache, tokens[:, :4], prompt, chunk=4)
+  errs, _ = _decode_errors(step, variables, cache, tokens, full, prompt, lengths)
+  assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4

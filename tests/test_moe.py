@@ -255,6 +255,77 @@ def test_router_gradient_clipped_on_its_own():
   assert abs(float(optax.tree.norm(out["layer_1"]["ffn"]["router_kernel"])) - scale) < 1e-5
 
 
+# ---- latent MoE and the routing-stability kit -----------------------------------------------
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_latent_moe_with_identity_projections_equals_the_standard_layer(dispatch):
+  """R = d_model, latent_down = latent_up = I, and inputs of unit RMS (so latent_norm is the
+  identity): the latent layer computes exactly what the standard one does."""
+  std_cfg = _moe_cfg(dispatch=dispatch, capacity_factor=1.0)
+  lat_cfg = _moe_cfg(dispatch=dispatch, capacity_factor=1.0, latent_dim=32)
+  x = jax.random.normal(jax.random.key(7), (2, 16, 32))
+  x = x / jnp.sqrt(jnp.mean(x ** 2, -1, keepdims=True))
+  std = _init(std_cfg, x)
+  lat = nn.meta.unbox(MoE(lat_cfg).init(jax.random.key(1), x))
+  p = dict(lat["params"])
+  p.update({k: std["params"][k] for k in ("router_kernel", "gate_up", "down", "shared")})
+  p["latent_down"] = {"kernel": jnp.eye(32)}
+  p["latent_up"] = {"kernel": jnp.eye(32)}
+  y_std, s_std = MoE(std_cfg).apply(std, x)
+  y_lat, s_lat = MoE(lat_cfg).apply({"params": p, "router": std["router"]}, x)
+  assert rel_err(y_lat, y_std) < 1e-5
+  np.testing.assert_array_equal(s_lat["load"], s_std["load"])
+  assert float(s_lat["dropped_fraction"]) == float(s_std["dropped_fraction"])
+
+
+def test_routing_clip_acts_only_on_the_params_it_names():
+  c = make_small_config()
+  c.model.moe.latent_dim = 16
+  c.optim.router_grad_clip_norm, c.optim.grad_clip_norm = 1.0, 1e6
+  c.optim.router_clip_params = "router_kernel,latent_down"
+  ffn = {"router_kernel": jnp.full((4, 8), 3.0), "latent_down": {"kernel": jnp.full((8, 4), 3.0)},
+         "latent_up": {"kernel": jnp.full((4, 8), 3.0)}, "gate_up": jnp.full((8, 4, 2, 2), 2.0)}
+  grads = {"layer_1": {"ffn": ffn}, "embed": jnp.full((5, 4), 1.0)}
+  tx = optim.make_clipping(c)
+  out, _ = tx.update(grads, tx.init(grads))
+  o = out["layer_1"]["ffn"]
+  named = {"r": o["router_kernel"], "d": o["latent_down"]}
+  assert abs(float(optax.tree.norm(named)) - 1.0) < 1e-5   # clipped together to norm 1
+  for k in ("latent_up", "gate_up"):
+    np.testing.assert_array_equal(jax.tree.leaves(o[k])[0], jax.tree.leaves(ffn[k])[0])
+  np.testing.assert_array_equal(out["embed"], grads["embed"])
+
+
+@pytest.mark.parametrize("names", ["router_kernel", "router_kernel,latent_down"])
+def test_init_regulariser_acts_only_on_the_params_it_names(names):
+  cfg = _moe_cfg(latent_dim=8, router_init_reg=1.0, init_reg_params=names)
+  x = jax.random.normal(jax.random.key(8), (2, 8, 32))
+  variables = _init(cfg, x)
+  moved = jax.tree.map(lambda a: a + 0.1, variables["params"])   # every param off its init
+  penalty = lambda p: MoE(cfg).apply({**variables, "params": p}, x)[1]["penalty"]
+  g = jax.grad(penalty)(moved)
+  named = set(names.split(","))
+  expect = sum(jax.tree.leaves(variables["params"][n])[0].size * 0.01 for n in named)
+  assert abs(float(penalty(moved)) - expect) < 1e-3 * expect
+  for name, sub in g.items():
+    norm = float(optax.tree.norm(sub))
+    assert (norm > 0) == (name in named), (name, norm)
+
+
+def test_latent_params_are_counted_as_always_active():
+  from moe_jax import params
+  c = make_small_config()
+  c.model.moe.latent_dim = 16
+  m = c.model
+  counts = params.count(c)
+  moe_layers = m.n_layers - m.moe.first_dense
+  D, R, E, F = m.d_model, 16, m.moe.num_experts, m.moe.expert_hidden
+  assert counts["total"]["moe_latent"] == moe_layers * (2 * D * R + R)
+  assert counts["active"]["moe_latent"] == counts["total"]["moe_latent"]
+  assert counts["total"]["router"] == moe_layers * R * E
+  assert counts["total"]["routed_experts"] == moe_layers * E * 3 * R * F
+
+
 # ---- expert parallelism (8 fake CPU devices, in a subprocess) ------------------------------
 
 _EP = """
@@ -266,9 +337,21 @@ from moe_jax.model.moe import MoE
 from moe_jax.config import MESH_AXES
 rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 results = {}
-for data, expert, dispatch, factor in ((1, 8, "dropless", 1.25), (2, 4, "dropless", 1.25),
-                                       (1, 8, "capacity", 8.0), (1, 8, "capacity", 0.5)):
-  cfg = _moe_cfg(dispatch=dispatch, capacity_factor=factor)
+def a2a_widths(jaxpr):  # last dims of every all_to_all's float operands, sub-jaxprs included
+  out = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "all_to_all":
+      out |= {v.aval.shape[-1] for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)}
+    for p in eqn.params.values():
+      for sub in p if isinstance(p, (tuple, list)) else [p]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          out |= a2a_widths(sub)
+  return out
+for data, expert, dispatch, factor, latent in (
+    (1, 8, "dropless", 1.25, 0), (2, 4, "dropless", 1.25, 0), (1, 8, "capacity", 8.0, 0),
+    (1, 8, "capacity", 0.5, 0), (2, 4, "dropless", 1.25, 8)):
+  cfg = _moe_cfg(dispatch=dispatch, capacity_factor=factor, latent_dim=latent)
   x = jax.random.normal(jax.random.key(5), (8, 16, 32))
   variables = _init(cfg, x)
   def loss(p, x):
@@ -280,8 +363,10 @@ for data, expert, dispatch, factor in ((1, 8, "dropless", 1.25), (2, 4, "droples
   with jax.set_mesh(mesh):
     (_, (y8, d8)), g8 = grad(variables["params"], x)
     text = grad.lower(variables["params"], x).as_text()
-  results[f"{data}x{expert} {dispatch} {factor}"] = {
+    widths = sorted(a2a_widths(jax.make_jaxpr(grad)(variables["params"], x).jaxpr))
+  results[f"{data}x{expert} {dispatch} {factor}" + (f" latent {latent}" if latent else "")] = {
       "y": rel(y8, y1), "dropped_ep": float(d8), "all_to_all": text.count("all_to_all"),
+      "a2a_widths": widths,
       "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))}
 print("RESULT", json.dumps(results))
 """
@@ -303,6 +388,16 @@ def test_expert_parallel_equals_single_device(expert_parallel_runs, mesh):
   r = expert_parallel_runs[f"{mesh} dropless 1.25"]
   assert r["all_to_all"] > 0  # really exchanged tokens
   assert r["y"] <= 1e-5 and r["grads"] <= 1e-5 and r["dropped_ep"] == 0.0
+
+
+def test_latent_expert_parallel_equals_single_device_and_moves_latent_rows(
+    expert_parallel_runs):
+  """Latent MoE (R = 8 of d_model 32) under data 2 × expert 4: equal to one device, and every
+  all-to-all (forward and backward) carries R-wide rows, 4× smaller than d_model rows."""
+  r = expert_parallel_runs["2x4 dropless 1.25 latent 8"]
+  assert r["y"] <= 1e-5 and r["grads"] <= 1e-5 and r["dropped_ep"] == 0.0
+  assert r["a2a_widths"] == [8]
+  assert expert_parallel_runs["2x4 dropless 1.25"]["a2a_widths"] == [32]
 
 
 def test_expert_parallel_capacity(expert_parallel_runs):

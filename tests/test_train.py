@@ -1,5 +1,6 @@
 """Training: loss goes down, resume is exact, non-finite gradients are skipped and counted."""
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -35,12 +36,42 @@ def test_tiny_training_lowers_loss(tmp_path):
   assert np.mean(vio[-5:]) < min(np.mean(vio[:5]), 0.75 * max(vio))
 
 
+def _with_probe(c):
+  c = c.copy_and_resolve_references()
+  c.log.route_fluctuation = True
+  return c
+
+
+def test_route_probe_counts_changed_top_k_sets(small_config):
+  """RouteProbe: 0 for unchanged params, > 0 once the router moves, None across a gap."""
+  from types import SimpleNamespace
+  from moe_jax.train.probe import RouteProbe
+  c = small_config
+  model = HybridMoE(state_lib.frozen_model_config(c))
+  batch = next(iter(pipeline.eval_dataset(pipeline.sources(c)["validation"], c)))
+  variables = jax.jit(model.init)(jax.random.key(0), batch)
+  params, router = nn.meta.unbox(variables["params"]), variables["router"]
+  probe = RouteProbe(model.apply, SimpleNamespace(params=None, router=None), None, batch)
+  s = SimpleNamespace(params=params, router=router)
+  assert probe.observe(4, s) is None and probe.observe(5, s) == 0.0
+  moved = jax.tree_util.tree_map_with_path(
+      lambda path, p: p + 0.5 * jax.random.normal(jax.random.key(1), p.shape)
+      if path[-1].key == "router_kernel" else p, params)
+  f = probe.observe(6, SimpleNamespace(params=moved, router=router))
+  assert 0.05 < f <= 1.0
+  assert probe.observe(8, s) is None
+
+
 def test_resume_is_exact(small_config, tmp_path):
   """3 steps, checkpoint, fresh objects restore and run 3 more == 6 straight steps."""
   c = small_config
   c.checkpoint.every_steps = 100  # only the stop_after / final checkpoints are written
   c.schedule.total_steps = 6
-  straight = train_and_evaluate(c, str(tmp_path / "straight"), progress=False)
+  # The straight run also takes the routing-fluctuation probe: it must not change training.
+  straight = train_and_evaluate(_with_probe(c),
+      str(tmp_path / "straight"), progress=False)
+  fluct = straight["route_fluctuation_history"]
+  assert [s for s, _ in fluct] == [2, 3, 4, 5, 6] and all(0.0 <= f <= 1.0 for _, f in fluct)
   first = train_and_evaluate(c, str(tmp_path / "resumed"), progress=False, stop_after=3)
   assert first["resumed_from"] is None and int(first["state"].step) == 3
   assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == ["3"]

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model import experts, router
-from moe_jax.model.layers import SwiGLU, dtype_of, lp, out_scale
+from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size
 from pallas_kernels.moe import decode_experts
 
@@ -183,41 +183,72 @@ def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
   return with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, C)
 
 
+ROUTING_PARAMS = ("router_kernel", "latent_down", "latent_norm", "latent_up")
+
+
+def param_names(spec: str) -> tuple[str, ...]:
+  """"router_kernel,latent_down" → ("router_kernel", "latent_down") (config string sets)."""
+  return tuple(n.strip() for n in spec.split(",") if n.strip())
+
+
 class MoE(nn.Module):
-  """Routed experts (+ shared). Returns (y [B,T,D], routing stats of this batch)."""
+  """Routed experts (+ shared). Returns (y [B,T,D], routing stats of this batch).
+
+  With model.moe.latent_dim = R > 0 (latent MoE, as NVIDIA's LatentMoE): x → latent_down
+  [D, R] → latent_norm → the router and the routed experts (R → F → R) work on the R-wide
+  latent, so dispatch and the all-to-all move R-wide rows and each expert holds 3·R·F
+  weights → latent_up [R, D]. Shared experts stay on x (d_model).
+
+  The top-k expert ids are sown as intermediates["topk"] (kept only when the caller asks:
+  the routing-fluctuation probe, train/probe.py).
+  """
   cfg: object
 
   @nn.compact
   def __call__(self, x_BxTxD):
     cfg, mc = self.cfg, self.cfg.moe
     B, T, D = x_BxTxD.shape
-    E, K, F = mc.num_experts, mc.top_k, mc.expert_hidden
+    E, K, F, R = mc.num_experts, mc.top_k, mc.expert_hidden, mc.latent_dim
     dtype = dtype_of(cfg)
     x_NxD = x_BxTxD.reshape(B * T, D)
+    tracked = {}   # the routing params the init regulariser may name: name → value
+    if R:
+      latent_down = dense(cfg, R, ("embed", "moe_latent"), "latent_down")
+      z_NxW = rms_norm(cfg, "latent_norm", "moe_latent")(latent_down(x_NxD.astype(dtype)))
+      tracked["latent_down"] = nn.meta.unbox(latent_down.variables["params"]["kernel"])
+    else:
+      z_NxW = x_NxD          # W: the width routed and dispatched (R, or D)
+    W, width = z_NxW.shape[-1], "moe_latent" if R else "embed"
 
-    kernel_DxE = self.param("router_kernel",
-                            lp(nn.initializers.normal(mc.router_init_scale), ("embed", None)),
-                            (D, E), jnp.float32)
+    kernel_WxE = self.param("router_kernel",
+                            lp(nn.initializers.normal(mc.router_init_scale), (width, None)),
+                            (W, E), jnp.float32)
+    tracked["router_kernel"] = kernel_WxE
     bias_E = self.variable("router", "bias", lambda: router.init_state(mc, E)["bias"]).value
     if mc.balancer == "quantile_ema":
       self.variable("router", "ema_load", lambda: router.init_state(mc, E)["ema_load"])
     with jax.named_scope("router"):
-      logits_NxE = jnp.dot(x_NxD.astype(jnp.float32), kernel_DxE)
+      logits_NxE = jnp.dot(z_NxW.astype(jnp.float32), kernel_WxE)
       scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
       idx_NxK, w_NxK = router.select(scores_NxE, bias_E, K, mc.route_scale)
+    self.sow("intermediates", "topk", idx_NxK)
 
+    # Latent experts write into latent_up, which carries the residual-branch scale.
+    down_scale = 1.0 if R else out_scale(cfg)
     gate_up_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                     in_axis=1, out_axis=(2, 3), batch_axis=0)
-    down_init = nn.initializers.variance_scaling(out_scale(cfg), "fan_in", "truncated_normal",
+    down_init = nn.initializers.variance_scaling(down_scale, "fan_in", "truncated_normal",
                                                  in_axis=1, out_axis=2, batch_axis=0)
-    gate_up = self.param("gate_up", lp(gate_up_init, ("expert", "embed", None, "mlp")),
-                         (E, D, 2, F), jnp.float32).astype(dtype)
-    down = self.param("down", lp(down_init, ("expert", "mlp", "embed")), (E, F, D),
+    gate_up = self.param("gate_up", lp(gate_up_init, ("expert", width, None, "mlp")),
+                         (E, W, 2, F), jnp.float32).astype(dtype)
+    down = self.param("down", lp(down_init, ("expert", "mlp", width)), (E, F, W),
                       jnp.float32).astype(dtype)
 
     x_NxD = x_NxD.astype(dtype)
     with jax.named_scope("moe_dispatch"):   # sort, gather, all-to-all, combine
-      y_NxD, dropped = routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up, down)
+      y_NxW, dropped = routed_experts(mc, z_NxW.astype(dtype), idx_NxK, w_NxK, gate_up, down)
+    y_NxD = (dense(cfg, D, ("moe_latent", "embed"), "latent_up", scale=out_scale(cfg))(y_NxW)
+             if R else y_NxW)
     if mc.num_shared:
       with jax.named_scope("shared_experts"):
         y_NxD = y_NxD + SwiGLU(cfg, mc.num_shared * F, name="shared")(x_NxD)
@@ -229,8 +260,14 @@ class MoE(nn.Module):
     if mc.balancer == "aux_loss":
       penalty = penalty + mc.aux_loss_coef * stats["aux_loss"]
     if mc.router_init_reg:
-      kernel0_DxE = self.variable("router", "kernel_init", lambda: kernel_DxE).value
-      stats["router_drift"] = jnp.sum((kernel_DxE - jax.lax.stop_gradient(kernel0_DxE)) ** 2)
-      penalty = penalty + mc.router_init_reg * stats["router_drift"]
+      # Σ ||p − p at init||² over the named routing params. The init copies live in the
+      # "router" collection (checkpointed, no gradient); the router kernel's keeps its name.
+      drift = jnp.zeros((), jnp.float32)
+      for name in param_names(mc.init_reg_params):
+        var = "kernel_init" if name == "router_kernel" else f"{name}_init"
+        init = self.variable("router", var, lambda v=tracked[name]: v).value
+        drift = drift + jnp.sum((tracked[name] - jax.lax.stop_gradient(init)) ** 2)
+      stats["router_drift"] = drift
+      penalty = penalty + mc.router_init_reg * drift
     stats["penalty"] = penalty
     return y_NxD.reshape(B, T, D), stats

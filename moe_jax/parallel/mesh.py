@@ -22,6 +22,7 @@ LOGICAL_RULES = (
     ("expert", "expert"),
     ("kv", None),
     ("kda_rank", None),
+    ("moe_latent", None),   # latent MoE width (small: replicated)
     ("q_lora", None),
     ("kv_lora", None),
     ("conv", None),

@@ -16,6 +16,7 @@ from moe_jax.data import pipeline
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import checkpoint, metrics, optim, state as state_lib, step as step_lib
+from moe_jax.train import probe as route_probe
 from moe_jax.train.guard import DivergenceGuard
 from moe_jax.train.preemption import Preemption
 
@@ -81,6 +82,10 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   eval_log = metrics.MetricWriter(workdir, "eval", tags)
   tokens_per_step = c.data.batch_size * c.data.seq_len
   history, max_vio_history, eval_metrics = [], [], None
+  fluctuation_history, probe, fluctuation = [], None, None
+  if c.log.route_fluctuation and c.model.moe.num_experts:
+    probe = route_probe.RouteProbe(model.apply, state_sh, batch_sh,
+                       state_lib.global_batch(next(iter(eval_ds)), batch_sh))
 
   total = c.schedule.total_steps
   end = total if stop_after is None else min(stop_after, total)
@@ -112,8 +117,13 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
         bar.update(step)
         continue
       bar.update(1)
+      if probe is not None and (route_probe.needed(done, c.log.every_steps) or done == end):
+        fluctuation = probe.observe(done, state)
       if done % c.log.every_steps == 0 or done == end:
         m = jax.device_get(m)
+        if probe is not None and fluctuation is not None:
+          m["moe/route_fluctuation"] = fluctuation
+          fluctuation_history.append((done, fluctuation))
         now = time.perf_counter()
         m["tokens_per_sec"] = tokens_per_step * (done - last_step) / (now - last_time)
         last_time, last_step = now, done
@@ -125,6 +135,8 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
                    "skipped": int(m["skipped_updates"])}
         if "moe/max_vio_mean" in m:
           postfix["max_vio"] = f"{m['moe/max_vio_mean']:.2f}"
+        if "moe/route_fluctuation" in m:
+          postfix["route_fluct"] = f"{m['moe/route_fluctuation']:.3f}"
         bar.set_postfix(postfix)
       if done % c.eval.every_steps == 0 or done == end:
         eval_metrics = evaluate(eval_step, state, eval_ds, batch_sh)
@@ -147,7 +159,9 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     _print_final(eval_metrics, unigram)
-  return {**summary, "state": state, "history": history, "max_vio_history": max_vio_history}
+  return {**summary, "state": state, "history": history, "max_vio_history": max_vio_history,
+          "route_fluctuation_history": fluctuation_history,
+          "skipped_updates": int(optim.skipped_updates(state.opt_state))}
 
 
 def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=None):

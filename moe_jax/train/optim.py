@@ -6,6 +6,7 @@ import ml_collections
 import optax
 
 from moe_jax.model import layer_stack
+from moe_jax.model.moe import param_names
 from moe_jax.train.schedule import make_schedule
 
 # apply_if_finite applies a non-finite update after this many in a row; never let it.
@@ -21,19 +22,26 @@ def decay_mask(params):
   return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
-def router_mask(params):
-  """True on MoE router kernels (params named `router_kernel`)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", None) == "router_kernel", params)
+def routing_mask(names: tuple[str, ...]):
+  """params → True on the MoE routing params named in `names`: a param of that name
+  (`router_kernel`) or inside a module of that name (`latent_down/kernel`)."""
+  def mask(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: any(getattr(k, "key", None) in names for k in path[-2:]), params)
+  return mask
 
 
 def make_clipping(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """Router kernels first get their own global-norm clip (their gradients spike when routing
-  shifts, and would otherwise dominate the global norm); then everything gets the global clip."""
+  """The routing params in optim.router_clip_params (by default the router kernels; with a
+  latent MoE also its projections) first get their own global-norm clip: their gradients
+  spike when routing shifts and would otherwise dominate the global norm. Then everything
+  gets the global clip."""
   o = c.optim
   stages = []
   if o.router_grad_clip_norm:
-    stages.append(optax.masked(optax.clip_by_global_norm(o.router_grad_clip_norm), router_mask))
+    names = param_names(o.router_clip_params)
+    stages.append(optax.masked(optax.clip_by_global_norm(o.router_grad_clip_norm),
+                               routing_mask(names)))
   stages.append(optax.clip_by_global_norm(o.grad_clip_norm))
   return optax.chain(*stages)
 
