@@ -17,6 +17,16 @@ REMAT_POLICIES = ("full", "dots", "kernels")   # model/remat.py
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
 
 
+# The MoE routing params a config may name (optim.router_clip_params, model.moe.init_reg_params).
+ROUTING_PARAMS = ("router_kernel", "latent_down", "latent_norm", "latent_up")
+INIT_REG_PARAMS = ("router_kernel", "latent_down")
+
+
+def param_names(spec: str) -> tuple[str, ...]:
+  """"router_kernel,latent_down" → ("router_kernel", "latent_down")."""
+  return tuple(n.strip() for n in spec.split(",") if n.strip())
+
+
 def _fail(field, value, accepted):
   raise ValueError(f"{field} must be {accepted}, got {value!r}")
 
@@ -179,9 +189,9 @@ def _validate_moe(c: ml_collections.ConfigDict):
     _fail("model.moe.latent_dim", e.latent_dim, "0 (off) or a positive integer")
   latent = ("latent_down", "latent_norm", "latent_up")
   for field, spec, accepted in (
-      ("model.moe.init_reg_params", e.init_reg_params, ("router_kernel", "latent_down")),
-      ("optim.router_clip_params", c.optim.router_clip_params, ("router_kernel",) + latent)):
-    names = [n.strip() for n in str(spec).split(",") if n.strip()]
+      ("model.moe.init_reg_params", e.init_reg_params, INIT_REG_PARAMS),
+      ("optim.router_clip_params", c.optim.router_clip_params, ROUTING_PARAMS)):
+    names = param_names(str(spec))
     if not names or any(n not in accepted for n in names):
       _fail(field, spec, f"comma-separated names from {accepted}")
     if not e.latent_dim and any(n in latent for n in names):

@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.config import param_names
 from moe_jax.model import experts, router
 from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size
@@ -181,14 +182,6 @@ def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
     return dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, mc.grouped_matmul), 0
   C = capacity(N, K, E, mc.capacity_factor)
   return with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, C)
-
-
-ROUTING_PARAMS = ("router_kernel", "latent_down", "latent_norm", "latent_up")
-
-
-def param_names(spec: str) -> tuple[str, ...]:
-  """"router_kernel,latent_down" → ("router_kernel", "latent_down") (config string sets)."""
-  return tuple(n.strip() for n in spec.split(",") if n.strip())
 
 
 class MoE(nn.Module):

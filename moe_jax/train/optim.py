@@ -5,8 +5,8 @@ import jax
 import ml_collections
 import optax
 
+from moe_jax.config import param_names
 from moe_jax.model import layer_stack
-from moe_jax.model.moe import param_names
 from moe_jax.train.schedule import make_schedule
 
 # apply_if_finite applies a non-finite update after this many in a row; never let it.
