@@ -121,7 +121,7 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
         fluctuation = probe.observe(done, state)
       if done % c.log.every_steps == 0 or done == end:
         m = jax.device_get(m)
-        if probe is not None and fluctuation is not None:
+        if fluctuation is not None:   # taken at this step (every logging step is `needed`)
           m["moe/route_fluctuation"] = fluctuation
           fluctuation_history.append((done, fluctuation))
         now = time.perf_counter()
