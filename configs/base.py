@@ -78,7 +78,8 @@ def get_config(arg=None):
 
   d = c.data = ml_collections.ConfigDict()
   d.source = "stdlib"           # stdlib (embedded default, a document per file) |
-                                # stdlib_packages (a document per package) | files | mqar
+                                # stdlib_packages (a document per package) | files | mqar |
+                                # tasks (demonstrations of data.tasks: GRPO's warm-up)
   d.paths = ""                  # glob of text files, used when source == "files"
   d.seq_len = 2048
   d.batch_size = 32
@@ -88,6 +89,9 @@ def get_config(arg=None):
   d.mqar_vocab = 256            # MQAR: keys and values drawn from disjoint halves of this range
   d.synthetic_fraction = 0.0    # text sources: this share of train rows is synthetic retrieval
   d.synthetic_tasks = "passkey"  # comma-separated: passkey | mqar (taken in turn)
+  d.tasks = "addition,retrieval"  # source tasks and GRPO: addition | reversal | retrieval | tools
+  d.retrieval_pairs = 12        # retrieval: at most this many key:value pairs (at least 4)
+  d.addition_reversed = False   # addition: the sum written least-significant digit first
 
   o = c.optim = ml_collections.ConfigDict()
   o.learning_rate = 3e-4

@@ -4,7 +4,7 @@ import ml_collections
 
 MIXERS = {"K": "KDA linear attention", "A": "gated MLA full attention"}
 DTYPES = ("float32", "bfloat16")
-SOURCES = ("stdlib", "stdlib_packages", "files", "mqar")
+SOURCES = ("stdlib", "stdlib_packages", "files", "mqar", "tasks")
 SYNTHETIC_TASKS = ("passkey", "mqar")
 SCHEDULES = ("cosine", "wsd")
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
@@ -91,6 +91,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("data.source", d.source, f"one of {SOURCES}")
   if d.source == "files" and not d.paths:
     _fail("data.paths", d.paths, "a glob of text files when data.source='files'")
+  if d.source == "tasks":
+    from moe_jax.rl import environments  # noqa: PLC0415 (the task registry; light, no jax)
+    environments.make_tasks(d)
   _positive_int("data.seq_len", d.seq_len)
   _positive_int("data.batch_size", d.batch_size)
   if not 0 < d.val_percent < 100:
@@ -140,6 +143,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _positive_int("checkpoint.every_steps", c.checkpoint.every_steps)
   _positive_int("checkpoint.max_to_keep", c.checkpoint.max_to_keep)
   _validate_guard(c.train.guard)
+  if "rl" in c:
+    _validate_rl(c)
   for axis in MESH_AXES:
     size = c.mesh[axis]
     if not isinstance(size, int) or (size <= 0 and size != -1):
@@ -147,6 +152,36 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if sum(c.mesh[a] == -1 for a in MESH_AXES) > 1:
     _fail("mesh", {a: c.mesh[a] for a in MESH_AXES}, "at most one axis set to -1")
   return c
+
+
+def _validate_rl(c: ml_collections.ConfigDict):
+  """GRPO's fields (configs/grpo.py, moe_jax/rl/)."""
+  from moe_jax.rl import advantages, environments, loss, rewards  # noqa: PLC0415 (rl imports config)
+  rl = c.rl
+  for f in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "max_turns",
+            "max_tool_tokens", "passes", "eval_every", "eval_prompts"):
+    _positive_int(f"rl.{f}", rl[f])
+  if not isinstance(rl.group_size, int) or rl.group_size < 2:
+    _fail("rl.group_size", rl.group_size, "an integer >= 2 (advantages compare a group)")
+  if not rl.temperature > 0:
+    _fail("rl.temperature", rl.temperature, "> 0 (rollouts sample)")
+  if not rl.learning_rate > 0:
+    _fail("rl.learning_rate", rl.learning_rate, "> 0")
+  if not 0 < rl.clip_low < 1:
+    _fail("rl.clip_low", rl.clip_low, "in (0, 1)")
+  if not rl.clip_high > 0:
+    _fail("rl.clip_high", rl.clip_high, "> 0")
+  if rl.kl_coef < 0:
+    _fail("rl.kl_coef", rl.kl_coef, ">= 0 (0 = no reference model)")
+  if rl.advantage_scale not in advantages.SCALES:
+    _fail("rl.advantage_scale", rl.advantage_scale, f"one of {advantages.SCALES}")
+  if rl.loss_norm not in loss.NORMS:
+    _fail("rl.loss_norm", rl.loss_norm, f"one of {loss.NORMS}")
+  if rl.routing_replay and not rl.record_routes:
+    _fail("rl.routing_replay", rl.routing_replay, "False when rl.record_routes is False "
+          "(replay needs the recorded routes)")
+  rewards.parse(rl.rewards)
+  environments.make_tasks(c.data)
 
 
 def _validate_guard(g: ml_collections.ConfigDict):

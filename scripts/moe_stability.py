@@ -10,6 +10,7 @@ and MaxVio per arm, mean over seeds).
 """
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -26,6 +27,8 @@ _STEPS = flags.DEFINE_integer("steps", 200, "Train steps per run.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 5, "Steps between logged points.")
 _LR = flags.DEFINE_float("lr", None, "Learning rate (default: the config's, 1e-2).")
 _OUT = flags.DEFINE_string("out", "benchmarks", "Where moe_stability.{json,md,png} go.")
+_FROM_JSON = flags.DEFINE_string("from_json", None, "Only report: the table and plot of the "
+                                 "runs in this JSON (of --arms), e.g. after an interrupted run.")
 
 
 def run(arm: str, seed: int) -> dict:
@@ -36,11 +39,16 @@ def run(arm: str, seed: int) -> dict:
   if _LR.value:
     c.optim.learning_rate = _LR.value
   t = time.time()
-  r = train_and_evaluate(c, tempfile.mkdtemp(prefix=f"stab_{arm}_{seed}_"), progress=False)
+  workdir = tempfile.mkdtemp(prefix=f"stab_{arm}_{seed}_")
+  r = train_and_evaluate(c, workdir, progress=False)
+  with open(os.path.join(workdir, "metrics_train.jsonl")) as f:
+    logged = [json.loads(line) for line in f]
   return {"arm": arm, "seed": seed, "lr": c.optim.learning_rate, "wall_s": time.time() - t,
           "val_bits_per_byte": r["val_bits_per_byte"], "skipped_updates": r["skipped_updates"],
           "loss": r["history"], "max_vio": r["max_vio_history"],
-          "fluctuation": r["route_fluctuation_history"]}
+          "fluctuation": r["route_fluctuation_history"],
+          "router_grad_norm": [(m["step"], m["router_grad_norm"]) for m in logged
+                               if "router_grad_norm" in m]}
 
 
 def _mean(points, lo, hi):
@@ -61,8 +69,9 @@ def _spike(points):
 def summary(runs: list[dict]) -> str:
   steps = _STEPS.value
   rows = ["| arm | seeds | final val bits/byte | fluctuation, steps ≤ 50 | fluctuation, last 50 "
-          "| MaxVio, last 50 | MaxVio peak | worst loss rise after step 50 | skipped updates |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| MaxVio, last 50 | MaxVio peak | worst loss rise after step 50 | skipped updates "
+          "| router grad norm, max |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
   for arm in _ARMS.value:
     rs = [r for r in runs if r["arm"] == arm]
     col = lambda f: [f(r) for r in rs]
@@ -75,7 +84,9 @@ def summary(runs: list[dict]) -> str:
         f"{fmt(col(lambda r: _mean(r['max_vio'], steps - 50, steps)))} | "
         f"{fmt(col(lambda r: max(v for _, v in r['max_vio'])))} | "
         f"{fmt(col(lambda r: _spike(r['loss'])))} | "
-        f"{sum(col(lambda r: r['skipped_updates']))} |")
+        f"{sum(col(lambda r: r['skipped_updates']))} | "
+        + (fmt(col(lambda r: max(v for _, v in r["router_grad_norm"] if math.isfinite(v))))
+           if all(r.get("router_grad_norm") for r in rs) else "—") + " |")
   per_seed = ["", "Final validation bits/byte per seed:", ""]
   for arm in _ARMS.value:
     per_seed.append(f"* {arm}: " + ", ".join(
@@ -107,6 +118,10 @@ def plot(runs: list[dict], path: str):
 def main(argv):
   del argv
   os.makedirs(_OUT.value, exist_ok=True)
+  if _FROM_JSON.value:
+    with open(_FROM_JSON.value) as f:
+      runs = [r for r in json.load(f) if r["arm"] in _ARMS.value]
+    return report(runs)
   runs = []
   for arm in _ARMS.value:
     for seed in map(int, _SEEDS.value):
@@ -116,9 +131,14 @@ def main(argv):
             f"{r['skipped_updates']} skipped, {r['wall_s']:.0f} s", flush=True)
       with open(os.path.join(_OUT.value, f"moe_stability_lr{r['lr']:g}.json"), "w") as f:
         json.dump(runs, f)
+  report(runs)
+
+
+def report(runs):
   md = summary(runs)
+  seeds = len({r["seed"] for r in runs})
   with open(os.path.join(_OUT.value, "moe_stability.md"), "a") as f:
-    f.write(f"\n## {time.strftime('%Y-%m-%d')}: {len(_SEEDS.value)} seeds × {_STEPS.value} steps, "
+    f.write(f"\n## {time.strftime('%Y-%m-%d')}: {seeds} seeds × {_STEPS.value} steps, "
             f"learning rate {runs[0]['lr']:g}, arms {', '.join(_ARMS.value)}\n\n" + md)
   plot(runs, os.path.join(_OUT.value, f"moe_stability_lr{runs[0]['lr']:g}.png"))
   print(md)

@@ -41,16 +41,14 @@ def main(argv):
   gate_up = params["gate_up"].astype(jnp.bfloat16)
   down = params["down"].astype(jnp.bfloat16)
   kernel = params["router_kernel"]
-  scores = router.scores_from_logits(x.astype(jnp.float32) @ kernel, "sigmoid")
-  idx, w = router.select(scores, jnp.zeros(E), _K, 1.0)
+  idx, w = router.select(x.astype(jnp.float32) @ kernel, jnp.zeros(E), _K, "sigmoid", 1.0)
   order, sizes, _ = sort_by_group(idx.reshape(-1), E)
   x_sorted = take_rows(repeat_rows(x, _K), order)
   y_sorted = experts.swiglu_grouped(x_sorted, sizes, gate_up, down)
 
   stages = {
       "router": lambda kernel, x: router.select(
-          router.scores_from_logits(x.astype(jnp.float32) @ kernel, "sigmoid"),
-          jnp.zeros(E), _K, 1.0)[1],
+          x.astype(jnp.float32) @ kernel, jnp.zeros(E), _K, "sigmoid", 1.0)[1],
       "dispatch (sort + gather)": lambda x, idx: take_rows(
           repeat_rows(x, _K), sort_by_group(idx.reshape(-1), E)[0]),
       "experts (tokamax SwiGLU)": lambda xs, gu, dn: experts.swiglu_grouped(xs, sizes, gu, dn),

@@ -124,6 +124,27 @@ def test_router_gets_gradient_bias_does_not():
   assert set(variables["router"]) == {"bias"} and "bias" not in variables["params"]
 
 
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_combine_weights_are_renormalised_scores_with_finite_gradients(score):
+  """s_k / Σ_k s_j of the chosen experts, and finite in value and gradient at logits where
+  the plain quotient's gradient was NaN (every chosen sigmoid score ~1e-24) or saturated."""
+  logits = jax.random.normal(jax.random.key(0), (64, 8))
+  idx = jax.lax.top_k(logits, 2)[1]
+  s = router.scores_from_logits(logits, score)
+  chosen = jnp.take_along_axis(s, idx, -1)
+  want = chosen / chosen.sum(-1, keepdims=True) * 2.5
+  assert rel_err(router.combine_weights(logits, idx, score, 2.5), want) < 1e-6
+  for shift in (-55.0, -200.0, 60.0):
+    g = jax.grad(lambda l: (router.combine_weights(l, idx, score, 1.0)
+                            * jnp.arange(2.0)).sum())(logits + shift)
+    assert np.isfinite(np.asarray(g)).all()
+  # At ≈ −55 the chosen scores are ~1e-24 and still right: against the quotient in float64.
+  low = np.asarray(jnp.take_along_axis(logits, idx, -1), np.float64) - 55.0
+  s64 = 1.0 / (1.0 + np.exp(-low)) if score == "sigmoid" else np.exp(low)
+  assert rel_err(router.combine_weights(logits - 55.0, idx, score, 1.0),
+                 s64 / s64.sum(-1, keepdims=True)) < 1e-5
+
+
 def test_fused_decode_has_the_gathered_gradient(monkeypatch):
   """The fused kernels are forward only; their custom VJP must give gather's gradients (a
   gradient through a decode-sized batch on GPU under "auto")."""
@@ -176,7 +197,7 @@ _PREF = jnp.zeros(_E).at[:3].set(2.5)  # three experts strongly preferred by eve
 def _skewed_stats(mc, bias, key, n=_N):
   logits = _PREF + jax.random.normal(key, (n, _E))
   scores = router.scores_from_logits(logits, "sigmoid")
-  idx, _ = router.select(scores, bias, _K, 1.0)
+  idx, _ = router.select(logits, bias, _K, "sigmoid", 1.0)
   return router.routing_stats(mc, logits, scores, idx, bias, 0.0)
 
 

@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 
 from moe_jax import config as config_lib
-from moe_jax.data import corpus, mqar, packing, passkey, tokenizer
+from moe_jax.data import corpus, mqar, packing, passkey, task_rows, tokenizer
 
 
 def text_documents(c: ml_collections.ConfigDict) -> dict[str, list[bytes]]:
@@ -56,8 +56,12 @@ def synthetic_sources(c: ml_collections.ConfigDict, seed: int) -> list:
 def sources(c: ml_collections.ConfigDict) -> dict:
   """Random-access train / validation row sources for config.data."""
   d = c.data
+  val_rows = c.eval.num_batches * d.batch_size
+  if d.source == "tasks":
+    return {"train": task_rows.TaskRows(d, d.seq_len, d.shuffle_seed, "train"),
+            "validation": task_rows.TaskRows(d, d.seq_len, d.shuffle_seed, "eval",
+                                             length=val_rows)}
   if d.source == "mqar":
-    val_rows = c.eval.num_batches * d.batch_size
     return {"train": mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab, seed=d.shuffle_seed),
             "validation": mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab,
                                         seed=d.shuffle_seed + 1, length=val_rows)}

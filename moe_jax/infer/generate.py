@@ -8,6 +8,11 @@ stop token or the budget.
   cache = init_cache(model.cfg, B, max_len)
   logits_BxV, cache = prefill(step, variables, cache, tokens_BxT, lengths_B, chunk=256)
   new_BxN, n_new_B, cache = decode(step, variables, cache, logits_BxV, key, max_new=64)
+
+A recording step (`make_step(model, record_routes=True)`) also returns the top-k experts of
+every fed token: `prefill` then returns them for the prompt, and `decode_turn` (the loop
+under `decode`, with a done mask, stop sequences and the sampled tokens' log-probs) for each
+generated token. GRPO rollouts (moe_jax/rl/rollout.py) are built on these.
 """
 
 import functools
@@ -40,71 +45,134 @@ def inference_variables(model_cfg, variables: dict) -> dict:
   return {k: layer_stack.unstack(model_cfg, v) for k, v in variables.items()}
 
 
-def make_step(model: HybridMoE):
-  """(variables, tokens [B,T], live [B,T] bool, cache) → (logits [B,T,V], cache)."""
+def make_step(model: HybridMoE, record_routes: bool = False):
+  """(variables, tokens [B,T], live [B,T] bool, cache) → (logits [B,T,V], cache), and with
+  record_routes a third item: {MoE layer name: its top-k expert ids [B,T,K]}."""
   def step(variables, tokens_BxT, live_BxT, cache):
+    B, T = tokens_BxT.shape
     batch = {"tokens": tokens_BxT, "segment_ids": live_BxT.astype(jnp.int32)}
-    logits_BxTxV, aux = model.apply(variables, batch, cache)
-    return logits_BxTxV, aux["cache"]
+    if not record_routes:
+      logits_BxTxV, aux = model.apply(variables, batch, cache)
+      return logits_BxTxV, aux["cache"]
+    (logits_BxTxV, aux), out = model.apply(variables, batch, cache, mutable=["intermediates"])
+    routes = {layer: v["ffn"]["topk"][0].reshape(B, T, -1)
+              for layer, v in out["intermediates"].items() if "ffn" in v}
+    return logits_BxTxV, aux["cache"], routes
+  step.records_routes = record_routes
   return step
 
 
-def prefill(step, variables, cache, tokens_BxT, lengths_B, *, chunk: int):
+def prefill(step, variables, cache, tokens_BxT, lengths_B, *, chunk: int, last_BxV=None):
   """Runs right-padded prompts (row b's first lengths_B[b] tokens) through the model in
-  chunks of `chunk` tokens. Returns (logits after each row's last prompt token [B, V], cache).
+  chunks of `chunk` tokens, each row continuing from its cached length. Returns (logits after
+  each row's last prompt token [B, V], cache), and with a recording step the routes of every
+  position {layer: [B, T, K]} as a third item.
+
+  Given `last_BxV` (the logits each row ended on), rows may have length 0: they keep it (a
+  multi-turn rollout feeds tool output to some rows only).
   """
   tokens_BxT, lengths_B = np.asarray(tokens_BxT, np.int32), np.asarray(lengths_B, np.int32)
   B, T = tokens_BxT.shape
-  if lengths_B.min() < 1 or lengths_B.max() > T:
-    raise ValueError(f"prompt lengths must be in [1, {T}], got {lengths_B.tolist()}")
+  shortest = 0 if last_BxV is not None else 1
+  if lengths_B.min() < shortest or lengths_B.max() > T:
+    raise ValueError(f"prompt lengths must be in [{shortest}, {T}], got {lengths_B.tolist()}")
   chunk = min(chunk, T)
   n_chunks = -(-T // chunk)
   tokens_BxT = np.pad(tokens_BxT, ((0, 0), (0, n_chunks * chunk - T)),
                       constant_values=tokenizer.PAD)
   jstep = jax.jit(step, donate_argnums=3)
-  last_BxV = None
+  routes = []
   for c in range(n_chunks):
     pos_T = c * chunk + np.arange(chunk)
     live_BxT = pos_T[None, :] < lengths_B[:, None]
-    logits_BxTxV, cache = jstep(variables, tokens_BxT[:, c * chunk:(c + 1) * chunk], live_BxT,
-                                cache)
+    logits_BxTxV, cache, *recorded = jstep(
+        variables, tokens_BxT[:, c * chunk:(c + 1) * chunk], live_BxT, cache)
+    routes += recorded
     idx_B = lengths_B - 1 - c * chunk
     here_B = (idx_B >= 0) & (idx_B < chunk)
     picked_BxV = logits_BxTxV[np.arange(B), np.clip(idx_B, 0, chunk - 1)]
     last_BxV = picked_BxV if last_BxV is None else jnp.where(here_B[:, None], picked_BxV, last_BxV)
-  return last_BxV, cache
+  if not routes:
+    return last_BxV, cache
+  return last_BxV, cache, jax.tree.map(lambda *xs: jnp.concatenate(xs, 1)[:, :T], *routes)
 
 
-@functools.partial(jax.jit, static_argnames=("step", "max_new", "temperature", "top_k", "top_p",
-                                             "stop_tokens"), donate_argnames=("cache",))
 def decode(step, variables, cache, logits_BxV, key, *, max_new: int, temperature: float = 1.0,
            top_k: int = 0, top_p: float = 1.0, stop_tokens: tuple[int, ...] = (tokenizer.EOS,)):
   """Samples up to max_new tokens per row. Returns (tokens [B, max_new] (PAD after a row's
   stop token), tokens generated per row incl. the stop token [B], cache)."""
+  out = decode_turn(step, variables, cache, logits_BxV, key, max_new=max_new,
+                    temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens)
+  return out["tokens"], out["n_new"], out["cache"]
+
+
+@functools.partial(jax.jit, static_argnames=("step", "max_new", "temperature", "top_k", "top_p",
+                                             "stop_tokens", "stop_sequences"),
+                   donate_argnames=("cache",))
+def decode_turn(step, variables, cache, logits_BxV, key, done_B=None, *, max_new: int,
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                stop_tokens: tuple[int, ...] = (tokenizer.EOS,),
+                stop_sequences: tuple[tuple[int, ...], ...] = ()) -> dict:
+  """The sampling loop. Rows already `done_B` generate nothing. A row stops after a stop
+  token or once its last tokens spell one of `stop_sequences` (a tool call's closing tag).
+
+  Returns {"tokens" [B, max_new] (PAD after a row stops), "n_new" [B] (incl. the stop
+  token), "stopped_on_sequence" [B], "logprobs" [B, max_new] (of each sampled token under
+  softmax(logits / temperature), unfiltered: the policy GRPO trains), "cache"}, and with a
+  recording step "routes" {layer: [B, max_new, K]} (the experts of each generated token).
+  """
   B = logits_BxV.shape[0]
   stops = jnp.asarray(stop_tokens, jnp.int32)
+  L = max((len(s) for s in stop_sequences), default=1)
+  seqs = [jnp.asarray(s, jnp.int32) for s in stop_sequences]
+  routes = None
+  if getattr(step, "records_routes", False):
+    _, _, shapes = jax.eval_shape(step, variables, jnp.zeros((B, 1), jnp.int32),
+                                  jnp.ones((B, 1), bool), cache)
+    routes = {k: jnp.zeros((B, max_new, v.shape[-1]), jnp.int32) for k, v in shapes.items()}
 
   def cond(carry):
-    i, _, _, done_B, _, _, _ = carry
-    return (i < max_new) & ~done_B.all()
+    return (carry["i"] < max_new) & ~carry["done"].all()
 
   def body(carry):
-    i, cache, logits_BxV, done_B, out_BxN, n_new_B, key = carry
-    n_new_B = n_new_B + ~done_B  # counted here: a sampled PAD id is still a generated token
-    key, sub = jax.random.split(key)
-    tok_B = sampling.sample(logits_BxV, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+    c = dict(carry)
+    i, done_B = c["i"], c["done"]
+    c["n_new"] = c["n_new"] + ~done_B  # counted here: a sampled PAD id is still a generated token
+    key, sub = jax.random.split(c["key"])
+    tok_B = sampling.sample(c["logits"], sub, temperature=temperature, top_k=top_k, top_p=top_p)
     tok_B = jnp.where(done_B, tokenizer.PAD, tok_B)
-    out_BxN = out_BxN.at[:, i].set(tok_B)
+    logp_BxV = jax.nn.log_softmax(c["logits"] / (temperature or 1.0), axis=-1)
+    c["logprobs"] = c["logprobs"].at[:, i].set(
+        jnp.where(done_B, 0.0, jnp.take_along_axis(logp_BxV, tok_B[:, None], 1)[:, 0]))
+    c["tokens"] = c["tokens"].at[:, i].set(tok_B)
     # Rows already done feed padding: their state and length stay as they are.
-    logits_Bx1xV, cache = step(variables, tok_B[:, None], ~done_B[:, None], cache)
-    done_B = done_B | jnp.isin(tok_B, stops)
-    return i + 1, cache, logits_Bx1xV[:, 0], done_B, out_BxN, n_new_B, key
+    logits_Bx1xV, c["cache"], *recorded = step(variables, tok_B[:, None], ~done_B[:, None],
+                                               c["cache"])
+    if recorded:
+      c["routes"] = {k: v.at[:, i].set(recorded[0][k][:, 0]) for k, v in c["routes"].items()}
+    recent_BxL = jnp.concatenate([c["recent"][:, 1:], tok_B[:, None]], 1)
+    on_seq_B = jnp.zeros((B,), bool)
+    for s in seqs:
+      on_seq_B = on_seq_B | (recent_BxL[:, L - len(s):] == s).all(-1)
+    on_seq_B = on_seq_B & ~done_B
+    c["recent"], c["stopped_on_sequence"] = recent_BxL, c["stopped_on_sequence"] | on_seq_B
+    c["done"] = done_B | jnp.isin(tok_B, stops) | on_seq_B
+    c["i"], c["logits"], c["key"] = i + 1, logits_Bx1xV[:, 0], key
+    return c
 
-  out_BxN = jnp.full((B, max_new), tokenizer.PAD, jnp.int32)
-  carry = (jnp.int32(0), cache, logits_BxV, jnp.zeros((B,), bool), out_BxN,
-           jnp.zeros((B,), jnp.int32), key)
-  _, cache, _, _, out_BxN, n_new_B, _ = jax.lax.while_loop(cond, body, carry)
-  return out_BxN, n_new_B, cache
+  carry = {"i": jnp.int32(0), "cache": cache, "logits": logits_BxV,
+           "done": jnp.zeros((B,), bool) if done_B is None else done_B,
+           "tokens": jnp.full((B, max_new), tokenizer.PAD, jnp.int32),
+           "n_new": jnp.zeros((B,), jnp.int32), "key": key,
+           "logprobs": jnp.zeros((B, max_new), jnp.float32),
+           "recent": jnp.full((B, L), -1, jnp.int32),
+           "stopped_on_sequence": jnp.zeros((B,), bool)}
+  if routes is not None:
+    carry["routes"] = routes
+  out = jax.lax.while_loop(cond, body, carry)
+  keep = ("tokens", "n_new", "logprobs", "stopped_on_sequence", "cache", "logits") + (
+      ("routes",) if routes is not None else ())
+  return {k: out[k] for k in keep}
 
 
 def complete(model_cfg, variables, prompts: list[str], *, max_new: int, key, prefill_chunk=256,

@@ -192,8 +192,12 @@ class MoE(nn.Module):
   latent, so dispatch and the all-to-all move R-wide rows and each expert holds 3·R·F
   weights → latent_up [R, D]. Shared experts stay on x (d_model).
 
-  The top-k expert ids are sown as intermediates["topk"] (kept only when the caller asks:
-  the routing-fluctuation probe, train/probe.py).
+  The top-k expert ids the router picks are sown as intermediates["topk"] (kept only when
+  the caller asks: the routing-fluctuation probe, train/probe.py; GRPO rollouts).
+
+  Routing replay (moe_jax/rl/replay.py): given a variable replay/topk [N, k], the layer runs
+  those experts instead of its own choice, with combine weights from its own scores at them
+  (so the router still gets a gradient). What it would have picked is still sown.
   """
   cfg: object
 
@@ -223,8 +227,11 @@ class MoE(nn.Module):
     with jax.named_scope("router"):
       logits_NxE = jnp.dot(z_NxW.astype(jnp.float32), kernel_WxE)
       scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
-      idx_NxK, w_NxK = router.select(scores_NxE, bias_E, K, mc.route_scale)
+      idx_NxK, w_NxK = router.select(logits_NxE, bias_E, K, mc.score, mc.route_scale)
     self.sow("intermediates", "topk", idx_NxK)
+    if self.has_variable("replay", "topk"):
+      idx_NxK = self.get_variable("replay", "topk").reshape(idx_NxK.shape)
+      w_NxK = router.combine_weights(logits_NxE, idx_NxK, mc.score, mc.route_scale)
 
     # Latent experts write into latent_up, which carries the residual-branch scale.
     down_scale = 1.0 if R else out_scale(cfg)

@@ -23,12 +23,23 @@ def scores_from_logits(logits_NxE, score: str):
   return jax.nn.sigmoid(logits_NxE) if score == "sigmoid" else jax.nn.softmax(logits_NxE, -1)
 
 
-def select(scores_NxE, bias_E, top_k: int, route_scale: float):
+def select(logits_NxE, bias_E, top_k: int, score: str, route_scale: float):
   """(expert ids [N,k], combine weights [N,k]): the bias moves selection, never the weights."""
+  scores_NxE = scores_from_logits(logits_NxE, score)
   _, idx_NxK = jax.lax.top_k(scores_NxE + jax.lax.stop_gradient(bias_E), top_k)
-  w_NxK = jnp.take_along_axis(scores_NxE, idx_NxK, axis=-1)
-  w_NxK = w_NxK / (w_NxK.sum(-1, keepdims=True) + 1e-20) * route_scale
-  return idx_NxK, w_NxK
+  return idx_NxK, combine_weights(logits_NxE, idx_NxK, score, route_scale)
+
+
+def combine_weights(logits_NxE, idx_NxK, score: str, route_scale: float):
+  """The chosen experts' scores renormalised over the k, times route_scale, as a softmax of
+  their log-scores (log σ(l) for sigmoid scores; l for softmax scores, whose normaliser
+  cancels). The same function as s_k / Σ s_j, but finite in value and gradient for any
+  logits: when a drifting router's logits reach ≈ −55, every chosen sigmoid score is
+  ~1e-24, and the term s / (Σ s)² of the plain quotient's gradient divides by an underflowed
+  square (NaN; benchmarks/moe_stability.md)."""
+  chosen_NxK = jnp.take_along_axis(logits_NxE.astype(jnp.float32), idx_NxK, axis=-1)
+  log_s_NxK = jax.nn.log_sigmoid(chosen_NxK) if score == "sigmoid" else chosen_NxK
+  return jax.nn.softmax(log_s_NxK, axis=-1) * route_scale
 
 
 def load_fraction(idx_NxK, num_experts: int):

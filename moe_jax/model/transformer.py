@@ -94,7 +94,8 @@ class Period(nn.Module):
 def scanned_periods(cfg, plan, res, segment_ids_BxT):
   """The body of the stack as one nn.scan over plan.n periods; the routing stats come back
   per layer ("layer_l"), each a slice of the stacked scan output."""
-  scan = nn.scan(Period, variable_axes={"params": 0, "router": 0, "intermediates": 0},
+  scan = nn.scan(Period, variable_axes={"params": 0, "router": 0, "intermediates": 0,
+                                        "replay": 0},
                  split_rngs={"params": True}, in_axes=(nn.broadcast,), length=plan.n,
                  metadata_params={nn.PARTITION_NAME: "layers"})
   res, stats = scan(cfg, plan.start, name=layer_stack.PERIODS)(res, segment_ids_BxT)

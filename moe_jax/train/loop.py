@@ -62,7 +62,7 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   sources = pipeline.sources(c)
   train_iter = iter(pipeline.train_dataset(sources["train"], c))
   eval_ds = pipeline.eval_dataset(sources["validation"], c)
-  unigram = (None if c.data.source == "mqar"
+  unigram = (None if c.data.source in ("mqar", "tasks")
              else pipeline.unigram_entropy_bits(sources["validation"]))
 
   # Model, optimizer, state.

@@ -2,6 +2,7 @@
 non-finite updates."""
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -29,6 +30,16 @@ def routing_mask(names: tuple[str, ...]):
     return jax.tree_util.tree_map_with_path(
         lambda path, _: any(getattr(k, "key", None) in names for k in path[-2:]), params)
   return mask
+
+
+def routing_grad_norm(c: ml_collections.ConfigDict, grads) -> dict:
+  """{"router_grad_norm": the global norm of the routing params' gradients (those the router
+  clip covers, optim.router_clip_params), before any clip} for an MoE model, else {}."""
+  if not c.model.moe.num_experts:
+    return {}
+  mask = routing_mask(param_names(c.optim.router_clip_params))(grads)
+  return {"router_grad_norm": optax.tree.norm(
+      jax.tree.map(lambda g, m: g if m else jnp.zeros((), g.dtype), grads, mask))}
 
 
 def make_clipping(c: ml_collections.ConfigDict) -> optax.GradientTransformation:

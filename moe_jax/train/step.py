@@ -54,6 +54,7 @@ def train_step(state, batch, *, config):
       "loss": nll,
       "penalty": total - nll,
       "grad_norm": grad_norm,
+      **optim.routing_grad_norm(config, grads),
       "learning_rate": optim.learning_rate(config, state.step),
       "skipped_updates": optim.skipped_updates(new_state.opt_state),
       **routing_metrics(aux["routing"]),

@@ -1,0 +1,79 @@
+"""GRPO post-training (moe_jax/rl/, scripts/grpo.py): a supervised warm-up on the task format,
+then GRPO with verifiable rewards, routing replay on.
+
+  python scripts/grpo.py --config=configs/grpo.py:cpu --workdir=workdir/grpo
+  python scripts/grpo.py --config=configs/grpo.py:tools --workdir=workdir/grpo_tools
+  python scripts/grpo.py --config=configs/grpo.py:cpu --workdir=workdir/g \
+      --config.rl.init_workdir=workdir/tiny_tasks   # start from a trained checkpoint
+
+  cpu    the tiny model on addition (2–3 digits) and key retrieval, 2-core CPU, ≤ 15 min
+  tools  the multi-turn tool environment (lookup / calc calls), end to end
+"""
+
+import ml_collections
+
+from configs import tiny
+
+ARGS = ("cpu", "tools")
+
+
+def get_config(arg=None):
+  if arg not in ARGS:
+    raise ValueError(f"configs/grpo.py arg must be one of {ARGS}; got {arg!r}")
+  c = tiny.get_config()
+  # Two MLA layers (KAKA) instead of tiny's one: on the 2-core CPU MLA is cheaper per token
+  # than KDA at these lengths, and the retrieval task needs attention.
+  c.model.layer_pattern = "KAKA"
+  # The supervised warm-up: a normal training run on data.source = "tasks", sized so that it
+  # ends part-way up both tasks' learning curves (about 0.8 greedy, 0.5–0.6 sampled pass@1
+  # with these settings), where GRPO has rewards to work with and room to improve.
+  c.data.source = "tasks"
+  c.data.tasks = "addition,retrieval"
+  c.data.retrieval_pairs = 10
+  c.data.addition_reversed = True
+  c.data.seq_len = 128
+  c.data.batch_size = 32
+  c.model.moe.dispatch = "capacity"   # the warm-up only: GRPO trains dropless (rl/trainer.py)
+  c.optim.learning_rate = 1e-2
+  c.schedule.total_steps = 480
+  c.schedule.warmup_steps = 30
+  c.eval.every_steps = 480
+  c.eval.num_batches = 4
+  c.checkpoint.every_steps = 25     # also GRPO's: every this many GRPO steps
+  c.log.every_steps = 60
+
+  rl = c.rl = ml_collections.ConfigDict()
+  rl.init_workdir = ""          # a training workdir to start from; "" = run the warm-up above
+  rl.seed = 0
+  rl.steps = 100                # GRPO steps (each: rollouts, then rl.passes updates)
+  rl.prompts_per_step = 8
+  rl.group_size = 8             # G completions per prompt
+  rl.max_prompt_tokens = 80     # BOS + prompt (a 10-pair retrieval prompt is 76)
+  rl.max_new_tokens = 8         # per turn
+  rl.max_turns = 1              # > 1: the model may call tools (tasks with tools)
+  rl.max_tool_tokens = 24       # one tool reply
+  rl.temperature = 1.0
+  rl.passes = 2                 # optimisation passes per rollout batch
+  rl.learning_rate = 1e-3
+  rl.lr_warmup_steps = 5
+  rl.clip_low = 0.2             # ρ clipped to [1 - clip_low, 1 + clip_high]
+  rl.clip_high = 0.28
+  rl.kl_coef = 0.0              # k3 KL to the starting policy; 0 = no reference kept
+  rl.advantage_scale = "group"  # group | batch | none (rl/advantages.py)
+  rl.loss_norm = "token"        # token | sequence | constant (rl/loss.py)
+  rl.rewards = "exact_answer:1"  # name:weight, comma-separated (rl/rewards.py)
+  rl.record_routes = True       # record the rollout's experts (replay and the mismatch metric)
+  rl.routing_replay = True      # the training pass runs the rollout's experts
+  rl.eval_every = 25
+  rl.eval_prompts = 128         # held-out problems for pass@1 (greedy)
+
+  if arg == "tools":
+    c.data.tasks = "tools"
+    rl.max_turns = 2
+    rl.max_new_tokens = 32
+    rl.max_prompt_tokens = 16
+    rl.rewards = "exact_answer:1,tool_calls:-0.05"
+    rl.steps = 20
+    rl.eval_every = 10
+    rl.eval_prompts = 32
+  return c

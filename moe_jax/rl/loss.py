@@ -1,0 +1,60 @@
+"""The GRPO objective: PPO's clipped surrogate with the importance ratio against the rollout
+policy, plus a k3 KL penalty to a frozen reference, on the trained tokens only.
+
+Per trained token t of completion i (mask m = 1; prompt, padding and tool output have m = 0):
+
+  ρ = exp(logp − logp_rollout)
+  pg = −min(ρ·A_i, clip(ρ, 1 − ε_low, 1 + ε_high)·A_i)
+  kl = exp(logp_ref − logp) − (logp_ref − logp) − 1          (k3, Schulman; ≥ 0)
+  ℓ = pg + β·kl
+
+Normalisation (rl.loss_norm):
+  token     Σ ℓ·m / Σ m over the batch (every token weighs the same; DAPO)
+  sequence  mean over completions of Σ_t ℓ·m / Σ_t m (GRPO as published)
+  constant  Σ ℓ·m / (completions · max_tokens) (Dr. GRPO: no length bias)
+"""
+
+import jax
+import jax.numpy as jnp
+
+NORMS = ("token", "sequence", "constant")
+
+
+def token_logprobs(logits_BxTxV, targets_BxT, temperature: float):
+  """log softmax(logits / temperature) at each target, fp32 (the sampled policy's)."""
+  logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
+  return jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], -1)[..., 0]
+
+
+def grpo_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, ref_logp_BxT=None,
+              clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
+              norm: str = "token", max_tokens: int | None = None):
+  """(scalar loss, metrics {"clip_fraction", "kl", "ratio"}: means over trained tokens)."""
+  if norm not in NORMS:
+    raise ValueError(f"rl.loss_norm must be one of {NORMS}, got {norm!r}")
+  mask_BxT = mask_BxT.astype(jnp.float32)
+  adv_Bx1 = adv_B[:, None].astype(jnp.float32)
+  ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
+  clipped_BxT = jnp.clip(ratio_BxT, 1.0 - clip_low, 1.0 + clip_high)
+  loss_BxT = -jnp.minimum(ratio_BxT * adv_Bx1, clipped_BxT * adv_Bx1)
+  kl_BxT = jnp.zeros_like(loss_BxT)
+  if ref_logp_BxT is not None and kl_coef:
+    d_BxT = ref_logp_BxT - logp_BxT
+    kl_BxT = jnp.exp(d_BxT) - d_BxT - 1.0
+    loss_BxT = loss_BxT + kl_coef * kl_BxT
+  n = jnp.maximum(mask_BxT.sum(), 1.0)
+  if norm == "token":
+    loss = (loss_BxT * mask_BxT).sum() / n
+  elif norm == "sequence":
+    per_seq_B = (loss_BxT * mask_BxT).sum(1) / jnp.maximum(mask_BxT.sum(1), 1.0)
+    has_B = (mask_BxT.sum(1) > 0).astype(jnp.float32)
+    loss = (per_seq_B * has_B).sum() / jnp.maximum(has_B.sum(), 1.0)
+  else:
+    loss = (loss_BxT * mask_BxT).sum() / (mask_BxT.shape[0] * (max_tokens or mask_BxT.shape[1]))
+  # A token is clipped where the clip, not the ratio, set its surrogate (no gradient flows).
+  was_clipped_BxT = ((ratio_BxT < 1.0 - clip_low) & (adv_Bx1 < 0)) | (
+      (ratio_BxT > 1.0 + clip_high) & (adv_Bx1 > 0))
+  metrics = {"clip_fraction": (was_clipped_BxT * mask_BxT).sum() / n,
+             "kl": (kl_BxT * mask_BxT).sum() / n,
+             "ratio": (ratio_BxT * mask_BxT).sum() / n}
+  return loss, metrics

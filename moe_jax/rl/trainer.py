@@ -1,0 +1,280 @@
+"""The GRPO loop: warm-up (or a given checkpoint) → per step: G rollouts per prompt,
+rewards, group-relative advantages, `rl.passes` clipped-surrogate updates → metrics,
+held-out pass@1, checkpoints.
+
+  summary = train_grpo(config, workdir)       # resumes from <workdir>/checkpoints
+
+The policy trains in the training layout (scanned layers where the config scans) with
+dropless MoE dispatch, as the rollouts run: a capacity path would drop tokens the rollout
+kept, and the importance ratio would compare two different networks. The balancer biases
+stay as the starting checkpoint left them: a bias update between rollout and training pass
+would move routing too. Runs on one device.
+"""
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import struct
+from tqdm import tqdm
+
+from moe_jax import config as config_lib
+from moe_jax.infer import workdir as workdir_lib
+from moe_jax.infer.generate import inference_variables
+from moe_jax.model import layer_stack
+from moe_jax.model.transformer import HybridMoE
+from moe_jax.rl import advantages, environments, replay, rewards
+from moe_jax.rl import loss as loss_lib
+from moe_jax.rl import rollout as rollout_lib
+from moe_jax.rl.rollout import Budget, Episodes, rollout
+from moe_jax.train import checkpoint, metrics, optim
+from moe_jax.train.loop import train_and_evaluate
+from moe_jax.train.state import TrainState
+
+
+class PolicyState(TrainState):
+  """The policy's train state plus the frozen reference params ({} when rl.kl_coef = 0)."""
+  ref_params: Any = struct.field(default_factory=dict)
+
+
+def policy_model_config(model_cfg) -> ml_collections.FrozenConfigDict:
+  """The model config as GRPO trains it: dropless MoE, as the rollouts run."""
+  m = ml_collections.ConfigDict(model_cfg.to_dict())
+  if m.moe.num_experts:
+    m.moe.dispatch = "dropless"
+  return ml_collections.FrozenConfigDict(m)
+
+
+@functools.lru_cache(maxsize=8)
+def policy_optimizer(c: ml_collections.FrozenConfigDict) -> optax.GradientTransformation:
+  """optim.make_optimizer with rl.learning_rate, warmed up over rl.lr_warmup_steps updates,
+  then constant (clipping, AdamW and the non-finite skip as in pretraining). Cached: the
+  train state holds it as a static field, so the same object lets a jitted pass be reused."""
+  g = ml_collections.ConfigDict(c.to_dict())
+  g.optim.learning_rate = c.rl.learning_rate
+  g.schedule.update(kind="cosine", warmup_steps=c.rl.lr_warmup_steps,
+                    total_steps=c.rl.lr_warmup_steps + c.rl.steps * c.rl.passes + 1,
+                    final_lr_fraction=1.0)
+  return optim.make_optimizer(g)
+
+
+def budget(rl) -> Budget:
+  return Budget(rl.max_prompt_tokens, rl.max_new_tokens, rl.max_turns, rl.max_tool_tokens)
+
+
+def training_length(model_cfg, b: Budget) -> int:
+  """The training pass's length: the rollout budget rounded up to whole KDA chunks."""
+  chunk = model_cfg.kda_chunk_size
+  return -(-b.length // chunk) * chunk
+
+
+@functools.lru_cache(maxsize=8)
+def policy_model(model_cfg) -> HybridMoE:
+  """One model object per config: the train state holds its apply as a static field."""
+  return HybridMoE(model_cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def make_pass(model_cfg, rl):
+  """One optimisation pass over a rollout batch, jitted: (state, batch) → (state, metrics).
+  Cached per (frozen) model and rl config, so a process compiles it once."""
+  model = policy_model(model_cfg)
+
+  def one_pass(state, batch):
+    inputs = {"tokens": batch["tokens"], "segment_ids": batch["segment_ids"]}
+
+    def loss_fn(params):
+      variables = {"params": params, "router": state.router}
+      if rl.routing_replay and "routes" in batch:
+        variables["replay"] = replay.replay_variables(model_cfg, batch["routes"])
+      (logits, aux), inter = model.apply(variables, inputs, mutable=["intermediates"])
+      logp = loss_lib.token_logprobs(logits, batch["targets"], rl.temperature)
+      loss, m = loss_lib.grpo_loss(
+          logp, batch["old_logp"], batch["advantages"], batch["train_mask"],
+          ref_logp_BxT=batch.get("ref_logp"), clip_low=rl.clip_low, clip_high=rl.clip_high,
+          kl_coef=rl.kl_coef, norm=rl.loss_norm,
+          max_tokens=rl.max_turns * rl.max_new_tokens)
+      penalty = sum((s["penalty"] for s in aux["routing"].values()), jnp.float32(0.0))
+      return loss + penalty, (m, inter.get("intermediates", {}))
+
+    (total, (m, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    if "routes" in batch:
+      picked = replay.picked_routes(model_cfg, inter, batch["tokens"].shape)
+      m["route_mismatch"] = replay.mismatch(picked, batch["routes"], batch["segment_ids"])
+    new_state = state.apply_gradients(grads=grads)
+    m.update(loss=total, grad_norm=optax.tree.norm(grads),
+             skipped_updates=optim.skipped_updates(new_state.opt_state))
+    return new_state, m
+
+  return jax.jit(one_pass, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=8)
+def make_ref_logprobs(model_cfg, temperature):
+  """The frozen reference's log-probs of the batch's targets (its own routing)."""
+  model = policy_model(model_cfg)
+
+  def ref_logp(ref_params, router, batch):
+    logits, _ = model.apply({"params": ref_params, "router": router},
+                            {"tokens": batch["tokens"], "segment_ids": batch["segment_ids"]})
+    return jax.lax.stop_gradient(loss_lib.token_logprobs(logits, batch["targets"], temperature))
+  return jax.jit(ref_logp)
+
+
+def episode_batch(ep: Episodes, adv_R) -> dict:
+  batch = {"tokens": ep.tokens, "segment_ids": ep.segment_ids, "targets": ep.targets,
+           "train_mask": ep.train_mask, "old_logp": ep.old_logp, "advantages": adv_R}
+  if ep.routes is not None:
+    batch["routes"] = ep.routes
+  return batch
+
+
+def pass_at_1(sampler, state, model_cfg, tasks, rl, b: Budget, seq_len: int) -> dict:
+  """Greedy pass@1 per task on rl.eval_prompts held-out problems (the same every time)."""
+  problems = [environments.draw(tasks, rl.seed + 1, i, "eval") for i in range(rl.eval_prompts)]
+  variables = inference_variables(model_cfg, {"params": state.params, "router": state.router})
+  ep = rollout(sampler, variables, problems, {t.name: t for t in tasks}, jax.random.key(0), b,
+               temperature=0.0, seq_len=seq_len)
+  out = {}
+  for t in tasks:
+    hits = [rewards.exact_answer(p.prompt, comp, p.state)
+            for p, comp in zip(problems, ep.completions) if p.state["task"] == t.name]
+    out[f"pass@1/{t.name}"] = float(np.mean(hits)) if hits else float("nan")
+  out["pass@1/mean"] = float(np.nanmean(list(out.values())))
+  return out
+
+
+def start_from(c, workdir: str, progress: bool):
+  """(model config, per-layer variables) of the policy's starting point: rl.init_workdir's
+  latest checkpoint, or the supervised warm-up on data.tasks, run (or resumed) in
+  <workdir>/warmup."""
+  init_dir = c.rl.init_workdir
+  if not init_dir:
+    init_dir = os.path.join(workdir, "warmup")
+    w = ml_collections.ConfigDict(c.to_dict())
+    w.data.source = "tasks"
+    train_and_evaluate(w, init_dir, progress=progress)
+  init_cfg, variables, _ = workdir_lib.load(init_dir)
+  return init_cfg.model, variables
+
+
+def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
+               stop_after: int | None = None) -> dict:
+  """GRPO to rl.steps (resuming from <workdir>/checkpoints); `stop_after` ends this call early
+  at that step, checkpointed. Returns the summary (pass@1 before and after, last metrics)."""
+  config_lib.validate(c)
+  rl = c.rl
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+  model_cfg_init, variables = start_from(c, workdir, progress)
+  model_cfg = policy_model_config(model_cfg_init)
+  model = policy_model(model_cfg)
+  tasks = environments.make_tasks(c.data)
+  by_name = {t.name: t for t in tasks}
+  terms = rewards.parse(rl.rewards)
+  b = budget(rl)
+  T = training_length(model_cfg, b)
+  record = bool(model_cfg.moe.num_experts) and rl.record_routes
+
+  params = layer_stack.stack(model_cfg, variables["params"])
+  router = layer_stack.stack(model_cfg, variables["router"])
+  state = PolicyState.create(apply_fn=model.apply, params=params, tx=policy_optimizer(ml_collections.FrozenConfigDict(c)),
+                             router=router,
+                             ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef else {})
+  # Laid out as the pass returns it (int32 step, every leaf committed to the device), so the
+  # second pass reuses the first one's compile.
+  state = jax.device_put(state.replace(step=jnp.zeros((), jnp.int32)), jax.devices()[0])
+  prompts = iter(grain.MapDataset.range(2**31 - 1).batch(rl.prompts_per_step))
+  manager = checkpoint.make_manager(os.path.abspath(os.path.join(workdir, "checkpoints")), c)
+  state, resumed = checkpoint.restore_latest(manager, state, prompts, model_cfg)
+  one_pass = make_pass(model_cfg, ml_collections.FrozenConfigDict(rl))
+  ref_logp = make_ref_logprobs(model_cfg, rl.temperature) if rl.kl_coef else None
+  sampler, greedy = rollout_lib.sampler(model_cfg, record), rollout_lib.sampler(model_cfg, False)
+  train_log = metrics.MetricWriter(workdir, "grpo")
+  eval_log = metrics.MetricWriter(workdir, "grpo_eval")
+  step = int(state.step) // rl.passes
+  end = rl.steps if stop_after is None else min(stop_after, rl.steps)
+  evaluate = lambda: pass_at_1(greedy, state, model_cfg, tasks, rl, b, T)
+  summary_path = os.path.join(workdir, "summary.json")
+  summary = {}
+  if os.path.exists(summary_path):
+    with open(summary_path) as f:
+      summary = json.load(f)
+  if resumed is None or "start" not in summary:
+    summary = {"start": evaluate()}
+    eval_log.write(0, summary["start"])
+    with open(summary_path, "w") as f:
+      json.dump(summary, f, indent=2)
+  print(f"moe_jax grpo: " + (f"resumed at step {step}" if resumed is not None else
+                             "from step 0") + f"; start pass@1 {summary['start']}", flush=True)
+  bar = tqdm(total=rl.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
+  last = {}
+  try:
+    while step < end:
+      t0 = time.perf_counter()
+      idx = next(prompts)
+      problems = [environments.draw(tasks, rl.seed, int(i), "train") for i in idx]
+      group = [p for p in problems for _ in range(rl.group_size)]
+      variables = inference_variables(model_cfg, {"params": state.params,
+                                                  "router": state.router})
+      ep = rollout(sampler, variables, group, by_name,
+                   jax.random.fold_in(jax.random.key(rl.seed), step), b,
+                   temperature=rl.temperature, seq_len=T)
+      t_roll = time.perf_counter() - t0
+      reward_R = np.array([rewards.total(terms, p.prompt, s, p.state)
+                           for p, s in zip(group, ep.completions)], np.float32)
+      correct_R = np.array([rewards.exact_answer(p.prompt, s, p.state)
+                            for p, s in zip(group, ep.completions)], np.float32)
+      batch = episode_batch(ep, advantages.group_advantages(reward_R, rl.group_size,
+                                                            rl.advantage_scale))
+      if ref_logp is not None:
+        batch["ref_logp"] = ref_logp(state.ref_params, state.router, batch)
+      passes = []
+      for _ in range(rl.passes):
+        state, m = one_pass(state, batch)
+        passes.append(m)
+      passes = jax.device_get(passes)
+      step += 1
+      dt = time.perf_counter() - t0
+      m = {k: v for k, v in passes[-1].items() if k != "route_mismatch"}
+      if "route_mismatch" in passes[0]:
+        m["route_mismatch/first_pass"] = passes[0]["route_mismatch"]
+        m["route_mismatch/last_pass"] = passes[-1]["route_mismatch"]
+      m.update({"reward/mean": reward_R.mean(), "reward/std": reward_R.std(),
+                "accuracy": correct_R.mean(), "response_tokens": ep.generated.mean(),
+                "tool_calls": ep.tool_calls.mean(), "rollout_s": t_roll,
+                "tokens_per_sec": float(ep.segment_ids.sum()) / dt})
+      for t in tasks:
+        rows = [i for i, p in enumerate(group) if p.state["task"] == t.name]
+        m[f"accuracy/{t.name}"] = correct_R[rows].mean() if rows else float("nan")
+      train_log.write(step, m)
+      last = {k: float(v) for k, v in m.items()}
+      bar.update(1)
+      bar.set_postfix({"reward": f"{m['reward/mean']:.3f}", "acc": f"{m['accuracy']:.3f}",
+                       "clip": f"{m['clip_fraction']:.3f}"})
+      if step % rl.eval_every == 0 or step == rl.steps:
+        ev = evaluate()
+        eval_log.write(step, ev)
+        summary["final" if step == rl.steps else "latest"] = ev
+        bar.write(f"grpo step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+      if step % c.checkpoint.every_steps == 0 or step == end:
+        checkpoint.save(manager, int(state.step), state, prompts)
+    checkpoint.finish(manager)
+  finally:
+    bar.close()
+    manager.close()
+    train_log.close()
+    eval_log.close()
+  summary.update(step=step, last_metrics=last or summary.get("last_metrics", {}))
+  with open(summary_path, "w") as f:
+    json.dump(summary, f, indent=2)
+  return {**summary, "state": state}

@@ -1,0 +1,300 @@
+"""GRPO (moe_jax/rl/): the loss against a NumPy reference, advantages, masks and their
+gradients on a real multi-turn rollout, routing replay, rollout log-probs against the
+training forward, rewards and tools, the warm-up rows, and exact resume."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import grpo as grpo_config
+from moe_jax import config as config_lib
+from moe_jax.data import task_rows, tokenizer
+from moe_jax.infer.generate import inference_variables
+from moe_jax.model import moe as moe_lib, router as router_lib
+from moe_jax.model.moe import MoE
+from moe_jax.model.transformer import HybridMoE
+from moe_jax.rl import advantages, environments, replay, rewards, tools
+from moe_jax.rl import loss as loss_lib
+from moe_jax.rl.rollout import Budget, Sampler, rollout
+from moe_jax.rl.tasks import Problem, Task
+from moe_jax.rl.trainer import policy_model_config, train_grpo
+from moe_jax.train.loop import train_and_evaluate
+from moe_jax.train.state import frozen_model_config
+from tests.conftest import make_small_config, rel_err
+
+
+# ---- the loss against NumPy --------------------------------------------------------------
+
+def _np_grpo(logp, old, ref, adv, mask, lo, hi, beta, norm, max_tokens):
+  ratio = np.exp(logp - old)
+  s1, s2 = ratio * adv[:, None], np.clip(ratio, 1 - lo, 1 + hi) * adv[:, None]
+  d = ref - logp
+  per_tok = -np.minimum(s1, s2) + beta * (np.exp(d) - d - 1)
+  if norm == "token":
+    loss = (per_tok * mask).sum() / mask.sum()
+  elif norm == "sequence":
+    rows = mask.sum(1) > 0
+    loss = np.mean([(per_tok[b] * mask[b]).sum() / mask[b].sum() for b in np.flatnonzero(rows)])
+  else:
+    loss = (per_tok * mask).sum() / (mask.shape[0] * max_tokens)
+  clipped = ((ratio < 1 - lo) & (adv[:, None] < 0)) | ((ratio > 1 + hi) & (adv[:, None] > 0))
+  return loss, (clipped * mask).sum() / mask.sum(), ((np.exp(d) - d - 1) * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("norm", loss_lib.NORMS)
+def test_grpo_loss_equals_numpy_reference(norm):
+  rng = np.random.default_rng(0)
+  B, T = 6, 9
+  logp = -rng.uniform(0.1, 3.0, (B, T))
+  old = logp + rng.normal(0, 0.4, (B, T))      # ratios well outside [0.8, 1.28] too
+  ref = logp + rng.normal(0, 0.3, (B, T))
+  adv = rng.normal(0, 1, B)
+  mask = (rng.random((B, T)) < 0.6).astype(np.float64)
+  mask[2] = 0.0                                 # a row with nothing trained
+  want, want_clip, want_kl = _np_grpo(logp, old, ref, adv, mask, 0.2, 0.28, 0.05, norm, 12)
+  got, m = loss_lib.grpo_loss(*(jnp.asarray(x, jnp.float32) for x in (logp, old, adv, mask)),
+                              ref_logp_BxT=jnp.asarray(ref, jnp.float32), clip_low=0.2,
+                              clip_high=0.28, kl_coef=0.05, norm=norm, max_tokens=12)
+  assert abs(float(got) - want) <= 1e-5 * max(abs(want), 1.0)
+  assert 0.05 < want_clip < 0.95   # the fixture exercises clipping
+  assert abs(float(m["clip_fraction"]) - want_clip) < 1e-6
+  assert abs(float(m["kl"]) - want_kl) < 1e-5
+
+
+def test_grpo_loss_rejects_unknown_normalisation():
+  with pytest.raises(ValueError, match="rl.loss_norm"):
+    loss_lib.grpo_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros(1), jnp.ones((1, 2)),
+                       norm="mean")
+
+
+@pytest.mark.parametrize("scale", advantages.SCALES)
+def test_group_advantages(scale):
+  r = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 2.0, 0.5, 0.5, 0.5, 0.5])
+  a = advantages.group_advantages(r, 4, scale)
+  g = r.reshape(3, 4)
+  want = g - g.mean(1, keepdims=True)
+  if scale == "group":
+    want = want / (g.std(1, keepdims=True) + 1e-4)
+  elif scale == "batch":
+    want = want / (r.std() + 1e-4)
+  np.testing.assert_allclose(a, want.reshape(-1), rtol=1e-6)
+  assert a.reshape(3, 4)[2].tolist() == [0.0] * 4   # a constant group carries no signal
+
+
+# ---- rollouts, masks and gradients -------------------------------------------------------
+
+class _EchoTool(Task):
+  """A multi-turn task for the test: a turn ends on any ASCII byte (an untrained model writes
+  one within a few tokens), the environment answers each with a fixed reply."""
+  name = "echo"
+  multi_turn = True
+  stop_sequences = tuple(chr(i) for i in range(128))
+  REPLY = "<result>42</result>"
+
+  def sample(self, rng):
+    return Problem(f"Q {int(rng.integers(100))}?", {"task": self.name, "answer": "42"})
+
+  def respond(self, problem, completion):
+    return self.REPLY if completion.count("<result>") < 2 else None
+
+
+@pytest.fixture(scope="module")
+def moe_policy():
+  c = make_small_config()
+  c.model.update({"dtype": "float32", "n_layers": 3, "layer_pattern": "KA"})
+  c.model.moe.update(num_experts=8, top_k=2, first_dense=1)
+  cfg = policy_model_config(frozen_model_config(c))
+  model = HybridMoE(cfg)
+  batch = {"tokens": np.zeros((1, 16), np.int32), "segment_ids": np.ones((1, 16), np.int32)}
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  return cfg, model, variables
+
+
+def test_tool_output_prompt_and_padding_get_zero_gradient(moe_policy):
+  cfg, model, variables = moe_policy
+  task = _EchoTool()
+  problems = [task.sample(np.random.default_rng(i)) for i in range(6)]
+  b = Budget(max_prompt=8, max_new=10, max_turns=3, max_tool=20)
+  ep = rollout(Sampler(cfg, record_routes=True), inference_variables(cfg, variables), problems,
+               {"echo": task}, jax.random.key(1), b, temperature=1.0, seq_len=80)
+  reply = tokenizer.encode(_EchoTool.REPLY, bos=False, eos=False)
+  rows_with_reply = 0
+  for r in range(len(problems)):
+    seq = ep.tokens[r][ep.segment_ids[r] == 1]
+    trained = np.concatenate([[0], ep.train_mask[r][:len(seq) - 1]])  # flag per token
+    prompt = tokenizer.encode(problems[r].prompt, eos=False)
+    assert (seq[:len(prompt)] == prompt).all() and not trained[:len(prompt)].any()
+    # Every reply sits in the sequence untrained; everything else after the prompt is trained.
+    starts = [i for i in range(len(seq) - len(reply) + 1)
+              if (seq[i:i + len(reply)] == reply).all()]
+    rows_with_reply += bool(starts)
+    tool = np.zeros(len(seq), bool)
+    for i in starts:
+      tool[i:i + len(reply)] = True
+    assert not trained[tool].any()
+    assert trained[len(prompt):][~tool[len(prompt):]].all()
+    assert ep.completions[r].count("<result>") == len(starts) == ep.tool_calls[r]
+  assert rows_with_reply >= 3    # the fixture does exercise the multi-turn path
+  # d loss / d logits is zero wherever the target is prompt, tool output or padding.
+  logits = model.apply(variables, {"tokens": ep.tokens, "segment_ids": ep.segment_ids})[0]
+  adv = np.linspace(-1, 1, len(problems)).astype(np.float32)
+
+  def loss_of(logits):
+    logp = loss_lib.token_logprobs(logits, ep.targets, 1.0)
+    return loss_lib.grpo_loss(logp, ep.old_logp, adv, ep.train_mask)[0]
+
+  g_RxT = np.abs(np.asarray(jax.grad(loss_of)(logits))).sum(-1)
+  assert (g_RxT[ep.train_mask == 0] == 0).all()
+  assert (g_RxT[ep.train_mask == 1] > 0).mean() > 0.95
+
+
+def test_rollout_logprobs_equal_training_forward_with_replay(moe_policy):
+  cfg, model, variables = moe_policy
+  rl = grpo_config.get_config("cpu").rl
+  tasks = environments.make_tasks(ml_collections.ConfigDict(
+      {"tasks": "addition,retrieval", "retrieval_pairs": 4}))
+  problems = [environments.draw(tasks, 0, i, "train") for i in range(8)]
+  b = Budget(max_prompt=40, max_new=6)
+  ep = rollout(Sampler(cfg, record_routes=True), inference_variables(cfg, variables), problems,
+               {t.name: t for t in tasks}, jax.random.key(2), b, temperature=rl.temperature,
+               seq_len=48)
+  inputs = {"tokens": ep.tokens, "segment_ids": ep.segment_ids}
+  for replay_on in (True, False):
+    v = dict(variables)
+    if replay_on:
+      v["replay"] = replay.replay_variables(cfg, ep.routes)
+    (logits, _), inter = model.apply(v, inputs, mutable=["intermediates"])
+    logp = loss_lib.token_logprobs(logits, ep.targets, rl.temperature)
+    m = ep.train_mask == 1
+    assert rel_err(np.asarray(logp)[m], ep.old_logp[m]) < 1e-4
+    picked = replay.picked_routes(cfg, inter["intermediates"], ep.tokens.shape)
+    assert float(replay.mismatch(picked, ep.routes, ep.segment_ids)) < 0.01
+  # The metric sees a difference: other routes differ everywhere they were changed.
+  shifted = {k: (v + 1) % 8 for k, v in ep.routes.items()}
+  assert float(replay.mismatch(shifted, ep.routes, ep.segment_ids)) == 1.0
+
+
+def test_replay_runs_exactly_the_recorded_experts():
+  c = make_small_config()
+  c.model.dtype = "float32"
+  c.model.moe.update(num_experts=8, top_k=2, num_shared=0)
+  cfg = frozen_model_config(c)
+  x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model))
+  layer = MoE(cfg)
+  v = nn.meta.unbox(layer.init(jax.random.key(1), x))
+  forced = jax.random.randint(jax.random.key(2), (10, 2), 0, 8)
+  forced = jnp.stack([forced[:, 0], (forced[:, 0] + 1 + forced[:, 1] % 7) % 8], 1)  # distinct
+  y, stats = layer.apply({**v, "replay": {"topk": forced}}, x)
+  p = v["params"]
+  logits = x.reshape(10, -1) @ p["router_kernel"]
+  w = router_lib.combine_weights(logits, forced, cfg.moe.score, cfg.moe.route_scale)
+  want = moe_lib.dropless(x.reshape(10, -1), forced, w, p["gate_up"], p["down"])
+  assert rel_err(y.reshape(10, -1), want) < 1e-6
+  np.testing.assert_allclose(stats["load"], np.bincount(forced.reshape(-1), minlength=8) / 20)
+  # The router still learns through the combine weights of the replayed experts.
+  g = jax.grad(lambda p: layer.apply({**v, "params": p, "replay": {"topk": forced}}, x)[0].sum())(p)
+  assert float(jnp.abs(g["router_kernel"]).sum()) > 0
+
+
+# ---- rewards, tools, warm-up rows, config --------------------------------------------------
+
+def test_rewards_and_tools():
+  assert tools.calc("12*3-4") == 32
+  for bad in ("__import__('os')", "2**8", "1/2", "x+1"):
+    with pytest.raises(ValueError, match="calc"):
+      tools.calc(bad)
+  table = {"k17": "42"}
+  assert tools.run_call('<call>lookup("k17")</call>', table) == "42"
+  assert tools.run_call('<call>lookup("k18")</call>', table) == "none"
+  assert tools.run_call('<call>lookup("k17")</call> <call>calc(2*21)</call>', table) == "42"
+  assert tools.run_call("<call>rm(1)</call>", table) == "error"
+  episode = '<call>lookup("k17")</call><result>42</result>\nA 42'
+  terms = rewards.parse("exact_answer:1,tool_calls:-0.25,length:-0.01")
+  own = len('<call>lookup("k17")</call>\nA 42')
+  assert rewards.total(terms, "", episode, {"answer": "42"}) == pytest.approx(
+      1 - 0.25 - 0.01 * own)
+  assert rewards.exact_answer("", "1591", {"answer": "1591"}) == 1.0
+  assert rewards.exact_answer("", "15910", {"answer": "1591"}) == 0.0
+  with pytest.raises(ValueError, match="unknown reward 'speed'"):
+    rewards.parse("exact_answer:1,speed:2")
+  with pytest.raises(ValueError, match="weight of 'length'"):
+    rewards.parse("length:x")
+  t = tools.ToolTask()
+  p = t.sample(np.random.default_rng(3))
+  call = t.demonstration(p)[0][0]
+  assert t.respond(p, call) == f"<result>{p.state['answer']}</result>\n"
+  assert t.respond(p, "A 12") is None
+
+
+def test_task_rows_train_only_on_answers_and_hold_out_eval_prompts():
+  d = ml_collections.ConfigDict({"tasks": "addition,tools", "retrieval_pairs": 4})
+  rows = task_rows.TaskRows(d, 128, seed=0)
+  ex = rows[5]
+  assert rows[5]["tokens"].tolist() == ex["tokens"].tolist()   # deterministic
+  text = tokenizer.decode(ex["targets"][ex["loss_mask"] > 0])
+  assert "<result>" not in text and "Q " not in text and "+" not in text and "<call>" in text
+  n_eos = int(((ex["targets"] == tokenizer.EOS) & (ex["loss_mask"] > 0)).sum())
+  assert n_eos == ex["segment_ids"].max()                  # each demonstration's EOS trained
+  tasks = environments.make_tasks(d)
+  train = {environments.draw(tasks, 0, i, "train").prompt for i in range(400)}
+  held = {environments.draw(tasks, 0, i, "eval").prompt for i in range(40)}
+  assert not train & held and all(environments.held_out(p) for p in held)
+  with pytest.raises(ValueError, match="data.seq_len=16"):
+    task_rows.TaskRows(d, 16, seed=0)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("group_size", 1, "rl.group_size"), ("loss_norm", "mean", "rl.loss_norm"),
+    ("advantage_scale", "std", "rl.advantage_scale"), ("kl_coef", -0.1, "rl.kl_coef"),
+    ("rewards", "exact:1", "unknown reward"), ("clip_low", 1.5, "rl.clip_low")])
+def test_bad_rl_config_is_rejected(field, value, match):
+  c = grpo_config.get_config("cpu")
+  c.rl[field] = value
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(c)
+  c = grpo_config.get_config("cpu")
+  c.data.tasks = "addition,sudoku"
+  with pytest.raises(ValueError, match="data.tasks"):
+    config_lib.validate(c)
+
+
+# ---- the loop: a run, its metrics, exact resume ------------------------------------------
+
+def _tiny_grpo_config(tmp_path):
+  c = grpo_config.get_config("cpu")
+  small = make_small_config()
+  c.model = small.model
+  c.model.moe.update(num_experts=4, top_k=2)
+  c.model.n_layers, c.model.layer_pattern = 3, "KA"
+  c.data.update(seq_len=128, batch_size=4, tasks="addition,retrieval", retrieval_pairs=4)
+  c.schedule.update(total_steps=4, warmup_steps=1)
+  c.eval.update(every_steps=4, num_batches=1)
+  c.checkpoint.every_steps = 1
+  c.train.compile_cache_dir = ""
+  c.rl.update(steps=3, prompts_per_step=2, group_size=4, max_prompt_tokens=40, max_new_tokens=5,
+              eval_every=3, eval_prompts=4, kl_coef=0.1, passes=2, learning_rate=3e-3)
+  return c
+
+
+def test_grpo_runs_and_resumes_exactly(tmp_path):
+  c = _tiny_grpo_config(tmp_path)
+  warm = tmp_path / "warm"
+  c.rl.init_workdir = str(warm)
+  train_and_evaluate(c, str(warm), progress=False)   # the warm-up, as train_grpo would run it
+  straight = train_grpo(c, str(tmp_path / "a"), progress=False)
+  train_grpo(c, str(tmp_path / "b"), progress=False, stop_after=1)
+  resumed = train_grpo(c, str(tmp_path / "b"), progress=False)
+  for a, b in zip(jax.tree.leaves(straight["state"].params),
+                  jax.tree.leaves(resumed["state"].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(straight["state"].step) == 3 * c.rl.passes
+  m = straight["last_metrics"]
+  for k in ("reward/mean", "accuracy", "kl", "clip_fraction", "response_tokens",
+            "route_mismatch/first_pass", "tokens_per_sec", "accuracy/addition"):
+    assert k in m and np.isfinite(m[k])
+  assert m["route_mismatch/first_pass"] < 0.01 and m["kl"] >= 0
+  assert set(straight["start"]) == {"pass@1/addition", "pass@1/retrieval", "pass@1/mean"}
+  assert "final" in straight
