@@ -161,6 +161,8 @@ def _validate_rl(c: ml_collections.ConfigDict):
   for f in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "max_turns",
             "max_tool_tokens", "passes", "eval_every", "eval_prompts"):
     _positive_int(f"rl.{f}", rl[f])
+  if not isinstance(rl.get("eval_samples", 0), int) or rl.get("eval_samples", 0) < 0:
+    _fail("rl.eval_samples", rl.eval_samples, "an integer >= 0 (0 = greedy pass@1 only)")
   if not isinstance(rl.group_size, int) or rl.group_size < 2:
     _fail("rl.group_size", rl.group_size, "an integer >= 2 (advantages compare a group)")
   if not rl.temperature > 0:

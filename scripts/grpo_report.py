@@ -1,5 +1,5 @@
 """Curves and a table of GRPO runs side by side (benchmarks/grpo.md): reward, sampled
-accuracy and held-out pass@1 per task, routing mismatch, clip fraction.
+accuracy, held-out pass@1 per task (greedy and sampled), routing mismatch, clip fraction.
 
   python scripts/grpo_report.py --runs="replay on=workdir/grpo,replay off=workdir/grpo_noreplay" \
       --out=benchmarks/grpo.png
@@ -35,10 +35,11 @@ def main(argv):
   import matplotlib.pyplot as plt
 
   runs = [part.split("=", 1) for part in _RUNS.value.split(",")]
-  fig, axes = plt.subplots(1, 4, figsize=(20, 4))
-  rows = ["| run | steps | pass@1 at start | pass@1 at end | sampled accuracy, first 10 → last 10 "
-          "steps | route mismatch, first pass (mean) | last pass (mean) | clip fraction (mean) | "
-          "wall s |", "|---|---|---|---|---|---|---|---|---|"]
+  fig, axes = plt.subplots(1, 5, figsize=(25, 4))
+  rows = ["| run | steps | greedy pass@1, start → end | sampled pass@1, start → end | "
+          "train accuracy, first 10 → last 10 steps | route mismatch, first pass (mean) | "
+          "last pass (mean) | clip fraction (mean) | warm-up s | GRPO s |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
   for label, workdir in runs:
     train = _read(os.path.join(workdir, "metrics_grpo.jsonl"))
     evals = _read(os.path.join(workdir, "metrics_grpo_eval.jsonl"))
@@ -48,24 +49,29 @@ def main(argv):
     n = _SMOOTH.value
     axes[0].plot(steps[n - 1:] if len(steps) >= n else steps,
                  _smooth([m["reward/mean"] for m in train], n), label=label)
-    for k in sorted(k for k in evals[0] if k.startswith("pass@1/") and k != "pass@1/mean"):
-      axes[1].plot([e["step"] for e in evals], [e[k] for e in evals], "o-",
-                   label=f"{label}: {k.removeprefix('pass@1/')}")
+    for ax, prefix in ((axes[1], "pass@1/"), (axes[2], "pass@1_sampled/")):
+      for k in sorted(k for k in evals[0] if k.startswith(prefix) and not k.endswith("/mean")):
+        ax.plot([e["step"] for e in evals], [e[k] for e in evals], "o-",
+                label=f"{label}: {k.removeprefix(prefix)}")
     if "route_mismatch/last_pass" in train[0]:
-      axes[2].plot(steps, [m["route_mismatch/first_pass"] for m in train], label=f"{label}: first pass")
-      axes[2].plot(steps, [m["route_mismatch/last_pass"] for m in train], label=f"{label}: last pass")
-    axes[3].plot(steps, [m["clip_fraction"] for m in train], label=label)
-    task_keys = sorted(k for k in summary["start"] if k != "pass@1/mean")
-    fmt = lambda d: ", ".join(f"{k.removeprefix('pass@1/')} {d[k]:.3f}" for k in task_keys)
-    end = summary.get("final", summary.get("latest"))
+      axes[3].plot(steps, [m["route_mismatch/first_pass"] for m in train], label=f"{label}: first pass")
+      axes[3].plot(steps, [m["route_mismatch/last_pass"] for m in train], label=f"{label}: last pass")
+    axes[4].plot(steps, [m["clip_fraction"] for m in train], label=label)
+    start, end = summary["start"], summary.get("final", summary.get("latest"))
+
+    def fmt(prefix):
+      keys = sorted(k for k in start if k.startswith(prefix) and not k.endswith("/mean"))
+      return ", ".join(f"{k.removeprefix(prefix)} {start[k]:.3f} → {end[k]:.3f}"
+                       for k in keys) or "—"
     acc = [m["accuracy"] for m in train]
     mean = lambda k: np.mean([m[k] for m in train]) if k in train[0] else float("nan")
-    rows.append(f"| {label} | {steps[-1]} | {fmt(summary['start'])} | {fmt(end)} | "
+    rows.append(f"| {label} | {steps[-1]} | {fmt('pass@1/')} | {fmt('pass@1_sampled/')} | "
                 f"{np.mean(acc[:10]):.3f} → {np.mean(acc[-10:]):.3f} | "
                 f"{mean('route_mismatch/first_pass'):.4f} | {mean('route_mismatch/last_pass'):.4f} | "
-                f"{mean('clip_fraction'):.4f} | {summary.get('wall_s', float('nan')):.0f} |")
+                f"{mean('clip_fraction'):.4f} | {summary.get('warmup_s', float('nan')):.0f} | "
+                f"{summary.get('grpo_s', float('nan')):.0f} |")
   for ax, title in zip(axes, (f"reward (mean over rollouts, {_SMOOTH.value}-step average)",
-                              "held-out pass@1 (greedy)",
+                              "held-out pass@1 (greedy)", "held-out pass@1 (sampled, mean of n)",
                               "routing mismatch (rollout vs training pass)", "clip fraction")):
     ax.set_title(title)
     ax.set_xlabel("GRPO step")

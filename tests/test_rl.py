@@ -249,7 +249,8 @@ def test_task_rows_train_only_on_answers_and_hold_out_eval_prompts():
 @pytest.mark.parametrize("field,value,match", [
     ("group_size", 1, "rl.group_size"), ("loss_norm", "mean", "rl.loss_norm"),
     ("advantage_scale", "std", "rl.advantage_scale"), ("kl_coef", -0.1, "rl.kl_coef"),
-    ("rewards", "exact:1", "unknown reward"), ("clip_low", 1.5, "rl.clip_low")])
+    ("rewards", "exact:1", "unknown reward"), ("clip_low", 1.5, "rl.clip_low"),
+    ("eval_samples", -1, "rl.eval_samples")])
 def test_bad_rl_config_is_rejected(field, value, match):
   c = grpo_config.get_config("cpu")
   c.rl[field] = value
@@ -275,7 +276,8 @@ def _tiny_grpo_config(tmp_path):
   c.checkpoint.every_steps = 1
   c.train.compile_cache_dir = ""
   c.rl.update(steps=3, prompts_per_step=2, group_size=4, max_prompt_tokens=40, max_new_tokens=5,
-              eval_every=3, eval_prompts=4, kl_coef=0.1, passes=2, learning_rate=3e-3)
+              eval_every=3, eval_prompts=4, eval_samples=2, kl_coef=0.1, passes=2,
+              learning_rate=3e-3)
   return c
 
 
@@ -296,5 +298,7 @@ def test_grpo_runs_and_resumes_exactly(tmp_path):
             "route_mismatch/first_pass", "tokens_per_sec", "accuracy/addition"):
     assert k in m and np.isfinite(m[k])
   assert m["route_mismatch/first_pass"] < 0.01 and m["kl"] >= 0
-  assert set(straight["start"]) == {"pass@1/addition", "pass@1/retrieval", "pass@1/mean"}
-  assert "final" in straight
+  assert set(straight["start"]) == {f"{p}/{t}" for p in ("pass@1", "pass@1_sampled")
+                                    for t in ("addition", "retrieval", "mean")}
+  assert all(0.0 <= v <= 1.0 for v in straight["final"].values())
+  assert straight["grpo_s"] > 0 and resumed["grpo_s"] > 0

@@ -138,17 +138,26 @@ def episode_batch(ep: Episodes, adv_R) -> dict:
 
 
 def pass_at_1(sampler, state, model_cfg, tasks, rl, b: Budget, seq_len: int) -> dict:
-  """Greedy pass@1 per task on rl.eval_prompts held-out problems (the same every time)."""
+  """pass@1 per task on rl.eval_prompts held-out problems (the same every time): greedy
+  ("pass@1/<task>") and, with rl.eval_samples = n > 0, sampled at rl.temperature
+  ("pass@1_sampled/<task>": the mean correctness of n samples per problem, the unbiased
+  pass@1 estimator of Chen et al. 2021; the quantity GRPO's reward optimises)."""
   problems = [environments.draw(tasks, rl.seed + 1, i, "eval") for i in range(rl.eval_prompts)]
   variables = inference_variables(model_cfg, {"params": state.params, "router": state.router})
-  ep = rollout(sampler, variables, problems, {t.name: t for t in tasks}, jax.random.key(0), b,
-               temperature=0.0, seq_len=seq_len)
+  by_name = {t.name: t for t in tasks}
   out = {}
-  for t in tasks:
-    hits = [rewards.exact_answer(p.prompt, comp, p.state)
-            for p, comp in zip(problems, ep.completions) if p.state["task"] == t.name]
-    out[f"pass@1/{t.name}"] = float(np.mean(hits)) if hits else float("nan")
-  out["pass@1/mean"] = float(np.nanmean(list(out.values())))
+  runs = [("pass@1", problems, 0.0)]
+  if rl.get("eval_samples", 0):
+    runs.append(("pass@1_sampled", [p for p in problems for _ in range(rl.eval_samples)],
+                 rl.temperature))
+  for prefix, probs, temperature in runs:
+    ep = rollout(sampler, variables, probs, by_name, jax.random.key(rl.seed + 2), b,
+                 temperature=temperature, seq_len=seq_len)
+    for t in tasks:
+      hits = [rewards.exact_answer(p.prompt, comp, p.state)
+              for p, comp in zip(probs, ep.completions) if p.state["task"] == t.name]
+      out[f"{prefix}/{t.name}"] = float(np.mean(hits)) if hits else float("nan")
+    out[f"{prefix}/mean"] = float(np.nanmean([out[f"{prefix}/{t.name}"] for t in tasks]))
   return out
 
 
@@ -175,7 +184,9 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))
+  t_warm = time.perf_counter()
   model_cfg_init, variables = start_from(c, workdir, progress)
+  t_warm = time.perf_counter() - t_warm
   model_cfg = policy_model_config(model_cfg_init)
   model = policy_model(model_cfg)
   tasks = environments.make_tasks(c.data)
@@ -198,19 +209,23 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   state, resumed = checkpoint.restore_latest(manager, state, prompts, model_cfg)
   one_pass = make_pass(model_cfg, ml_collections.FrozenConfigDict(rl))
   ref_logp = make_ref_logprobs(model_cfg, rl.temperature) if rl.kl_coef else None
-  sampler, greedy = rollout_lib.sampler(model_cfg, record), rollout_lib.sampler(model_cfg, False)
+  sampler, eval_sampler = (rollout_lib.sampler(model_cfg, record),
+                           rollout_lib.sampler(model_cfg, False))
   train_log = metrics.MetricWriter(workdir, "grpo")
   eval_log = metrics.MetricWriter(workdir, "grpo_eval")
   step = int(state.step) // rl.passes
   end = rl.steps if stop_after is None else min(stop_after, rl.steps)
-  evaluate = lambda: pass_at_1(greedy, state, model_cfg, tasks, rl, b, T)
+  evaluate = lambda: pass_at_1(eval_sampler, state, model_cfg, tasks, rl, b, T)
   summary_path = os.path.join(workdir, "summary.json")
   summary = {}
   if os.path.exists(summary_path):
     with open(summary_path) as f:
       summary = json.load(f)
   if resumed is None or "start" not in summary:
-    summary = {"start": evaluate()}
+    # warmup_s: the warm-up's wall time in this call (compiles included; ~0 where it ran
+    # before, or with rl.init_workdir).
+    summary = {"start": evaluate(), "warmup_s": t_warm,
+               "grpo_s": 0.0}
     eval_log.write(0, summary["start"])
     with open(summary_path, "w") as f:
       json.dump(summary, f, indent=2)
@@ -218,6 +233,7 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
                              "from step 0") + f"; start pass@1 {summary['start']}", flush=True)
   bar = tqdm(total=rl.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
   last = {}
+  t_loop = time.perf_counter()
   try:
     while step < end:
       t0 = time.perf_counter()
@@ -274,7 +290,9 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
     manager.close()
     train_log.close()
     eval_log.close()
-  summary.update(step=step, last_metrics=last or summary.get("last_metrics", {}))
+  # grpo_s: wall time of the GRPO steps and evals (this call's plus earlier calls').
+  summary.update(step=step, last_metrics=last or summary.get("last_metrics", {}),
+                 grpo_s=summary.get("grpo_s", 0.0) + time.perf_counter() - t_loop)
   with open(summary_path, "w") as f:
     json.dump(summary, f, indent=2)
   return {**summary, "state": state}
