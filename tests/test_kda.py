@@ -48,10 +48,11 @@ def _impl(name, chunk, lower_bound=LB):
   return fn
 
 
-CASES = [  # (B, T, H, K, V, chunk)
-    (2, 1, 2, 128, 128, 32), (1, 15, 1, 64, 32, 64), (2, 16, 2, 64, 32, 32),
-    (1, 17, 2, 128, 128, 64), (1, 63, 2, 64, 32, 32), (2, 64, 1, 64, 32, 64),
-    (1, 65, 1, 128, 128, 32), (1, 130, 3, 64, 32, 64),
+CASES = [  # (B, T, H, K, V, chunk): T = 1, T < chunk (16 of 32; 17 of 64, one 16-token
+    # sub-chunk plus one), exactly one chunk, two chunks plus one, two chunks plus a
+    # remainder with H = 3; K, V of 64/32 and 128/128
+    (2, 1, 2, 128, 128, 32), (2, 16, 2, 64, 32, 32), (1, 17, 2, 128, 128, 64),
+    (2, 64, 1, 64, 32, 64), (1, 65, 1, 128, 128, 32), (1, 130, 3, 64, 32, 64),
 ]
 
 
