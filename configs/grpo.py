@@ -74,16 +74,9 @@ def get_config(arg=None):
     # A short warm-up: after 480 steps the tool format is perfect (pass@1 1.0) and GRPO has
     # nothing to learn; after 60 the model calls tools but no answer is right (no reward
     # variance within a group, so no gradient either).
-    c.schedule.total_steps = 120
-    c.schedule.warmup_steps = 10
+    c.schedule.update(total_steps=120, warmup_steps=10)
     c.eval.every_steps = 120
     c.data.tasks = "tools"
-    rl.max_turns = 2
-    rl.max_new_tokens = 32
-    rl.max_prompt_tokens = 16
-    rl.rewards = "exact_answer:1,tool_calls:-0.05"
-    rl.steps = 30
-    rl.eval_every = 10
-    rl.eval_prompts = 32
-    rl.eval_samples = 2
+    rl.update(max_turns=2, max_new_tokens=32, max_prompt_tokens=16, steps=30, eval_every=10,
+              eval_prompts=32, eval_samples=2, rewards="exact_answer:1,tool_calls:-0.05")
   return c

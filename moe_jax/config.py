@@ -91,7 +91,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("data.source", d.source, f"one of {SOURCES}")
   if d.source == "files" and not d.paths:
     _fail("data.paths", d.paths, "a glob of text files when data.source='files'")
-  if d.source == "tasks":
+  if d.source == "tasks" or "rl" in c:
     from moe_jax.rl import environments  # noqa: PLC0415 (the task registry; light, no jax)
     environments.make_tasks(d)
   _positive_int("data.seq_len", d.seq_len)
@@ -156,12 +156,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def _validate_rl(c: ml_collections.ConfigDict):
   """GRPO's fields (configs/grpo.py, moe_jax/rl/)."""
-  from moe_jax.rl import advantages, environments, loss, rewards  # noqa: PLC0415 (rl imports config)
+  from moe_jax.rl import advantages, loss, rewards  # noqa: PLC0415 (rl imports config)
   rl = c.rl
   for f in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "max_turns",
             "max_tool_tokens", "passes", "eval_every", "eval_prompts"):
     _positive_int(f"rl.{f}", rl[f])
-  if not isinstance(rl.get("eval_samples", 0), int) or rl.get("eval_samples", 0) < 0:
+  if not isinstance(rl.eval_samples, int) or rl.eval_samples < 0:
     _fail("rl.eval_samples", rl.eval_samples, "an integer >= 0 (0 = greedy pass@1 only)")
   if not isinstance(rl.group_size, int) or rl.group_size < 2:
     _fail("rl.group_size", rl.group_size, "an integer >= 2 (advantages compare a group)")
@@ -183,7 +183,6 @@ def _validate_rl(c: ml_collections.ConfigDict):
     _fail("rl.routing_replay", rl.routing_replay, "False when rl.record_routes is False "
           "(replay needs the recorded routes)")
   rewards.parse(rl.rewards)
-  environments.make_tasks(c.data)
 
 
 def _validate_guard(g: ml_collections.ConfigDict):

@@ -90,7 +90,6 @@ class _EchoTool(Task):
   """A multi-turn task for the test: a turn ends on any ASCII byte (an untrained model writes
   one within a few tokens), the environment answers each with a fixed reply."""
   name = "echo"
-  multi_turn = True
   stop_sequences = tuple(chr(i) for i in range(128))
   REPLY = "<result>42</result>"
 
@@ -155,7 +154,7 @@ def test_rollout_logprobs_equal_training_forward_with_replay(moe_policy):
   cfg, model, variables = moe_policy
   rl = grpo_config.get_config("cpu").rl
   tasks = environments.make_tasks(ml_collections.ConfigDict(
-      {"tasks": "addition,retrieval", "retrieval_pairs": 4}))
+      {"tasks": "addition,retrieval", "retrieval_pairs": 4, "addition_reversed": False}))
   problems = [environments.draw(tasks, 0, i, "train") for i in range(8)]
   b = Budget(max_prompt=40, max_new=6)
   ep = rollout(Sampler(cfg, record_routes=True), inference_variables(cfg, variables), problems,
@@ -230,7 +229,8 @@ def test_rewards_and_tools():
 
 
 def test_task_rows_train_only_on_answers_and_hold_out_eval_prompts():
-  d = ml_collections.ConfigDict({"tasks": "addition,tools", "retrieval_pairs": 4})
+  d = ml_collections.ConfigDict({"tasks": "addition,tools", "retrieval_pairs": 4,
+                                "addition_reversed": False})
   rows = task_rows.TaskRows(d, 128, seed=0)
   ex = rows[5]
   assert rows[5]["tokens"].tolist() == ex["tokens"].tolist()   # deterministic

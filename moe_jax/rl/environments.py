@@ -24,7 +24,7 @@ def make_tasks(data_cfg) -> list[Task]:
   if not names or any(n not in TASKS for n in names):
     raise ValueError(f"data.tasks must be a comma-separated list of {TASKS}, got "
                      f"{data_cfg.tasks!r}")
-  make = {"addition": lambda: Addition(reversed=data_cfg.get("addition_reversed", False)),
+  make = {"addition": lambda: Addition(reversed=data_cfg.addition_reversed),
           "reversal": Reversal, "tools": ToolTask,
           "retrieval": lambda: Retrieval(data_cfg.retrieval_pairs)}
   return [make[n]() for n in names]

@@ -55,7 +55,6 @@ class Sampler:
   def __init__(self, model_cfg, record_routes: bool):
     self.model = inference_model(model_cfg)
     self.step = make_step(self.model, record_routes)
-    self.record_routes = record_routes
 
 
 @functools.lru_cache(maxsize=8)
@@ -128,14 +127,14 @@ def rollout(sampler: Sampler, variables, problems: list[Problem], tasks: dict[st
       break
     logits_RxV, cache, *recorded = prefill(sampler.step, variables, cache, replies, reply_len,
                                            chunk=prefill_chunk, last_BxV=out["logits"])
+    reply_routes = jax.device_get(recorded[0]) if routes is not None else {}
     for r in np.flatnonzero(reply_len):
       n = int(reply_len[r])
       seqs[r] += replies[r, :n].tolist()
       sampled[r] += [0] * n
       logps[r] += [0.0] * n
-      if routes is not None:
-        for k, v in jax.device_get(recorded[0]).items():
-          routes[k][r] += list(v[r, :n])
+      for k, v in reply_routes.items():
+        routes[k][r] += list(v[r, :n])
   return _episodes(seqs, sampled, logps, routes, texts, calls, T)
 
 

@@ -26,7 +26,6 @@ class Problem:
 class Task:
   """A task: problems, demonstrations, and (multi-turn ones) tool responses."""
   name = ""
-  multi_turn = False
   stop_sequences: tuple[str, ...] = ()   # text that ends a model turn (a tool call's close)
 
   def sample(self, rng: np.random.Generator) -> Problem:

@@ -58,7 +58,6 @@ def run_call(completion: str, table: dict) -> str:
 class ToolTask(Task):
   """Questions that need a tool: `lookup` of a hidden key's value, or `calc` of a product."""
   name = "tools"
-  multi_turn = True
   stop_sequences = (CALL_END,)
 
   def __init__(self, table_size: int = 16, max_calls: int = 2):

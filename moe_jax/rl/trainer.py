@@ -147,7 +147,7 @@ def pass_at_1(sampler, state, model_cfg, tasks, rl, b: Budget, seq_len: int) -> 
   by_name = {t.name: t for t in tasks}
   out = {}
   runs = [("pass@1", problems, 0.0)]
-  if rl.get("eval_samples", 0):
+  if rl.eval_samples:
     runs.append(("pass@1_sampled", [p for p in problems for _ in range(rl.eval_samples)],
                  rl.temperature))
   for prefix, probs, temperature in runs:
@@ -198,8 +198,8 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
 
   params = layer_stack.stack(model_cfg, variables["params"])
   router = layer_stack.stack(model_cfg, variables["router"])
-  state = PolicyState.create(apply_fn=model.apply, params=params, tx=policy_optimizer(ml_collections.FrozenConfigDict(c)),
-                             router=router,
+  state = PolicyState.create(apply_fn=model.apply, params=params, router=router,
+                             tx=policy_optimizer(ml_collections.FrozenConfigDict(c)),
                              ref_params=jax.tree.map(jnp.copy, params) if rl.kl_coef else {})
   # Laid out as the pass returns it (int32 step, every leaf committed to the device), so the
   # second pass reuses the first one's compile.
