@@ -22,7 +22,9 @@ setup(
         "numpy>=2.0",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8"],  # plots: scripts/plot_metrics.py
+        # plots: scripts/plot_metrics.py; scikit-learn: the digits image task (tests use it)
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8", "scikit-learn==1.9.1"],
+        "vision": ["scikit-learn==1.9.1", "pillow>=10"],   # image tasks, PNG prompts
         # CUDA wheels for jaxlib; tokamax's grouped matmul is imported lazily (heavy deps).
         "gpu": ["jax[cuda13]==0.11.2", "tokamax==0.0.17"],
         "tpu": ["jax[tpu]==0.11.2", "tokamax==0.0.17"],

@@ -47,6 +47,13 @@ def get_config(arg=None):
   m.decode_matmul = "xla"
   # FFN: dense SwiGLU in the first `moe.first_dense` layers (and everywhere if moe.num_experts == 0).
   m.ffn_hidden = 2816
+  # Images in the token stream (model/vision.py, data/images.py); patch_size 0 = text only.
+  v = m.vision = ml_collections.ConfigDict()
+  v.patch_size = 0              # P: an image is cut into P×P patches, one position each
+  v.channels = 1                # C: 1 grey, 3 RGB
+  v.max_rows = 32               # learned row / column embeddings: the largest image is
+  v.max_cols = 32               # max_rows·P × max_cols·P pixels
+  v.patch_loss_weight = 0.0     # weight of the next-patch reconstruction loss (0 = off)
   # Mixture of experts (moe_jax/model/moe.py, router.py).
   moe = m.moe = ml_collections.ConfigDict()
   moe.num_experts = 64          # routed experts E; 0 = dense FFN in every layer
@@ -92,6 +99,8 @@ def get_config(arg=None):
   d.tasks = "addition,retrieval"  # source tasks and GRPO: addition | reversal | retrieval | tools
   d.retrieval_pairs = 12        # retrieval: at most this many key:value pairs (at least 4)
   d.addition_reversed = False   # addition: the sum written least-significant digit first
+  d.image_fraction = 0.0        # text sources: this share of train rows is image documents
+  d.image_tasks = "digits,charts"  # comma-separated: digits | charts (data/image_tasks.py)
 
   o = c.optim = ml_collections.ConfigDict()
   o.learning_rate = 3e-4

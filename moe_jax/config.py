@@ -85,6 +85,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("model.decode_matmul", m.decode_matmul, "one of ('xla', 'pallas')")
 
   _validate_moe(c)
+  _validate_vision(c)
 
   d = c.data
   if d.source not in SOURCES:
@@ -152,6 +153,53 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if sum(c.mesh[a] == -1 for a in MESH_AXES) > 1:
     _fail("mesh", {a: c.mesh[a] for a in MESH_AXES}, "at most one axis set to -1")
   return c
+
+
+def image_tasks(data: ml_collections.ConfigDict) -> list[str]:
+  """data.image_tasks as a list ("digits,charts" → ["digits", "charts"])."""
+  return [t.strip() for t in data.image_tasks.split(",") if t.strip()]
+
+
+def _validate_vision(c: ml_collections.ConfigDict):
+  """model.vision (model/vision.py) and the image documents of data.image_fraction."""
+  from moe_jax.data import image_tasks as tasks_lib, tokenizer  # noqa: PLC0415 (numpy only)
+  v, d = c.model.vision, c.data
+  if not isinstance(v.patch_size, int) or isinstance(v.patch_size, bool) or v.patch_size < 0:
+    _fail("model.vision.patch_size", v.patch_size, "0 (text only) or a positive integer")
+  if v.patch_size:
+    for f in ("channels", "max_rows", "max_cols"):
+      _positive_int(f"model.vision.{f}", v[f])
+    if c.model.vocab_size < tokenizer.MULTIMODAL_VOCAB_SIZE:
+      _fail("model.vocab_size", c.model.vocab_size,
+            f">= {tokenizer.MULTIMODAL_VOCAB_SIZE} with model.vision.patch_size > 0 (the image "
+            "markers follow the bytes and BOS/EOS/PAD)")
+  if not v.patch_loss_weight >= 0:
+    _fail("model.vision.patch_loss_weight", v.patch_loss_weight, ">= 0")
+  if not 0.0 <= d.image_fraction < 1.0:
+    _fail("data.image_fraction", d.image_fraction, "in [0, 1)")
+  if not d.image_fraction:
+    return
+  if not v.patch_size:
+    _fail("data.image_fraction", d.image_fraction, "0 while model.vision.patch_size is 0 (a "
+          "text-only model)")
+  if d.source not in ("stdlib", "stdlib_packages", "files"):
+    _fail("data.source", d.source, "a text source (stdlib, stdlib_packages, files) with "
+          "data.image_fraction > 0")
+  if d.synthetic_fraction:
+    _fail("data.synthetic_fraction", d.synthetic_fraction, "0 with data.image_fraction > 0")
+  tasks = image_tasks(d)
+  if not tasks or any(t not in tasks_lib.TASKS for t in tasks):
+    _fail("data.image_tasks", d.image_tasks, f"a comma-separated list of {tasks_lib.TASKS}")
+  if v.channels != 1:
+    _fail("model.vision.channels", v.channels, "1 with data.image_tasks (grey images)")
+  sizes = {"digits": (8, 8), "charts": tasks_lib.CHART_HW}
+  for t in tasks:
+    H, W = sizes[t]
+    if H % v.patch_size or W % v.patch_size:
+      _fail("model.vision.patch_size", v.patch_size, f"a divisor of the {t} images' {H}×{W}")
+    if H // v.patch_size > v.max_rows or W // v.patch_size > v.max_cols:
+      _fail("model.vision.max_rows/max_cols", (v.max_rows, v.max_cols),
+            f"at least the {t} images' {H // v.patch_size}×{W // v.patch_size} patches")
 
 
 def _validate_rl(c: ml_collections.ConfigDict):

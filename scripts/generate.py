@@ -3,11 +3,17 @@ the latest checkpoint).
 
   python scripts/generate.py --workdir=workdir/tiny --prompt="def main(" --max_new_tokens=200
   python scripts/generate.py --workdir=workdir/tiny --prompts_file=prompts.txt --temperature=0
+  python scripts/generate.py --workdir=workdir/mm --image=digit.png --prompt=" digit: " \
+      --max_new_tokens=1 --temperature=0     # a multimodal model (configs/multimodal.py)
+
+With --image (a PNG, or an NPY array in [0, 1]) every prompt is the image followed by the
+prompt's text; without a --prompt the image alone.
 """
 
 import jax
 from absl import app, flags, logging
 
+from moe_jax.data import images
 from moe_jax.infer.generate import complete
 from moe_jax.infer.workdir import load
 from moe_jax.train import state as state_lib
@@ -23,6 +29,7 @@ _TOP_P = flags.DEFINE_float("top_p", 0.95, "Nucleus: keep the smallest set with 
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _CHUNK = flags.DEFINE_integer("prefill_chunk", 256, "Prompt tokens per prefill step.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_IMAGE = flags.DEFINE_string("image", None, "A PNG or NPY image that precedes each prompt.")
 
 
 def main(argv):
@@ -34,16 +41,22 @@ def main(argv):
   if _PROMPTS_FILE.value:
     with open(_PROMPTS_FILE.value) as f:
       prompts += [line.rstrip("\n") for line in f if line.strip()]
-  if not prompts:
-    raise app.UsageError("give --prompt (repeatable) or --prompts_file")
+  if not prompts and not _IMAGE.value:
+    raise app.UsageError("give --prompt (repeatable), --prompts_file or --image")
   c, variables, step = load(_WORKDIR.value, _STEP.value)
-  outs = complete(state_lib.frozen_model_config(c), variables, prompts,
+  inputs = prompts
+  if _IMAGE.value:
+    image = images.load(_IMAGE.value)
+    prompts = prompts or [""]
+    inputs = [[image, p] for p in prompts]
+  outs = complete(state_lib.frozen_model_config(c), variables, inputs,
                   max_new=_MAX_NEW.value, key=jax.random.key(_SEED.value),
                   prefill_chunk=_CHUNK.value, temperature=_TEMPERATURE.value,
                   top_k=_TOP_K.value, top_p=_TOP_P.value)
   print(f"# checkpoint step {step} of {_WORKDIR.value}")
+  shown = f"<image {_IMAGE.value}>" if _IMAGE.value else ""
   for prompt, out in zip(prompts, outs):
-    print(f"=== {prompt!r}\n{prompt}{out}\n")
+    print(f"=== {shown}{prompt!r}\n{shown}{prompt}{out}\n")
 
 
 if __name__ == "__main__":

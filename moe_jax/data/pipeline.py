@@ -8,7 +8,7 @@ import ml_collections
 import numpy as np
 
 from moe_jax import config as config_lib
-from moe_jax.data import corpus, mqar, packing, passkey, task_rows, tokenizer
+from moe_jax.data import corpus, image_tasks, mqar, packing, passkey, task_rows, tokenizer
 
 
 def text_documents(c: ml_collections.ConfigDict) -> dict[str, list[bytes]]:
@@ -28,8 +28,9 @@ def _text_rows(c: ml_collections.ConfigDict) -> dict[str, packing.PackedRows]:
 
 
 class MixedRows:
-  """Text rows followed by synthetic rows (passkey / MQAR, taken in turn) so that a
-  `synthetic_fraction` of all rows is synthetic; the train shuffle interleaves them."""
+  """Text rows followed by other rows (synthetic passkey / MQAR, or image documents; the
+  sources taken in turn) so that `fraction` of all rows is the others; the train shuffle
+  interleaves them."""
 
   def __init__(self, text, synthetic: list, fraction: float):
     self.text, self.synthetic = text, synthetic
@@ -54,7 +55,27 @@ def synthetic_sources(c: ml_collections.ConfigDict, seed: int) -> list:
 
 
 def sources(c: ml_collections.ConfigDict) -> dict:
-  """Random-access train / validation row sources for config.data."""
+  """Random-access row sources for config.data: "train", "validation", and with
+  data.image_fraction one held-out split per image task ("validation_digits", ...; their
+  loss is on the answers only). A multimodal model (model.vision.patch_size > 0) gets the
+  image fields in every row."""
+  rows = _sources(c)
+  v = c.model.vision
+  if c.data.image_fraction:
+    tasks = config_lib.image_tasks(c.data)
+    rows["train"] = MixedRows(rows["train"], [image_tasks.TrainRows(
+        tasks, v.patch_size, v.channels, c.data.seq_len, c.data.shuffle_seed)],
+                              c.data.image_fraction)
+    for t in tasks:
+      rows[f"validation_{t}"] = image_tasks.HeldOutRows(t, v.patch_size, v.channels,
+                                                        c.data.seq_len, c.data.batch_size)
+  if v.patch_size:
+    rows = {k: image_tasks.WithPatches(r, v.patch_size ** 2 * v.channels)
+            for k, r in rows.items()}
+  return rows
+
+
+def _sources(c: ml_collections.ConfigDict) -> dict:
   d = c.data
   val_rows = c.eval.num_batches * d.batch_size
   if d.source == "tasks":
@@ -115,7 +136,7 @@ def _process(index, count) -> tuple[int, int]:
 
 def unigram_entropy_bits(rows: packing.PackedRows) -> float:
   """Byte-unigram entropy of a packed split's text, in bits per byte."""
-  tokens = rows.tokens_NxL[rows.tokens_NxL < 256]
+  tokens = rows.tokens_NxL[rows.tokens_NxL < 256]   # (a WithPatches passes tokens_NxL on)
   p = np.bincount(tokens, minlength=256) / max(tokens.size, 1)
   p = p[p > 0]
   return float(-(p * np.log2(p)).sum()) if p.size else math.nan

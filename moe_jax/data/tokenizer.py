@@ -1,4 +1,5 @@
-"""Byte-level tokenizer: ids 0..255 are bytes, then BOS, EOS, PAD."""
+"""Byte-level tokenizer: ids 0..255 are bytes, then BOS, EOS, PAD; a multimodal model
+(model.vision.patch_size > 0) adds the image markers after them (data/images.py)."""
 
 import numpy as np
 
@@ -6,6 +7,11 @@ BOS = 256
 EOS = 257
 PAD = 258
 VOCAB_SIZE = 259
+IMAGE_START = 259   # <image>
+IMAGE_END = 260     # </image>
+ROW_BREAK = 261     # after each row of patches
+PATCH = 262         # a patch position: its embedding comes from the pixels, not the table
+MULTIMODAL_VOCAB_SIZE = 263
 
 
 def encode(text: str | bytes, *, bos: bool = True, eos: bool = True) -> np.ndarray:

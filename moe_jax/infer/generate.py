@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from moe_jax.data import tokenizer
+from moe_jax.data import images as images_lib, tokenizer
 from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
 from moe_jax.model import layer_stack
@@ -46,11 +46,13 @@ def inference_variables(model_cfg, variables: dict) -> dict:
 
 
 def make_step(model: HybridMoE, record_routes: bool = False):
-  """(variables, tokens [B,T], live [B,T] bool, cache) → (logits [B,T,V], cache), and with
-  record_routes a third item: {MoE layer name: its top-k expert ids [B,T,K]}."""
-  def step(variables, tokens_BxT, live_BxT, cache):
+  """(variables, tokens [B,T], live [B,T] bool, cache[, images]) → (logits [B,T,V], cache),
+  and with record_routes a third item: {MoE layer name: its top-k expert ids [B,T,K]}.
+  `images` ({"patches" [B,T,P·P·C], "patch_rows", "patch_cols"}, data/images.py) feeds image
+  positions to a multimodal model; without it every position is text."""
+  def step(variables, tokens_BxT, live_BxT, cache, images=None):
     B, T = tokens_BxT.shape
-    batch = {"tokens": tokens_BxT, "segment_ids": live_BxT.astype(jnp.int32)}
+    batch = {"tokens": tokens_BxT, "segment_ids": live_BxT.astype(jnp.int32), **(images or {})}
     if not record_routes:
       logits_BxTxV, aux = model.apply(variables, batch, cache)
       return logits_BxTxV, aux["cache"]
@@ -62,14 +64,16 @@ def make_step(model: HybridMoE, record_routes: bool = False):
   return step
 
 
-def prefill(step, variables, cache, tokens_BxT, lengths_B, *, chunk: int, last_BxV=None):
+def prefill(step, variables, cache, tokens_BxT, lengths_B, *, chunk: int, last_BxV=None,
+            images=None):
   """Runs right-padded prompts (row b's first lengths_B[b] tokens) through the model in
   chunks of `chunk` tokens, each row continuing from its cached length. Returns (logits after
   each row's last prompt token [B, V], cache), and with a recording step the routes of every
   position {layer: [B, T, K]} as a third item.
 
   Given `last_BxV` (the logits each row ended on), rows may have length 0: they keep it (a
-  multi-turn rollout feeds tool output to some rows only).
+  multi-turn rollout feeds tool output to some rows only). `images` holds the prompts' image
+  fields, [B, T, ...] like the tokens (make_step).
   """
   tokens_BxT, lengths_B = np.asarray(tokens_BxT, np.int32), np.asarray(lengths_B, np.int32)
   B, T = tokens_BxT.shape
@@ -80,13 +84,18 @@ def prefill(step, variables, cache, tokens_BxT, lengths_B, *, chunk: int, last_B
   n_chunks = -(-T // chunk)
   tokens_BxT = np.pad(tokens_BxT, ((0, 0), (0, n_chunks * chunk - T)),
                       constant_values=tokenizer.PAD)
+  if images is not None:
+    images = {k: np.pad(np.asarray(v), ((0, 0), (0, n_chunks * chunk - T))
+                        + ((0, 0),) * (np.ndim(v) - 2)) for k, v in images.items()}
   jstep = jax.jit(step, donate_argnums=3)
   routes = []
   for c in range(n_chunks):
     pos_T = c * chunk + np.arange(chunk)
     live_BxT = pos_T[None, :] < lengths_B[:, None]
+    here = slice(c * chunk, (c + 1) * chunk)
     logits_BxTxV, cache, *recorded = jstep(
-        variables, tokens_BxT[:, c * chunk:(c + 1) * chunk], live_BxT, cache)
+        variables, tokens_BxT[:, here], live_BxT, cache,
+        None if images is None else {k: v[:, here] for k, v in images.items()})
     routes += recorded
     idx_B = lengths_B - 1 - c * chunk
     here_B = (idx_B >= 0) & (idx_B < chunk)
@@ -175,24 +184,52 @@ def decode_turn(step, variables, cache, logits_BxV, key, done_B=None, *, max_new
   return {k: out[k] for k in keep}
 
 
-def complete(model_cfg, variables, prompts: list[str], *, max_new: int, key, prefill_chunk=256,
+def encode_prompts(model_cfg, prompts: list) -> tuple[np.ndarray, np.ndarray, dict | None]:
+  """Prompts → (tokens [B, T] right-padded, lengths [B], image fields [B, T, ...] or None).
+  A prompt is a str, or for a multimodal model a list of str and images [H, W(, C)] in
+  [0, 1], in order (data/images.py); each starts with BOS."""
+  v = model_cfg.vision
+  has_images = any(not isinstance(p, (str, bytes)) for p in prompts)
+  if has_images and not v.patch_size:
+    raise ValueError("a prompt holds an image but model.vision.patch_size is 0 (a text-only "
+                     "model)")
+  enc = [images_lib.encode(p, v.patch_size, v.channels) if has_images
+         else {"tokens": tokenizer.encode(p, eos=False)} for p in prompts]
+  for e in enc:
+    if has_images and (e["patch_rows"].max() >= v.max_rows or e["patch_cols"].max() >= v.max_cols):
+      raise ValueError(f"an image of {e['patch_rows'].max() + 1}×{e['patch_cols'].max() + 1} "
+                       f"patches exceeds model.vision.max_rows×max_cols = {v.max_rows}×{v.max_cols}")
+  lengths_B = np.array([len(e["tokens"]) for e in enc], np.int32)
+  B, T = len(enc), int(lengths_B.max())
+  tokens_BxT = np.full((B, T), tokenizer.PAD, np.int32)
+  fields = None
+  if has_images:
+    fields = {k: np.zeros((B, T) + enc[0][k].shape[1:], enc[0][k].dtype)
+              for k in images_lib.FIELDS[1:]}
+  for b, e in enumerate(enc):
+    tokens_BxT[b, :lengths_B[b]] = e["tokens"]
+    for k in fields or ():
+      fields[k][b, :lengths_B[b]] = e[k]
+  return tokens_BxT, lengths_B, fields
+
+
+def complete(model_cfg, variables, prompts: list, *, max_new: int, key, prefill_chunk=256,
              temperature=1.0, top_k=0, top_p=1.0, stop_tokens=(tokenizer.EOS,)) -> list[str]:
-  """Text in, text out: byte-tokenize (BOS, no EOS), prefill, decode, detokenize."""
+  """Text (and images) in, text out: tokenize (BOS, no EOS), prefill, decode, detokenize.
+  A prompt is a str, or a list of str and images (encode_prompts)."""
   sampling.validate(temperature, top_k, top_p)
   if max_new < 1:
     raise ValueError(f"max_new must be >= 1, got {max_new!r}")
-  ids = [tokenizer.encode(p, eos=False) for p in prompts]
-  lengths_B = np.array([len(x) for x in ids], np.int32)
-  tokens_BxT = np.full((len(ids), lengths_B.max()), tokenizer.PAD, np.int32)
-  for b, x in enumerate(ids):
-    tokens_BxT[b, :len(x)] = x
+  tokens_BxT, lengths_B, image_fields = encode_prompts(model_cfg, prompts)
+  B = len(prompts)
   model = inference_model(model_cfg)
   variables = inference_variables(model_cfg, variables)
   step = make_step(model)
-  cache = init_cache(model.cfg, len(ids), int(lengths_B.max()) + max_new)
-  logits_BxV, cache = prefill(step, variables, cache, tokens_BxT, lengths_B, chunk=prefill_chunk)
+  cache = init_cache(model.cfg, B, int(lengths_B.max()) + max_new)
+  logits_BxV, cache = prefill(step, variables, cache, tokens_BxT, lengths_B, chunk=prefill_chunk,
+                              images=image_fields)
   out_BxN, n_new_B, _ = decode(step, variables, cache, logits_BxV, key, max_new=max_new,
                                temperature=temperature, top_k=top_k, top_p=top_p,
                                stop_tokens=tuple(stop_tokens))
   out_BxN, n_new_B = np.asarray(out_BxN), np.asarray(n_new_B)
-  return [tokenizer.decode(out_BxN[b, :n_new_B[b]]) for b in range(len(ids))]
+  return [tokenizer.decode(out_BxN[b, :n_new_B[b]]) for b in range(B)]

@@ -4,7 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_jax.model import attn_res, layer_stack, remat
+from moe_jax.model import attn_res, layer_stack, remat, vision
 from moe_jax.model.kda import KDAMixer
 from moe_jax.model.layers import SwiGLU, dtype_of, embed_lookup, lp, rms_norm
 from moe_jax.model.mla import MLAMixer
@@ -107,6 +107,17 @@ def scanned_periods(cfg, plan, res, segment_ids_BxT):
   return res, routing
 
 
+def image_fields(cfg, batch) -> dict:
+  """The batch's image fields, zero where it has none (a text-only batch, a decode step):
+  a multimodal model builds the same params from any batch."""
+  B, T = batch["tokens"].shape
+  zeros = lambda *s, dtype=jnp.int32: jnp.zeros((B, T) + s, dtype)
+  return {"tokens": batch["tokens"],
+          "patches": batch.get("patches", zeros(vision.patch_dim(cfg.vision), dtype=jnp.float32)),
+          "patch_rows": batch.get("patch_rows", zeros()),
+          "patch_cols": batch.get("patch_cols", zeros())}
+
+
 class HybridMoE(nn.Module):
   """Decoder-only LM. `cfg` is the (frozen) model config. Returns (logits fp32, aux).
 
@@ -117,6 +128,10 @@ class HybridMoE(nn.Module):
   With `cache` (infer/cache.py) the tokens continue each row from its cached length
   (prefill chunks and decode steps; live tokens first in each row) and aux["cache"] is
   the updated cache. The cache path runs unscanned (infer.generate.inference_model).
+
+  With cfg.vision.patch_size > 0 the batch may carry images (model/vision.py): PATCH
+  positions are embedded from batch["patches"], and with vision.patch_loss_weight
+  aux["patch_pred"] holds each position's prediction of the next patch.
 
   With cfg.scan_layers the layers that repeat are one nn.scan (model/layer_stack.py: which
   layers, and the "periods" parameter layout).
@@ -130,7 +145,10 @@ class HybridMoE(nn.Module):
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype_of(cfg), param_dtype=jnp.float32,
                      embedding_init=lp(nn.initializers.normal(1.0), ("vocab", "embed")),
                      name="embed")
-    res = attn_res.init(cfg, embed_lookup(embed, tokens_BxT))
+    x_BxTxD = embed_lookup(embed, tokens_BxT)
+    if cfg.vision.patch_size:   # image patches in the stream (model/vision.py)
+      x_BxTxD = vision.PatchEmbed(cfg, name="patch_embed")(x_BxTxD, image_fields(cfg, batch))
+    res = attn_res.init(cfg, x_BxTxD)
     block = remat_block(cfg, scanned=False) if cache is None else Block
     plan = layer_stack.plan(cfg)
     if plan.n and cache is not None:
@@ -162,6 +180,8 @@ class HybridMoE(nn.Module):
                                  1.0, "fan_in", "truncated_normal"), ("embed", "vocab")))
       logits_BxTxV = head(x_BxTxD)
     aux = {"routing": routing}
+    if cfg.vision.patch_loss_weight and cache is None:
+      aux["patch_pred"] = vision.patch_head(cfg, x_BxTxD)
     if cache is not None:
       aux["cache"] = {"length": cache["length"] + (segment_ids_BxT != 0).sum(-1),
                       "layers": new_layers}

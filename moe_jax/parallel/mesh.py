@@ -27,6 +27,8 @@ LOGICAL_RULES = (
     ("kv_lora", None),
     ("conv", None),
     ("norm", None),
+    ("patch", None),        # flattened P·P·C pixels of an image patch (model/vision.py)
+    ("patch_grid", None),   # a patch's row or column
     ("layers", None),   # the scan axis of stacked layer params (model/layer_stack.py)
 )
 

@@ -21,12 +21,26 @@ from moe_jax.train.guard import DivergenceGuard
 from moe_jax.train.preemption import Preemption
 
 
-def evaluate(eval_step, state, eval_ds, sharding) -> dict[str, float]:
+def evaluate(eval_step, state, eval_ds, sharding) -> dict:
   sums = None
   for batch in eval_ds:
     out = eval_step(state.params, state.router, state_lib.global_batch(batch, sharding))
     sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
-  return step_lib.summarize_eval(sums)
+  return step_lib.summarize_eval(jax.device_get(sums))
+
+
+def evaluate_all(eval_step, state, eval_sets: dict, sharding) -> dict:
+  """Every validation split: "validation"'s metrics under their own names, another split's
+  under its suffix ("validation_digits" → "digits/accuracy")."""
+  out = {}
+  for name, ds in eval_sets.items():
+    prefix = "" if name == "validation" else name[len("validation_"):] + "/"
+    out.update({prefix + k: v for k, v in evaluate(eval_step, state, ds, sharding).items()})
+  return out
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+  return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
@@ -61,7 +75,9 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   # Data.
   sources = pipeline.sources(c)
   train_iter = iter(pipeline.train_dataset(sources["train"], c))
-  eval_ds = pipeline.eval_dataset(sources["validation"], c)
+  eval_sets = {name: pipeline.eval_dataset(src, c) for name, src in sources.items()
+               if name.startswith("validation")}
+  eval_ds = eval_sets["validation"]
   unigram = (None if c.data.source in ("mqar", "tasks")
              else pipeline.unigram_entropy_bits(sources["validation"]))
 
@@ -76,7 +92,7 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
         + (f"resumed from checkpoint at step {resumed}" if resumed is not None
            else "no checkpoint, starting from step 0"), flush=True)
 
-  eval_step = step_lib.jit_eval_step(model.apply, state_sh, batch_sh)
+  eval_step = step_lib.jit_eval_step(model.apply, state_sh, batch_sh, c.model)
   tags = {"stage": c.log.stage} if c.log.stage else None
   train_log = metrics.MetricWriter(workdir, "train", tags)
   eval_log = metrics.MetricWriter(workdir, "eval", tags)
@@ -139,9 +155,11 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
           postfix["route_fluct"] = f"{m['moe/route_fluctuation']:.3f}"
         bar.set_postfix(postfix)
       if done % c.eval.every_steps == 0 or done == end:
-        eval_metrics = evaluate(eval_step, state, eval_ds, batch_sh)
+        eval_metrics = evaluate_all(eval_step, state, eval_sets, batch_sh)
         eval_log.write(done, eval_metrics)
-        bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in eval_metrics.items()))
+        bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in
+                                               _scalars(eval_metrics).items()
+                                               if "moe/" not in k))
       if done % c.checkpoint.every_steps == 0 or done == end:
         checkpoint.save(manager, done, state, train_iter)
       step = done
@@ -151,14 +169,15 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
     return {"step": int(state.step), "resumed_from": resumed, "preempted": preempted,
             "state": state, "history": history, "max_vio_history": max_vio_history}
   if eval_metrics is None:  # nothing left to train: report the restored model
-    eval_metrics = evaluate(eval_step, state, eval_ds, batch_sh)
+    eval_metrics = evaluate_all(eval_step, state, eval_sets, batch_sh)
 
   summary = {"step": int(state.step), "resumed_from": resumed, "unigram_entropy_bits": unigram,
-             **{f"val_{k}": v for k, v in eval_metrics.items()}}
+             **{f"val_{k}": getattr(v, "tolist", lambda v=v: v)()
+                for k, v in eval_metrics.items()}}
   if primary:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
-    _print_final(eval_metrics, unigram)
+    _print_final(_scalars(eval_metrics), unigram)
   return {**summary, "state": state, "history": history, "max_vio_history": max_vio_history,
           "route_fluctuation_history": fluctuation_history,
           "skipped_updates": int(optim.skipped_updates(state.opt_state))}
@@ -174,7 +193,7 @@ def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=Non
   t0 = time.perf_counter()
   abstract, state_sh, init = state_lib.train_state_plan(model, tx, example_batch, mesh)
   batch_sh = state_lib.batch_sharding(mesh)
-  batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len), v.dtype,
+  batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len) + v.shape[2:], v.dtype,
                                    sharding=batch_sh) for k, v in example_batch.items()}
   jitted = step_lib.jit_train_step(c, state_sh, batch_sh)
   timings = {}
@@ -212,6 +231,9 @@ def _print_final(eval_metrics, unigram):
   else:
     print(f"final validation accuracy {eval_metrics['accuracy']:.4f}, loss "
           f"{eval_metrics['loss']:.4f}", flush=True)
+  for k, v in eval_metrics.items():   # held-out image tasks: answer accuracy
+    if k.endswith("/accuracy"):
+      print(f"final held-out {k[:-len('/accuracy')]} answer accuracy {v:.4f}", flush=True)
 
 
 def _roll_back(manager, state, train_iter, guard, trigger, c, train_log, bar):

@@ -4,25 +4,36 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from moe_jax.model import layer_stack, router as router_lib
+from moe_jax.data import tokenizer
+from moe_jax.model import layer_stack, router as router_lib, vision
+from moe_jax.rl import replay
 from moe_jax.train import optim
 
 
-def _nll(params, router_vars, apply_fn, batch):
-  logits_BxTxV, aux = apply_fn({"params": params, "router": router_vars}, batch)
+def _nll(params, router_vars, apply_fn, batch, mutable=()):
+  variables = {"params": params, "router": router_vars}
+  if mutable:
+    (logits_BxTxV, aux), aux["variables"] = apply_fn(variables, batch, mutable=mutable)
+  else:
+    logits_BxTxV, aux = apply_fn(variables, batch)
   with jax.named_scope("loss"):
     nll_BxT = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["targets"])
   return nll_BxT * batch["loss_mask"], logits_BxTxV, aux
 
 
-def loss_fn(params, router_vars, apply_fn, batch):
-  """(mean NLL + Σ router penalties, (mean NLL, aux))."""
+def loss_fn(params, router_vars, apply_fn, batch, patch_loss_weight=0.0):
+  """(mean NLL + Σ router penalties + weighted next-patch MSE, (mean NLL, aux)); with the
+  patch loss on, aux["patch_loss"] is its unweighted value."""
   nll_BxT, _, aux = _nll(params, router_vars, apply_fn, batch)
   nll = nll_BxT.sum() / jnp.maximum(batch["loss_mask"].sum(), 1.0)
-  penalty = sum((s["penalty"] for s in aux["routing"].values()), jnp.float32(0.0))
-  return nll + penalty, (nll, aux)
+  total = nll + sum((s["penalty"] for s in aux["routing"].values()), jnp.float32(0.0))
+  if "patch_pred" in aux:
+    aux["patch_loss"] = vision.next_patch_loss(aux.pop("patch_pred"), batch)
+    total = total + patch_loss_weight * aux["patch_loss"]
+  return total, (nll, aux)
 
 
 def routing_metrics(routing: dict) -> dict:
@@ -40,7 +51,8 @@ def routing_metrics(routing: dict) -> dict:
 def train_step(state, batch, *, config):
   """One update. A non-finite gradient leaves params, optimizer moments and router unchanged."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (total, (nll, aux)), grads = grad_fn(state.params, state.router, state.apply_fn, batch)
+  w = config.model.vision.patch_loss_weight
+  (total, (nll, aux)), grads = grad_fn(state.params, state.router, state.apply_fn, batch, w)
   grad_norm = optax.tree.norm(grads)
   # The balancers read the router state per layer; with scanned layers it is stacked.
   router = layer_stack.stack(config.model, router_lib.update_all(
@@ -52,7 +64,8 @@ def train_step(state, batch, *, config):
     new_state = state.apply_gradients(grads=grads).replace(router=router)
   metrics = {
       "loss": nll,
-      "penalty": total - nll,
+      "penalty": total - nll - w * aux.get("patch_loss", 0.0),
+      **({"patch_loss": aux["patch_loss"]} if "patch_loss" in aux else {}),
       "grad_norm": grad_norm,
       **optim.routing_grad_norm(config, grads),
       "learning_rate": optim.learning_rate(config, state.step),
@@ -62,17 +75,42 @@ def train_step(state, batch, *, config):
   return new_state, metrics
 
 
-def eval_step(params, router_vars, batch, *, apply_fn):
-  """Sums over the batch: NLL (nats), predicted tokens, predicted bytes, correct predictions."""
-  nll_BxT, logits_BxTxV, _ = _nll(params, router_vars, apply_fn, batch)
+def eval_step(params, router_vars, batch, *, apply_fn, model_cfg=None):
+  """Sums over the batch: NLL (nats), predicted tokens, predicted bytes, correct predictions.
+
+  For a multimodal MoE model (model_cfg given, batch with patches) also each MoE layer's
+  assignments per expert on image patches and on text (every other live position), from
+  the top-k ids the layers sow."""
+  by_modality = (model_cfg is not None and model_cfg.moe.num_experts > 0
+                 and "patches" in batch)
+  nll_BxT, logits_BxTxV, aux = _nll(params, router_vars, apply_fn, batch,
+                                    ("intermediates",) if by_modality else ())
   mask_BxT = batch["loss_mask"]
   correct_BxT = (jnp.argmax(logits_BxTxV, -1) == batch["targets"]) * mask_BxT
-  return {
+  out = {
       "nll_sum": nll_BxT.sum(),
       "tokens": mask_BxT.sum(),
       "bytes": (mask_BxT * (batch["targets"] < 256)).sum(),
       "correct": correct_BxT.sum(),
   }
+  if by_modality:
+    out.update(modality_counts(model_cfg, aux["variables"]["intermediates"], batch))
+  return out
+
+
+def modality_counts(model_cfg, intermediates, batch) -> dict:
+  """{"moe/<layer>/image_count" | "text_count": assignments per expert [E]}."""
+  E = model_cfg.moe.num_experts
+  image_BxT = batch["tokens"] == tokenizer.PATCH
+  text_BxT = (batch["segment_ids"] > 0) & ~image_BxT
+  out = {}
+  for layer, ids_BxTxK in replay.picked_routes(model_cfg, intermediates,
+                                               batch["tokens"].shape).items():
+    one_hot_BxTxE = jax.nn.one_hot(ids_BxTxK, E, dtype=jnp.float32).sum(-2)
+    for name, m_BxT in (("image", image_BxT), ("text", text_BxT)):
+      out[f"moe/{layer}/{name}_count"] = jnp.einsum("bte,bt->e", one_hot_BxTxE,
+                                                    m_BxT.astype(jnp.float32))
+  return out
 
 
 def jit_train_step(config, state_shardings, batch_sharding):
@@ -81,16 +119,28 @@ def jit_train_step(config, state_shardings, batch_sharding):
                  out_shardings=(state_shardings, None), donate_argnums=0)
 
 
-def jit_eval_step(apply_fn, state_shardings, batch_sharding):
-  return jax.jit(functools.partial(eval_step, apply_fn=apply_fn),
+def jit_eval_step(apply_fn, state_shardings, batch_sharding, model_cfg=None):
+  return jax.jit(functools.partial(eval_step, apply_fn=apply_fn, model_cfg=model_cfg),
                  in_shardings=(state_shardings.params, state_shardings.router, batch_sharding))
 
 
-def summarize_eval(sums) -> dict[str, float]:
-  """Validation loss per token, bits per byte (total bits / text bytes), accuracy."""
+def summarize_eval(sums) -> dict:
+  """Validation loss per token, bits per byte (total bits / text bytes), accuracy; with
+  per-modality counts, each MoE layer's load per expert on image and on text tokens
+  ("moe/<layer>/load_image", a share summing to 1) and the total-variation distance between
+  the two ("moe/<layer>/modality_tv": 0 = the same experts, 1 = disjoint)."""
   nll, tokens = float(sums["nll_sum"]), max(float(sums["tokens"]), 1.0)
-  return {
+  out = {
       "loss": nll / tokens,
       "bits_per_byte": nll / jnp.log(2.0).item() / max(float(sums["bytes"]), 1.0),
       "accuracy": float(sums["correct"]) / tokens,
   }
+  for key in sums:
+    if key.endswith("/image_count"):
+      layer = key[:-len("/image_count")]
+      load = {m: np.asarray(sums[f"{layer}/{m}_count"], np.float64) for m in ("image", "text")}
+      load = {m: x / max(x.sum(), 1.0) for m, x in load.items()}
+      out[f"{layer}/load_image"], out[f"{layer}/load_text"] = load["image"], load["text"]
+      if load["image"].sum() and load["text"].sum():
+        out[f"{layer}/modality_tv"] = 0.5 * float(np.abs(load["image"] - load["text"]).sum())
+  return out
