@@ -31,15 +31,16 @@ def main(argv):
   evals = _read(_RUN.value, "metrics_eval.jsonl")
   control = _read(_CONTROL.value, "metrics_eval.jsonl")
   last = evals[-1]
-  layers = sorted({k.split("/")[1] for k in last if k.startswith("digits/moe/")})
+  layers = sorted({k.split("/")[2] for k in last if k.startswith("digits/moe/")})
   fig, axes = plt.subplots(1, 1 + len(layers), figsize=(5 * (1 + len(layers)), 3.8))
   steps = [e["step"] for e in evals]
   axes[0].plot(steps, [e["digits/accuracy"] for e in evals], "o-", label="digits (held out)")
   axes[0].plot(steps, [e["charts/accuracy"] for e in evals], "s-", label="chart QA (held out)")
   axes[0].set(xlabel="step", ylabel="answer accuracy", ylim=(0, 1), title="image tasks")
   axes[0].legend()
-  print("| layer | modality TV distance (digits split) | (charts split) |")
-  print("|---|---|---|")
+  print("| layer | TV distance: image patches vs stdlib text | patches vs caption text, "
+        "digits split | patches vs question text, charts split |")
+  print("|---|---|---|---|")
   for ax, layer in zip(axes[1:], layers):
     # Image load from the image splits' patches, text load from the stdlib validation text.
     image = np.add(last[f"digits/moe/{layer}/load_image"], last[f"charts/moe/{layer}/load_image"]) / 2
@@ -49,7 +50,8 @@ def main(argv):
     ax.bar(x + 0.2, text, 0.4, label="stdlib text")
     ax.set(xlabel="expert", ylabel="share of assignments", title=f"{layer}, step {last['step']}")
     ax.legend()
-    print(f"| {layer} | {last[f'digits/moe/{layer}/modality_tv']:.3f} | "
+    print(f"| {layer} | {0.5 * np.abs(image - text).sum():.3f} | "
+          f"{last[f'digits/moe/{layer}/modality_tv']:.3f} | "
           f"{last[f'charts/moe/{layer}/modality_tv']:.3f} |")
   fig.tight_layout()
   fig.savefig(_OUT.value, dpi=110)
