@@ -192,9 +192,8 @@ def _validate_vision(c: ml_collections.ConfigDict):
     _fail("data.image_tasks", d.image_tasks, f"a comma-separated list of {tasks_lib.TASKS}")
   if v.channels != 1:
     _fail("model.vision.channels", v.channels, "1 with data.image_tasks (grey images)")
-  sizes = {"digits": (8, 8), "charts": tasks_lib.CHART_HW}
   for t in tasks:
-    H, W = sizes[t]
+    H, W = tasks_lib.IMAGE_HW[t]
     if H % v.patch_size or W % v.patch_size:
       _fail("model.vision.patch_size", v.patch_size, f"a divisor of the {t} images' {H}×{W}")
     if H // v.patch_size > v.max_rows or W // v.patch_size > v.max_cols:

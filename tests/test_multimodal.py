@@ -226,9 +226,10 @@ def test_patch_loss_and_per_modality_load(mm_model):
   rows = image_tasks.TrainRows(["digits", "charts"], P, 1, 112, seed=0)
   batch = {k: jnp.asarray(np.stack([rows[i][k] for i in range(2)])) for k in rows[0]}
   # The patch loss: the head's prediction at t against the pixels at t + 1.
-  total, (nll, aux) = step_lib.loss_fn(variables["params"], variables["router"], model.apply,
-                                       batch, 0.5)
-  _, aux_full = model.apply(variables, batch)
+  loss_and_grad = jax.jit(jax.value_and_grad(
+      lambda p, b: step_lib.loss_fn(p, variables["router"], model.apply, b, 0.5), has_aux=True))
+  (total, (nll, aux)), grads = loss_and_grad(variables["params"], batch)
+  _, aux_full = jax.jit(model.apply)(variables, batch)
   pred = np.asarray(aux_full["patch_pred"], np.float64)
   nxt = (np.asarray(batch["targets"]) == tokenizer.PATCH)
   target = np.roll(np.asarray(batch["patches"], np.float64), -1, axis=1)
@@ -236,13 +237,12 @@ def test_patch_loss_and_per_modality_load(mm_model):
   assert abs(float(aux["patch_loss"]) - want) < 1e-6 * max(want, 1.0)
   penalty = sum(float(s["penalty"]) for s in aux["routing"].values())
   assert abs(float(total) - (float(nll) + penalty + 0.5 * want)) < 1e-5
-  grads = jax.grad(lambda p: step_lib.loss_fn(p, variables["router"], model.apply, batch,
-                                              0.5)[0])(variables["params"])
   assert float(jnp.abs(grads["patch_head"]["kernel"]).sum()) > 0
   assert float(jnp.abs(grads["patch_embed"]["patch_proj"]["kernel"]).sum()) > 0
   # Per-modality load: every image patch and every other live token, k times per MoE layer.
-  sums = step_lib.eval_step(variables["params"], variables["router"], batch,
-                            apply_fn=model.apply, model_cfg=model.cfg)
+  sums = jax.jit(lambda p, r, b: step_lib.eval_step(p, r, b, apply_fn=model.apply,
+                                                    model_cfg=model.cfg))(
+      variables["params"], variables["router"], batch)
   k = c.model.moe.top_k
   n_image = int((batch["tokens"] == tokenizer.PATCH).sum())
   n_text = int((batch["segment_ids"] > 0).sum()) - n_image

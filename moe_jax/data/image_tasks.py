@@ -21,6 +21,7 @@ from moe_jax.data import images, tokenizer
 
 TASKS = ("digits", "charts")
 CHART_HW = (16, 24)
+IMAGE_HW = {"digits": (8, 8), "charts": CHART_HW}   # every image of a task has this size
 HELD_OUT_CHARTS = 384
 
 

@@ -78,9 +78,7 @@ def encode(parts, patch: int, channels: int, *, bos: bool = True,
            eos: bool = False) -> dict[str, np.ndarray]:
   """A document of text and images (in order) → per-position arrays (FIELDS)."""
   patch_dim = patch * patch * channels
-  spans = [text_span("", patch_dim)]
-  if bos:
-    spans.append(_special(tokenizer.BOS, patch_dim))
+  spans = [_special(tokenizer.BOS, patch_dim)] if bos else [text_span("", patch_dim)]
   for part in ([parts] if isinstance(parts, (str, bytes)) else parts):
     spans.append(text_span(part, patch_dim) if isinstance(part, (str, bytes))
                  else image_span(part, patch, channels))
