@@ -169,7 +169,7 @@ def test_rollout_logprobs_equal_training_forward_with_replay(moe_policy):
     logp = loss_lib.token_logprobs(logits, ep.targets, rl.temperature)
     m = ep.train_mask == 1
     assert rel_err(np.asarray(logp)[m], ep.old_logp[m]) < 1e-4
-    picked = replay.picked_routes(cfg, inter["intermediates"], ep.tokens.shape)
+    picked = moe_lib.sown_routes(cfg, inter["intermediates"], ep.tokens.shape)
     assert float(replay.mismatch(picked, ep.routes, ep.segment_ids)) < 0.01
   # The metric sees a difference: other routes differ everywhere they were changed.
   shifted = {k: (v + 1) % 8 for k, v in ep.routes.items()}

@@ -107,9 +107,7 @@ def empty_row(seq_len: int, patch_dim: int) -> dict[str, np.ndarray]:
           "segment_ids": np.zeros(seq_len, np.int32),
           "positions": np.zeros(seq_len, np.int32),
           "loss_mask": np.zeros(seq_len, np.float32),
-          "patches": np.zeros((seq_len, patch_dim), np.float32),
-          "patch_rows": np.zeros(seq_len, np.int32),
-          "patch_cols": np.zeros(seq_len, np.int32)}
+          **images.no_pixels(seq_len, patch_dim)}
 
 
 def pack(encoded: list, seq_len: int, patch_dim: int) -> dict[str, np.ndarray]:
@@ -209,6 +207,4 @@ class WithPatches:
     row = self.rows[i]
     if "patches" in row:
       return row
-    L = len(row["tokens"])
-    return {**row, "patches": np.zeros((L, self.patch_dim), np.float32),
-            "patch_rows": np.zeros(L, np.int32), "patch_cols": np.zeros(L, np.int32)}
+    return {**row, **images.no_pixels(len(row["tokens"]), self.patch_dim)}

@@ -20,6 +20,12 @@ IMAGE_TOKENS = (tokenizer.IMAGE_START, tokenizer.IMAGE_END, tokenizer.ROW_BREAK,
 FIELDS = ("tokens", "patches", "patch_rows", "patch_cols")
 
 
+def no_pixels(n: int, patch_dim: int) -> dict[str, np.ndarray]:
+  """The image fields of n positions that hold no patch (text, padding)."""
+  return {"patches": np.zeros((n, patch_dim), np.float32),
+          "patch_rows": np.zeros(n, np.int32), "patch_cols": np.zeros(n, np.int32)}
+
+
 def as_hwc(image) -> np.ndarray:
   """[H, W] or [H, W, C] → float32 [H, W, C]."""
   image = np.asarray(image, np.float32)
@@ -55,8 +61,7 @@ def image_span(image, patch: int, channels: int) -> dict[str, np.ndarray]:
   grid = patchify(image, patch)
   R, Cc, Pd = grid.shape
   n = 2 + R * (Cc + 1)
-  out = {"tokens": np.full(n, tokenizer.PATCH, np.int32), "patches": np.zeros((n, Pd), np.float32),
-         "patch_rows": np.zeros(n, np.int32), "patch_cols": np.zeros(n, np.int32)}
+  out = {"tokens": np.full(n, tokenizer.PATCH, np.int32), **no_pixels(n, Pd)}
   out["tokens"][0], out["tokens"][-1] = tokenizer.IMAGE_START, tokenizer.IMAGE_END
   for r in range(R):
     at = 1 + r * (Cc + 1)
@@ -67,29 +72,22 @@ def image_span(image, patch: int, channels: int) -> dict[str, np.ndarray]:
   return out
 
 
-def text_span(text: str | bytes, patch_dim: int) -> dict[str, np.ndarray]:
-  ids = tokenizer.encode(text, bos=False, eos=False)
-  n = len(ids)
-  return {"tokens": ids, "patches": np.zeros((n, patch_dim), np.float32),
-          "patch_rows": np.zeros(n, np.int32), "patch_cols": np.zeros(n, np.int32)}
+def token_span(ids, patch_dim: int) -> dict[str, np.ndarray]:
+  ids = np.asarray(ids, np.int32)
+  return {"tokens": ids, **no_pixels(len(ids), patch_dim)}
 
 
 def encode(parts, patch: int, channels: int, *, bos: bool = True,
            eos: bool = False) -> dict[str, np.ndarray]:
   """A document of text and images (in order) → per-position arrays (FIELDS)."""
   patch_dim = patch * patch * channels
-  spans = [_special(tokenizer.BOS, patch_dim)] if bos else [text_span("", patch_dim)]
+  spans = [token_span([tokenizer.BOS] if bos else [], patch_dim)]
   for part in ([parts] if isinstance(parts, (str, bytes)) else parts):
-    spans.append(text_span(part, patch_dim) if isinstance(part, (str, bytes))
-                 else image_span(part, patch, channels))
+    spans.append(token_span(tokenizer.encode(part, bos=False, eos=False), patch_dim)
+                 if isinstance(part, (str, bytes)) else image_span(part, patch, channels))
   if eos:
-    spans.append(_special(tokenizer.EOS, patch_dim))
+    spans.append(token_span([tokenizer.EOS], patch_dim))
   return {k: np.concatenate([s[k] for s in spans]) for k in FIELDS}
-
-
-def _special(token: int, patch_dim: int) -> dict[str, np.ndarray]:
-  return {"tokens": np.array([token], np.int32), "patches": np.zeros((1, patch_dim), np.float32),
-          "patch_rows": np.zeros(1, np.int32), "patch_cols": np.zeros(1, np.int32)}
 
 
 def is_image_token(tokens) -> np.ndarray:

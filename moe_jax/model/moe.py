@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.config import param_names
-from moe_jax.model import experts, router
+from moe_jax.model import experts, layer_stack, router
 from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size
 from pallas_kernels.moe import decode_experts
@@ -182,6 +182,19 @@ def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
     return dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, mc.grouped_matmul), 0
   C = capacity(N, K, E, mc.capacity_factor)
   return with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, C)
+
+
+def sown_routes(model_cfg, intermediates: dict, shape_BxT) -> dict:
+  """The top-k ids each MoE layer sowed (intermediates["topk"], scanned or per-layer
+  layout) → {layer: [B, T, K]}."""
+  B, T = shape_BxT
+  out = {}
+  for layer, v in layer_stack.unstack(model_cfg, dict(intermediates)).items():
+    if isinstance(v, dict) and "ffn" in v and "topk" in v["ffn"]:
+      ids = v["ffn"]["topk"]
+      ids = ids[0] if isinstance(ids, tuple) else ids
+      out[layer] = ids.reshape(B, T, -1)
+  return out
 
 
 class MoE(nn.Module):

@@ -22,20 +22,6 @@ def replay_variables(model_cfg, routes: dict) -> dict:
   return layer_stack.stack(model_cfg, tree)
 
 
-def picked_routes(model_cfg, intermediates: dict, shape_BxT) -> dict:
-  """The top-k ids each MoE layer picked itself (sown intermediates, either layout) →
-  {layer: [B, T, K]}."""
-  B, T = shape_BxT
-  per_layer = layer_stack.unstack(model_cfg, dict(intermediates))
-  out = {}
-  for layer, v in per_layer.items():
-    if isinstance(v, dict) and "ffn" in v and "topk" in v["ffn"]:
-      ids = v["ffn"]["topk"]
-      ids = ids[0] if isinstance(ids, tuple) else ids
-      out[layer] = ids.reshape(B, T, -1)
-  return out
-
-
 def mismatch(routes_a: dict, routes_b: dict, live_BxT):
   """Fraction of live (token, layer) pairs whose top-k expert sets differ."""
   live_BxT = live_BxT.astype(jnp.float32)

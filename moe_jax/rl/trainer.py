@@ -29,7 +29,7 @@ from tqdm import tqdm
 from moe_jax import config as config_lib
 from moe_jax.infer import workdir as workdir_lib
 from moe_jax.infer.generate import inference_variables
-from moe_jax.model import layer_stack
+from moe_jax.model import layer_stack, moe as moe_lib
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.rl import advantages, environments, replay, rewards
 from moe_jax.rl import loss as loss_lib
@@ -107,7 +107,7 @@ def make_pass(model_cfg, rl):
 
     (total, (m, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     if "routes" in batch:
-      picked = replay.picked_routes(model_cfg, inter, batch["tokens"].shape)
+      picked = moe_lib.sown_routes(model_cfg, inter, batch["tokens"].shape)
       m["route_mismatch"] = replay.mismatch(picked, batch["routes"], batch["segment_ids"])
     new_state = state.apply_gradients(grads=grads)
     m.update(loss=total, grad_norm=optax.tree.norm(grads),

@@ -8,6 +8,7 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 from tqdm import tqdm
 
@@ -172,7 +173,7 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
     eval_metrics = evaluate_all(eval_step, state, eval_sets, batch_sh)
 
   summary = {"step": int(state.step), "resumed_from": resumed, "unigram_entropy_bits": unigram,
-             **{f"val_{k}": getattr(v, "tolist", lambda v=v: v)()
+             **{f"val_{k}": v.tolist() if isinstance(v, np.ndarray) else v
                 for k, v in eval_metrics.items()}}
   if primary:
     with open(os.path.join(workdir, "summary.json"), "w") as f:

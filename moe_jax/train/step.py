@@ -8,8 +8,7 @@ import numpy as np
 import optax
 
 from moe_jax.data import tokenizer
-from moe_jax.model import layer_stack, router as router_lib, vision
-from moe_jax.rl import replay
+from moe_jax.model import layer_stack, moe, router as router_lib, vision
 from moe_jax.train import optim
 
 
@@ -104,12 +103,12 @@ def modality_counts(model_cfg, intermediates, batch) -> dict:
   image_BxT = batch["tokens"] == tokenizer.PATCH
   text_BxT = (batch["segment_ids"] > 0) & ~image_BxT
   out = {}
-  for layer, ids_BxTxK in replay.picked_routes(model_cfg, intermediates,
-                                               batch["tokens"].shape).items():
-    one_hot_BxTxE = jax.nn.one_hot(ids_BxTxK, E, dtype=jnp.float32).sum(-2)
+  for layer, ids_BxTxK in moe.sown_routes(model_cfg, intermediates,
+                                          batch["tokens"].shape).items():
     for name, m_BxT in (("image", image_BxT), ("text", text_BxT)):
-      out[f"moe/{layer}/{name}_count"] = jnp.einsum("bte,bt->e", one_hot_BxTxE,
-                                                    m_BxT.astype(jnp.float32))
+      weight_BxTxK = jnp.broadcast_to(m_BxT[..., None], ids_BxTxK.shape).astype(jnp.float32)
+      out[f"moe/{layer}/{name}_count"] = jax.ops.segment_sum(
+          weight_BxTxK.reshape(-1), ids_BxTxK.reshape(-1), num_segments=E)
   return out
 
 
