@@ -2,6 +2,11 @@
 
 from setuptools import find_packages, setup
 
+# data.tokenizer = sentencepiece:/hf: and the parquet source (array_record comes with grain).
+DATA = ["sentencepiece==0.2.3", "tokenizers==0.23.3", "pyarrow==26.0.1"]
+# notebooks/: executed top to bottom by tests/test_notebooks.py.
+NOTEBOOKS = ["matplotlib==3.11.2", "nbformat==5.11.1", "nbclient==0.11.0", "ipykernel==7.4.0"]
+
 setup(
     name="moe_jax",
     version="0.1.0",
@@ -22,9 +27,13 @@ setup(
         "numpy>=2.0",
     ],
     extras_require={
-        # plots: scripts/plot_metrics.py; scikit-learn: the digits image task (tests use it)
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib>=3.8", "scikit-learn==1.9.1"],
+        # The tests use every extra below but the accelerator ones: the digits image task,
+        # the learned tokenizers and corpus formats, and the notebooks (run by nbclient).
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib==3.11.2", "scikit-learn==1.9.1",
+                *DATA, *NOTEBOOKS],
         "vision": ["scikit-learn==1.9.1", "pillow>=10"],   # image tasks, PNG prompts
+        "data": DATA,
+        "notebooks": NOTEBOOKS,
         # CUDA wheels for jaxlib; tokamax's grouped matmul is imported lazily (heavy deps).
         "gpu": ["jax[cuda13]==0.11.2", "tokamax==0.0.17"],
         "tpu": ["jax[tpu]==0.11.2", "tokamax==0.0.17"],

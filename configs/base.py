@@ -85,9 +85,15 @@ def get_config(arg=None):
 
   d = c.data = ml_collections.ConfigDict()
   d.source = "stdlib"           # stdlib (embedded default, a document per file) |
-                                # stdlib_packages (a document per package) | files | mqar |
+                                # stdlib_packages (a document per package) | files (text) |
+                                # jsonl | parquet | array_record (a document per record) |
+                                # prepared (scripts/prepare_data.py's packed shards) | mqar |
                                 # tasks (demonstrations of data.tasks: GRPO's warm-up)
-  d.paths = ""                  # glob of text files, used when source == "files"
+  d.paths = ""                  # files / jsonl / parquet / array_record: a glob;
+                                # prepared: the directory
+  d.text_field = "text"         # jsonl / parquet: the field holding a record's text
+  d.tokenizer = "bytes"         # bytes | sentencepiece:<model file> | hf:<tokenizer.json>
+                                # (scripts/train_tokenizer.py); model.vocab_size follows it
   d.seq_len = 2048
   d.batch_size = 32
   d.val_percent = 5             # share of documents (by path hash) held out for validation

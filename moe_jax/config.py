@@ -1,10 +1,16 @@
 """Config validation: every bad field fails here, before any tracing or compile."""
 
+import os
+
 import ml_collections
 
 MIXERS = {"K": "KDA linear attention", "A": "gated MLA full attention"}
 DTYPES = ("float32", "bfloat16")
-SOURCES = ("stdlib", "stdlib_packages", "files", "mqar", "tasks")
+SOURCES = ("stdlib", "stdlib_packages", "files", "jsonl", "parquet", "array_record", "prepared",
+           "mqar", "tasks")
+DOCUMENT_SOURCES = ("stdlib", "stdlib_packages", "files", "jsonl", "parquet", "array_record")
+GLOB_SOURCES = ("files", "jsonl", "parquet", "array_record")   # data.paths is a glob
+TOKENIZER_KINDS = ("bytes", "sentencepiece:<model file>", "hf:<tokenizer.json>")
 SYNTHETIC_TASKS = ("passkey", "mqar")
 SCHEDULES = ("cosine", "wsd")
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
@@ -90,8 +96,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   d = c.data
   if d.source not in SOURCES:
     _fail("data.source", d.source, f"one of {SOURCES}")
-  if d.source == "files" and not d.paths:
-    _fail("data.paths", d.paths, "a glob of text files when data.source='files'")
+  _validate_corpus(c)
   if d.source == "tasks" or "rl" in c:
     from moe_jax.rl import environments  # noqa: PLC0415 (the task registry; light, no jax)
     environments.make_tasks(d)
@@ -153,6 +158,50 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if sum(c.mesh[a] == -1 for a in MESH_AXES) > 1:
     _fail("mesh", {a: c.mesh[a] for a in MESH_AXES}, "at most one axis set to -1")
   return c
+
+
+def _validate_corpus(c: ml_collections.ConfigDict):
+  """Paths, text field and tokenizer of the text sources (data/records.py, prepared.py,
+  tokenizers.py)."""
+  d = c.data
+  if d.source in GLOB_SOURCES and not d.paths:
+    _fail("data.paths", d.paths, f"a glob of {d.source} files when data.source={d.source!r}")
+  if d.source == "prepared" and not d.paths:
+    _fail("data.paths", d.paths, "a directory written by scripts/prepare_data.py")
+  if d.source in ("jsonl", "parquet") and (not isinstance(d.text_field, str) or not d.text_field):
+    _fail("data.text_field", d.text_field, "the name of the records' text field")
+  tok = d.tokenizer
+  kind, _, path = tok.partition(":") if isinstance(tok, str) else ("", "", "")
+  if tok != "bytes" and (kind not in ("sentencepiece", "hf") or not path):
+    _fail("data.tokenizer", tok, f"one of {TOKENIZER_KINDS}")
+  if tok != "bytes":
+    if d.source not in DOCUMENT_SOURCES + ("prepared",):
+      _fail("data.tokenizer", tok, f"'bytes' with data.source={d.source!r} (a learned "
+            f"tokenizer reads text sources: {DOCUMENT_SOURCES + ('prepared',)})")
+    for field, value in (("data.synthetic_fraction", d.synthetic_fraction),
+                         ("data.image_fraction", d.image_fraction),
+                         ("model.vision.patch_size", c.model.vision.patch_size)):
+      if value:
+        _fail(field, value, f"0 with data.tokenizer={tok!r} (byte-level tasks and images "
+              "need the byte tokenizer)")
+    if "rl" in c:
+      _fail("data.tokenizer", tok, "'bytes' for GRPO (its tasks are byte-level)")
+  if d.source == "prepared":
+    from moe_jax.data import prepared  # noqa: PLC0415 (reads meta.json only)
+    meta = prepared.read_meta(d.paths)
+    if d.seq_len != meta["seq_len"]:
+      _fail("data.seq_len", d.seq_len, f"{meta['seq_len']}, as {d.paths!r} was prepared with "
+            "(or prepare the corpus again)")
+    if tokenizer_spec(tok) != tokenizer_spec(meta["tokenizer"]):
+      _fail("data.tokenizer", tok, f"{meta['tokenizer']!r}, as {d.paths!r} was prepared with "
+            "(or prepare the corpus again)")
+
+
+def tokenizer_spec(spec: str) -> str:
+  """data.tokenizer with its file made absolute ("hf:tok.json" → "hf:/abs/tok.json"), so a
+  run's config.json and a prepared corpus name the file wherever they are read."""
+  kind, _, path = spec.partition(":")
+  return spec if spec == "bytes" else f"{kind}:{os.path.abspath(os.path.expanduser(path))}"
 
 
 def image_tasks(data: ml_collections.ConfigDict) -> list[str]:

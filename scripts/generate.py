@@ -13,7 +13,7 @@ prompt's text; without a --prompt the image alone.
 import jax
 from absl import app, flags, logging
 
-from moe_jax.data import images
+from moe_jax.data import images, tokenizers
 from moe_jax.infer.generate import complete
 from moe_jax.infer.workdir import load
 from moe_jax.train import state as state_lib
@@ -52,7 +52,7 @@ def main(argv):
   outs = complete(state_lib.frozen_model_config(c), variables, inputs,
                   max_new=_MAX_NEW.value, key=jax.random.key(_SEED.value),
                   prefill_chunk=_CHUNK.value, temperature=_TEMPERATURE.value,
-                  top_k=_TOP_K.value, top_p=_TOP_P.value)
+                  top_k=_TOP_K.value, top_p=_TOP_P.value, tok=tokenizers.load(c.data.tokenizer))
   print(f"# checkpoint step {step} of {_WORKDIR.value}")
   shown = f"<image {_IMAGE.value}>" if _IMAGE.value else ""
   for prompt, out in zip(prompts, outs):

@@ -27,7 +27,7 @@ def glob_paths(pattern: str) -> list[str]:
 
 def is_validation(path: str, root: str, val_percent: float) -> bool:
   """Deterministic split: a file is held out iff its relative path hashes below val_percent."""
-  return _bucket(os.path.relpath(path, root).replace(os.sep, "/")) < val_percent * 100
+  return bucket(os.path.relpath(path, root).replace(os.sep, "/")) < val_percent * 100
 
 
 def split_paths(paths: list[str], val_percent: float) -> dict[str, list[str]]:
@@ -67,13 +67,14 @@ def stdlib_package_documents() -> dict[str, list[str]]:
 
 def split_packages(packages: dict[str, list[str]], val_percent: float) -> dict[str, list]:
   """Splits whole packages by the hash of their relative path: no package is in both."""
-  val = [ps for k, ps in packages.items() if _bucket(k) < val_percent * 100]
-  train = [ps for k, ps in packages.items() if _bucket(k) >= val_percent * 100]
+  val = [ps for k, ps in packages.items() if bucket(k) < val_percent * 100]
+  train = [ps for k, ps in packages.items() if bucket(k) >= val_percent * 100]
   if not train or not val:
     raise ValueError(f"data.val_percent={val_percent} leaves an empty split over "
                      f"{len(packages)} packages; use another val_percent")
   return {"train": train, "validation": val}
 
 
-def _bucket(rel: str) -> int:
+def bucket(rel: str) -> int:
+  """A stable hash of a key into [0, 10000): the splits hold out keys below val_percent·100."""
   return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "little") % 10_000

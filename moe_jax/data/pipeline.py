@@ -8,11 +8,16 @@ import ml_collections
 import numpy as np
 
 from moe_jax import config as config_lib
-from moe_jax.data import corpus, image_tasks, mqar, packing, passkey, task_rows, tokenizer
+from moe_jax.data import (corpus, image_tasks, mqar, packing, passkey, prepared, records,
+                          task_rows, tokenizers)
 
 
 def text_documents(c: ml_collections.ConfigDict) -> dict[str, list[bytes]]:
-  """Train / validation documents of a text source (stdlib, stdlib_packages, files)."""
+  """Train / validation documents of a document source (stdlib, stdlib_packages, files,
+  jsonl, parquet, array_record)."""
+  if c.data.source in records.FORMATS:
+    return records.split_records(c.data.source, corpus.glob_paths(c.data.paths),
+                                 c.data.text_field, c.data.val_percent)
   if c.data.source == "stdlib_packages":
     splits = corpus.split_packages(corpus.stdlib_package_documents(), c.data.val_percent)
     return {name: [b"".join(corpus.read_documents(ps)) for ps in packages]
@@ -22,9 +27,22 @@ def text_documents(c: ml_collections.ConfigDict) -> dict[str, list[bytes]]:
           for name, ps in corpus.split_paths(paths, c.data.val_percent).items()}
 
 
-def _text_rows(c: ml_collections.ConfigDict) -> dict[str, packing.PackedRows]:
-  return {name: packing.PackedRows([tokenizer.encode(d) for d in docs], c.data.seq_len)
-          for name, docs in text_documents(c).items()}
+def text_rows(c: ml_collections.ConfigDict, docs: dict[str, list[bytes]] | None = None
+              ) -> dict[str, packing.PackedRows]:
+  """Each split's documents through data.tokenizer, packed into data.seq_len rows. A
+  learned tokenizer's rows carry target_bytes; every split keeps its byte histogram."""
+  tok = tokenizers.load(c.data.tokenizer)
+  out = {}
+  for name, split_docs in (text_documents(c) if docs is None else docs).items():
+    if c.data.tokenizer == "bytes":
+      rows = packing.PackedRows([tok.encode(d) for d in split_docs], c.data.seq_len)
+    else:
+      encoded = [tok.encode_with_bytes(d) for d in split_docs]
+      rows = packing.PackedRows([ids for ids, _ in encoded], c.data.seq_len, tok.pad,
+                                [nbytes for _, nbytes in encoded])
+    rows.byte_hist = np.bincount(np.frombuffer(b"".join(split_docs), np.uint8), minlength=256)
+    out[name] = rows
+  return out
 
 
 class MixedRows:
@@ -86,7 +104,9 @@ def _sources(c: ml_collections.ConfigDict) -> dict:
     return {"train": mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab, seed=d.shuffle_seed),
             "validation": mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab,
                                         seed=d.shuffle_seed + 1, length=val_rows)}
-  rows = _text_rows(c)
+  if d.source == "prepared":
+    return {name: prepared.PreparedRows(d.paths, name) for name in ("train", "validation")}
+  rows = text_rows(c)
   if d.synthetic_fraction:
     rows["train"] = MixedRows(rows["train"], synthetic_sources(c, d.shuffle_seed),
                               d.synthetic_fraction)
@@ -134,9 +154,12 @@ def _process(index, count) -> tuple[int, int]:
           jax.process_count() if count is None else count)
 
 
-def unigram_entropy_bits(rows: packing.PackedRows) -> float:
-  """Byte-unigram entropy of a packed split's text, in bits per byte."""
-  tokens = rows.tokens_NxL[rows.tokens_NxL < 256]   # (a WithPatches passes tokens_NxL on)
-  p = np.bincount(tokens, minlength=256) / max(tokens.size, 1)
+def unigram_entropy_bits(rows) -> float:
+  """Byte-unigram entropy of a split's text, in bits per byte (from the byte histogram a
+  text or prepared split keeps; else from the byte tokens of its packed rows)."""
+  hist = getattr(rows, "byte_hist", None)   # (a WithPatches passes attributes on)
+  if hist is None:
+    hist = np.bincount(rows.tokens_NxL[rows.tokens_NxL < 256], minlength=256)
+  p = hist / max(hist.sum(), 1)
   p = p[p > 0]
   return float(-(p * np.log2(p)).sum()) if p.size else math.nan

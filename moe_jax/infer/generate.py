@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from moe_jax.data import images as images_lib, tokenizer
+from moe_jax.data import images as images_lib, tokenizer, tokenizers
 from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
 from moe_jax.model import layer_stack
@@ -184,17 +184,20 @@ def decode_turn(step, variables, cache, logits_BxV, key, done_B=None, *, max_new
   return {k: out[k] for k in keep}
 
 
-def encode_prompts(model_cfg, prompts: list) -> tuple[np.ndarray, np.ndarray, dict | None]:
+def encode_prompts(model_cfg, prompts: list, tok=None
+                   ) -> tuple[np.ndarray, np.ndarray, dict | None]:
   """Prompts → (tokens [B, T] right-padded, lengths [B], image fields [B, T, ...] or None).
   A prompt is a str, or for a multimodal model a list of str and images [H, W(, C)] in
-  [0, 1], in order (data/images.py); each starts with BOS."""
+  [0, 1], in order (data/images.py); each starts with BOS. `tok`: the run's tokenizer
+  (data/tokenizers.py; default bytes)."""
+  tok = tok or tokenizers.ByteTokenizer()
   v = model_cfg.vision
   has_images = any(not isinstance(p, (str, bytes)) for p in prompts)
   if has_images and not v.patch_size:
     raise ValueError("a prompt holds an image but model.vision.patch_size is 0 (a text-only "
                      "model)")
   enc = [images_lib.encode(p, v.patch_size, v.channels) if has_images
-         else {"tokens": tokenizer.encode(p, eos=False)} for p in prompts]
+         else {"tokens": tok.encode(p, eos=False)} for p in prompts]
   for e in enc:
     if has_images and (e["patch_rows"].max() >= v.max_rows or e["patch_cols"].max() >= v.max_cols):
       raise ValueError(f"an image of {e['patch_rows'].max() + 1}×{e['patch_cols'].max() + 1} "
@@ -214,13 +217,17 @@ def encode_prompts(model_cfg, prompts: list) -> tuple[np.ndarray, np.ndarray, di
 
 
 def complete(model_cfg, variables, prompts: list, *, max_new: int, key, prefill_chunk=256,
-             temperature=1.0, top_k=0, top_p=1.0, stop_tokens=(tokenizer.EOS,)) -> list[str]:
-  """Text (and images) in, text out: tokenize (BOS, no EOS), prefill, decode, detokenize.
-  A prompt is a str, or a list of str and images (encode_prompts)."""
+             temperature=1.0, top_k=0, top_p=1.0, stop_tokens=None, tok=None) -> list[str]:
+  """Text (and images) in, text out: tokenize (BOS, no EOS), prefill, decode, detokenize
+  through `tok` (the run's tokenizer, data/tokenizers.py; default bytes), stopping at its
+  EOS unless stop_tokens are given. A prompt is a str, or a list of str and images
+  (encode_prompts)."""
+  tok = tok or tokenizers.ByteTokenizer()
+  stop_tokens = (tok.eos,) if stop_tokens is None else stop_tokens
   sampling.validate(temperature, top_k, top_p)
   if max_new < 1:
     raise ValueError(f"max_new must be >= 1, got {max_new!r}")
-  tokens_BxT, lengths_B, image_fields = encode_prompts(model_cfg, prompts)
+  tokens_BxT, lengths_B, image_fields = encode_prompts(model_cfg, prompts, tok)
   B = len(prompts)
   model = inference_model(model_cfg)
   variables = inference_variables(model_cfg, variables)
@@ -232,4 +239,4 @@ def complete(model_cfg, variables, prompts: list, *, max_new: int, key, prefill_
                                temperature=temperature, top_k=top_k, top_p=top_p,
                                stop_tokens=tuple(stop_tokens))
   out_BxN, n_new_B = np.asarray(out_BxN), np.asarray(n_new_B)
-  return [tokenizer.decode(out_BxN[b, :n_new_B[b]]) for b in range(B)]
+  return [tok.decode(out_BxN[b, :n_new_B[b]]) for b in range(B)]

@@ -13,7 +13,7 @@ from absl import logging
 from tqdm import tqdm
 
 from moe_jax import config as config_lib
-from moe_jax.data import pipeline
+from moe_jax.data import pipeline, tokenizers
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import checkpoint, metrics, optim, state as state_lib, step as step_lib
@@ -57,6 +57,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
   at the next step boundary and returns early with "preempted": that step (no final eval).
   """
   config_lib.validate(c)
+  tokenizers.configure(c)   # a learned tokenizer sets model.vocab_size
   mesh = make_mesh(c.mesh)
   data_shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
   if c.data.batch_size % data_shards:

@@ -89,7 +89,10 @@ def eval_step(params, router_vars, batch, *, apply_fn, model_cfg=None):
   out = {
       "nll_sum": nll_BxT.sum(),
       "tokens": mask_BxT.sum(),
-      "bytes": (mask_BxT * (batch["targets"] < 256)).sum(),
+      # Text bytes the labels cover: a learned tokenizer's rows say (target_bytes), a
+      # byte-level row's labels below 256 are one byte each.
+      "bytes": (mask_BxT * (batch["target_bytes"] if "target_bytes" in batch
+                            else batch["targets"] < 256)).sum(),
       "correct": correct_BxT.sum(),
   }
   if by_modality:

@@ -1,0 +1,60 @@
+"""Tokenize and pack a corpus once into ArrayRecord shards (moe_jax/data/prepared.py), so a
+large corpus is not re-tokenized at the start of every run.
+
+  python scripts/prepare_data.py --config=configs/tiny.py --output=workdir/stdlib_prepared \
+      [--config.data.tokenizer=sentencepiece:tok.model] [--config.data.source=jsonl ...]
+  python scripts/train.py --config=configs/tiny.py --workdir=workdir/run \
+      --config.data.source=prepared --config.data.paths=workdir/stdlib_prepared \
+      [--config.data.tokenizer=<the same tokenizer>]
+
+The shards hold rows of --config.data.seq_len tokens; a run must use the same seq_len and
+tokenizer (the config check says so otherwise).
+"""
+
+import time
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from moe_jax import config as config_lib
+from moe_jax.data import pipeline, prepared, tokenizers
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file[:arg].")
+_OUTPUT = flags.DEFINE_string("output", None, "Directory for the shards and meta.json.",
+                              required=True)
+_ROWS_PER_SHARD = flags.DEFINE_integer("rows_per_shard", 4096, "Packed rows per shard.")
+
+
+def prepare(c, output: str, rows_per_shard: int = 4096) -> dict:
+  """Writes `output` from config c's document source; returns meta.json's contents."""
+  if c.data.source not in config_lib.DOCUMENT_SOURCES:
+    raise ValueError(f"data.source must be one of {config_lib.DOCUMENT_SOURCES} to prepare, "
+                     f"got {c.data.source!r}")
+  tok = tokenizers.load(c.data.tokenizer)
+  docs = pipeline.text_documents(c)
+  rows = pipeline.text_rows(c, docs)
+  if c.data.tokenizer == "bytes":   # byte rows: each byte token covers one byte
+    for r in rows.values():
+      r.bytes_NxL = (r.tokens_NxL < 256).astype(np.uint16)
+  meta = {"tokenizer": config_lib.tokenizer_spec(c.data.tokenizer), "seq_len": c.data.seq_len, "pad": tok.pad,
+          "vocab_size": tok.vocab_size, "source": c.data.source, "paths": c.data.paths,
+          "byte_hist": {k: r.byte_hist.tolist() for k, r in rows.items()},
+          "documents": {k: len(v) for k, v in docs.items()}}
+  prepared.write(output, rows, meta, rows_per_shard)
+  return prepared.read_meta(output)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  start = time.perf_counter()
+  meta = prepare(_CONFIG.value, _OUTPUT.value, _ROWS_PER_SHARD.value)
+  print(f"prepared {_OUTPUT.value} in {time.perf_counter() - start:.1f} s: "
+        + ", ".join(f"{k} {n} rows of {meta['seq_len']}" for k, n in meta["rows"].items())
+        + f"; tokenizer {meta['tokenizer']}")
+  print(f"train with --config.data.source=prepared --config.data.paths={_OUTPUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
