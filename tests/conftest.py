@@ -94,18 +94,7 @@ def small_config():
 
 def make_small_config():
   """The tiny config shrunk further so a step compiles and runs in about a second."""
-  c = tiny.get_config()
-  c.model.d_model = 64
-  c.model.n_heads = 2
-  c.model.n_layers = 2
-  c.model.layer_pattern = "KA"
-  c.model.kda_head_dim = 16
-  c.model.kda_chunk_size = 16
-  c.model.mla_q_lora_rank = 32
-  c.model.mla_kv_lora_rank = 32
-  c.model.mla_qk_head_dim = 16
-  c.model.mla_v_head_dim = 16
-  c.model.ffn_hidden = 128
+  c = tiny.get_config("small")
   c.data.seq_len = 64
   c.data.batch_size = 4
   c.schedule.warmup_steps = 2

@@ -39,6 +39,9 @@ class DepthMix(nn.Module):
     k_SxBxTxD = v_SxBxTxD * jax.lax.rsqrt(
         jnp.mean(v_SxBxTxD * v_SxBxTxD, -1, keepdims=True) + self.cfg.norm_eps)
     a_SxBxT = jax.nn.softmax(jnp.einsum("sbtd,d->sbt", k_SxBxTxD, w_D), axis=0)
+    # The weight per source, averaged over live and padded tokens alike, for inspection
+    # (apply with mutable=["intermediates"]; notebooks/05_attention_residuals.ipynb).
+    self.sow("intermediates", "depth_weights", a_SxBxT.mean((1, 2)))
     return jnp.einsum("sbt,sbtd->btd", a_SxBxT, v_SxBxTxD).astype(sources[0].dtype)
 
 
