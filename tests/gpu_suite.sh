@@ -5,9 +5,10 @@
 # installs it first. Workers share the GPU: conftest turns JAX's 75% preallocation off, and
 # the suite's time is mostly compiles, which several processes run side by side.
 set -o pipefail
-if [ -d .whl ]; then
+wheels=${WHEELS:-.whl}   # or another carried folder of wheels
+if [ -d "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+    --target /tmp/site "$wheels"/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1

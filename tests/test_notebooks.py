@@ -29,16 +29,9 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
   from nbclient import NotebookClient
   book = nbformat.read(path, as_version=4)
   start = time.perf_counter()
-  env_before = os.environ.get("MPLBACKEND")
-  os.environ["MPLBACKEND"] = "Agg"   # the kernel inherits it: plots render, nothing opens
-  try:
-    NotebookClient(book, timeout=300, kernel_name="python3",
-                   resources={"metadata": {"path": os.path.dirname(path)}}).execute()
-  finally:
-    if env_before is None:
-      os.environ.pop("MPLBACKEND")
-    else:
-      os.environ["MPLBACKEND"] = env_before
+  os.environ.pop("MPLBACKEND", None)   # the kernel's inline backend turns plots into outputs
+  NotebookClient(book, timeout=300, kernel_name="python3",
+                 resources={"metadata": {"path": os.path.dirname(path)}}).execute()
   seconds = time.perf_counter() - start
   images = sum("image/png" in out.get("data", {}) for cell in book.cells
                for out in cell.get("outputs", []))
