@@ -24,6 +24,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdir/bench_tokenizer", "Runs and t
 _STEPS = flags.DEFINE_integer("steps", 300, "Train steps per run.")
 _VOCAB = flags.DEFINE_integer("vocab_size", 2048, "BPE vocabulary size.")
 _DOCS = flags.DEFINE_integer("tokenizer_documents", 600, "Train documents for the tokenizer.")
+_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 10_000, "Validation batches (the default "
+                                     "covers the whole split).")
 _EQUAL_BYTES = flags.DEFINE_bool("equal_bytes", False, "Also train the byte model for as many "
                                  "steps as it takes to see the BPE run's bytes.")
 
@@ -51,7 +53,8 @@ def main(argv):
     rc = tiny.get_config()
     rc.data.tokenizer = tokenizer
     rc.schedule.total_steps = steps
-    rc.eval.num_batches = 10_000   # the whole validation split
+    rc.schedule.warmup_steps = min(rc.schedule.warmup_steps, steps // 2)
+    rc.eval.num_batches = _EVAL_BATCHES.value
     rc.eval.every_steps = steps
     tok = tokenizers.load(tokenizer)
     val_tokens = sum(len(tok.encode(d)) for d in docs["validation"])
