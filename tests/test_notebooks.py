@@ -33,6 +33,9 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
   NotebookClient(book, timeout=300, kernel_name="python3",
                  resources={"metadata": {"path": os.path.dirname(path)}}).execute()
   seconds = time.perf_counter() - start
+  if os.environ.get("NOTEBOOK_OUT"):   # keep the executed copy (e.g. a GPU run's outputs)
+    os.makedirs(os.environ["NOTEBOOK_OUT"], exist_ok=True)
+    nbformat.write(book, os.path.join(os.environ["NOTEBOOK_OUT"], os.path.basename(path)))
   images = sum("image/png" in out.get("data", {}) for cell in book.cells
                for out in cell.get("outputs", []))
   assert images >= 1, "a notebook that plots nothing"
