@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# .whl_gpu: the wheels to carry to the H200 for the full suite, notebooks included. It is
+# ../shared/device/wheels.sh's .whl, less what the GPU image already has (scikit-learn) or
+# the suite does not use (fla), plus nbclient / ipykernel and their dependencies and the
+# pinned sentencepiece / tokenizers. It fits the device tool's 64 MiB carry limit.
+#   bash tests/gpu_wheels.sh            (run from the repo root, after wheels.sh)
+#   carry [".whl_gpu"]; WHEELS=.whl_gpu bash tests/gpu_suite.sh
+set -euo pipefail
+[ -d .whl ] || { echo "run ../shared/device/wheels.sh first (.whl is missing)" >&2; exit 1; }
+rm -rf .whl_gpu /tmp/moe_jax_nb_wheels && mkdir -p .whl_gpu /tmp/moe_jax_nb_wheels
+cp .whl/*.whl .whl_gpu/
+rm -f .whl_gpu/scikit_learn-* .whl_gpu/fla_core-* .whl_gpu/flash_linear_attention-*
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d /tmp/moe_jax_nb_wheels \
+  nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0 sentencepiece==0.2.3 tokenizers==0.23.3
+for f in /tmp/moe_jax_nb_wheels/*.whl; do
+  case $(basename "$f") in   # in the image already, or optional (debugpy: the kernel's debugger)
+    attrs-*|packaging-*|psutil-*|pygments-*|python_dateutil-*|typing_extensions-*|tzdata-*|debugpy-*) ;;
+    *) cp "$f" .whl_gpu/ ;;
+  esac
+done
+du -sh .whl_gpu
