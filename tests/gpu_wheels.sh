@@ -13,7 +13,10 @@ rm -f .whl_gpu/scikit_learn-* .whl_gpu/fla_core-* .whl_gpu/flash_linear_attentio
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d /tmp/moe_jax_nb_wheels \
-  nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0 sentencepiece==0.2.3 tokenizers==0.23.3
+  nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl_gpu \
+  sentencepiece==0.2.3 tokenizers==0.23.3   # (their other dependencies are in the image)
 for f in /tmp/moe_jax_nb_wheels/*.whl; do
   case $(basename "$f") in   # in the image already, or optional (debugpy: the kernel's debugger)
     attrs-*|packaging-*|psutil-*|pygments-*|python_dateutil-*|typing_extensions-*|tzdata-*|debugpy-*) ;;
