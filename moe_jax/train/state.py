@@ -70,7 +70,9 @@ def train_state_plan(model: nn.Module, tx, example_batch, mesh: Mesh):
   (init_model, init_batch)."""
   example_batch = init_batch(example_batch, mesh)
   boxed_state = lambda r: _boxed_state(model, tx, example_batch, r)
-  boxed = jax.eval_shape(boxed_state, jax.random.key(0))
+  # An abstract key: nothing runs, so this also plans for devices that are not attached
+  # (scripts/aot_compile.py's TPU topology).
+  boxed = jax.eval_shape(boxed_state, jax.eval_shape(jax.random.key, 0))
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, LOGICAL_RULES)
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           nn.meta.unbox(boxed), shardings)
