@@ -171,10 +171,7 @@ def _validate_corpus(c: ml_collections.ConfigDict):
   if d.source in ("jsonl", "parquet") and (not isinstance(d.text_field, str) or not d.text_field):
     _fail("data.text_field", d.text_field, "the name of the records' text field")
   tok = d.tokenizer
-  kind, _, path = tok.partition(":") if isinstance(tok, str) else ("", "", "")
-  if tok != "bytes" and (kind not in ("sentencepiece", "hf") or not path):
-    _fail("data.tokenizer", tok, f"one of {TOKENIZER_KINDS}")
-  if tok != "bytes":
+  if parse_tokenizer(tok)[0] != "bytes":
     if d.source not in DOCUMENT_SOURCES + ("prepared",):
       _fail("data.tokenizer", tok, f"'bytes' with data.source={d.source!r} (a learned "
             f"tokenizer reads text sources: {DOCUMENT_SOURCES + ('prepared',)})")
@@ -197,11 +194,21 @@ def _validate_corpus(c: ml_collections.ConfigDict):
             "(or prepare the corpus again)")
 
 
+def parse_tokenizer(spec) -> tuple[str, str]:
+  """data.tokenizer → (kind, file): ("bytes", "") or ("sentencepiece" | "hf", path)."""
+  if spec == "bytes":
+    return "bytes", ""
+  kind, _, path = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+  if kind not in ("sentencepiece", "hf") or not path:
+    _fail("data.tokenizer", spec, f"one of {TOKENIZER_KINDS}")
+  return kind, path
+
+
 def tokenizer_spec(spec: str) -> str:
   """data.tokenizer with its file made absolute ("hf:tok.json" → "hf:/abs/tok.json"), so a
   run's config.json and a prepared corpus name the file wherever they are read."""
-  kind, _, path = spec.partition(":")
-  return spec if spec == "bytes" else f"{kind}:{os.path.abspath(os.path.expanduser(path))}"
+  kind, path = parse_tokenizer(spec)
+  return spec if kind == "bytes" else f"{kind}:{os.path.abspath(os.path.expanduser(path))}"
 
 
 def image_tasks(data: ml_collections.ConfigDict) -> list[str]:

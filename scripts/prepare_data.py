@@ -13,7 +13,6 @@ tokenizer (the config check says so otherwise).
 
 import time
 
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -33,10 +32,7 @@ def prepare(c, output: str, rows_per_shard: int = 4096) -> dict:
                      f"got {c.data.source!r}")
   tok = tokenizers.load(c.data.tokenizer)
   docs = pipeline.text_documents(c)
-  rows = pipeline.text_rows(c, docs)
-  if c.data.tokenizer == "bytes":   # byte rows: each byte token covers one byte
-    for r in rows.values():
-      r.bytes_NxL = (r.tokens_NxL < 256).astype(np.uint16)
+  rows = pipeline.text_rows(c, docs, with_bytes=True)   # shards always hold byte counts
   meta = {"tokenizer": config_lib.tokenizer_spec(c.data.tokenizer), "seq_len": c.data.seq_len, "pad": tok.pad,
           "vocab_size": tok.vocab_size, "source": c.data.source, "paths": c.data.paths,
           "byte_hist": {k: r.byte_hist.tolist() for k, r in rows.items()},

@@ -27,19 +27,22 @@ def text_documents(c: ml_collections.ConfigDict) -> dict[str, list[bytes]]:
           for name, ps in corpus.split_paths(paths, c.data.val_percent).items()}
 
 
-def text_rows(c: ml_collections.ConfigDict, docs: dict[str, list[bytes]] | None = None
-              ) -> dict[str, packing.PackedRows]:
-  """Each split's documents through data.tokenizer, packed into data.seq_len rows. A
-  learned tokenizer's rows carry target_bytes; every split keeps its byte histogram."""
+def text_rows(c: ml_collections.ConfigDict, docs: dict[str, list[bytes]] | None = None,
+              with_bytes: bool | None = None) -> dict[str, packing.PackedRows]:
+  """Each split's documents through data.tokenizer, packed into data.seq_len rows; every
+  split keeps its byte histogram. Rows carry target_bytes `with_bytes` (default: for a
+  learned tokenizer; byte rows can go without, as the eval counts their labels below 256,
+  and so mix with the byte-level synthetic and image rows, which have none)."""
   tok = tokenizers.load(c.data.tokenizer)
+  with_bytes = c.data.tokenizer != "bytes" if with_bytes is None else with_bytes
   out = {}
   for name, split_docs in (text_documents(c) if docs is None else docs).items():
-    if c.data.tokenizer == "bytes":
-      rows = packing.PackedRows([tok.encode(d) for d in split_docs], c.data.seq_len)
-    else:
+    if with_bytes:
       encoded = [tok.encode_with_bytes(d) for d in split_docs]
       rows = packing.PackedRows([ids for ids, _ in encoded], c.data.seq_len, tok.pad,
                                 [nbytes for _, nbytes in encoded])
+    else:
+      rows = packing.PackedRows([tok.encode(d) for d in split_docs], c.data.seq_len, tok.pad)
     rows.byte_hist = np.bincount(np.frombuffer(b"".join(split_docs), np.uint8), minlength=256)
     out[name] = rows
   return out

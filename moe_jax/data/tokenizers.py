@@ -21,7 +21,6 @@ MAX_VOCAB = 1 << 20
 class ByteTokenizer:
   """A token per UTF-8 byte (ids 0..255), then BOS, EOS, PAD (data/tokenizer.py)."""
 
-  spec = "bytes"
   vocab_size = byte_tokenizer.VOCAB_SIZE
   bos, eos, pad = byte_tokenizer.BOS, byte_tokenizer.EOS, byte_tokenizer.PAD
 
@@ -76,7 +75,6 @@ class _Subword:
 class SentencePieceTokenizer(_Subword):
   def __init__(self, path: str):
     import sentencepiece as spm
-    self.spec = f"sentencepiece:{path}"
     self.sp = spm.SentencePieceProcessor(model_file=path)
     self.n = self.sp.vocab_size()
     self._set_specials(self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id())
@@ -98,7 +96,6 @@ class HFTokenizer(_Subword):
 
   def __init__(self, path: str):
     from tokenizers import Tokenizer
-    self.spec = f"hf:{path}"
     self.tok = Tokenizer.from_file(path)
     self.n = self.tok.get_vocab_size(with_added_tokens=True)
     found = {k: next((self.tok.token_to_id(t) for t in names
@@ -121,11 +118,9 @@ class HFTokenizer(_Subword):
 
 def load(spec: str):
   """"bytes" | "sentencepiece:<model file>" | "hf:<tokenizer.json>" → a tokenizer."""
-  if spec == "bytes":
+  kind, path = config_lib.parse_tokenizer(spec)
+  if kind == "bytes":
     return ByteTokenizer()
-  kind, _, path = spec.partition(":")
-  if kind not in ("sentencepiece", "hf") or not path:
-    raise ValueError(f"data.tokenizer must be one of {config_lib.TOKENIZER_KINDS}, got {spec!r}")
   if not os.path.isfile(path):
     raise ValueError(f"data.tokenizer={spec!r}: no file at {path!r} (train one with "
                      "scripts/train_tokenizer.py)")
