@@ -28,6 +28,9 @@ $(VENV)/.installed: setup.py
 	test -x $(PY) || $(FOUND_PY) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	# libtpu's compiler for the TPU ahead-of-time test, in its own folder: on PYTHONPATH only
+	# in that test's subprocess, so no other process tries to start a TPU runtime.
+	$(PY) -m pip install -q --no-deps --target $(VENV)/tpu_aot 'libtpu==0.0.48.*'
 	touch $@
 
 train: setup

@@ -28,9 +28,10 @@ setup(
     ],
     extras_require={
         # The tests use every extra below but the accelerator ones: the digits image task,
-        # the learned tokenizers and corpus formats, and the notebooks (run by nbclient).
+        # the learned tokenizers and corpus formats, and the notebooks (run by nbclient);
+        # tokamax for the comparison with its Mosaic TPU KDA (interpreted on CPU).
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib==3.11.2", "scikit-learn==1.9.1",
-                *DATA, *NOTEBOOKS],
+                "tokamax==0.0.17", *DATA, *NOTEBOOKS],
         "vision": ["scikit-learn==1.9.1", "pillow>=10"],   # image tasks, PNG prompts
         "data": DATA,
         "notebooks": NOTEBOOKS,

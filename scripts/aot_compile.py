@@ -7,18 +7,24 @@ report the per-device memory XLA plans for it (what MaxText's train_compile.py d
 
 The mesh is the config's (`mesh.*`, one axis may be -1) over the topology's chips. The
 state is abstract (shapes and shardings only) and the batch is data.batch_size ×
-data.seq_len, as train_and_evaluate builds them. The kernel choices resolve as on the
-compiling host (a CPU host picks the XLA paths: the Mosaic TPU kernels are issue 21's
-remaining work). Printed: argument / output / temporary / generated-code bytes per device,
-their sum against the chip's HBM, and the mesh.
+data.seq_len, as train_and_evaluate builds them. The kernel choices resolve for the target,
+TPU (pallas_kernels/platform.py reads the mesh's devices), so the program holds the Mosaic
+kernels a TPU run would: KDA (pallas_tpu), MLA flash attention, tokamax's grouped matmul.
+Printed: argument / output / temporary / generated-code bytes per device, their sum against
+the chip's HBM, the mesh, and the Mosaic kernels in the compiled program by name.
 """
 
+import collections
 import json
 import os
+import re
 import time
 
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")      # quiets libtpu's host checks
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+# Only the compiler is used, no chip: skip libtpu's one-process-per-host lockfile, so that
+# several compiles (and the AOT test) can run side by side.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,6 +51,14 @@ def example_batch(c) -> dict:
   return {k: np.zeros((1, T), dt) for k, dt in shapes.items()}   # host arrays: shapes only
 
 
+def mosaic_kernels(hlo_text: str) -> dict:
+  """{kernel name: call sites} of the Mosaic custom calls in a compiled TPU program (each
+  instruction is named after its pallas_call)."""
+  names = re.findall(r"%([A-Za-z_][\w-]*?)(?:\.\d+)? = .*custom_call_target=\"tpu_custom_call\"",
+                     hlo_text)
+  return dict(sorted(collections.Counter(names).items()))
+
+
 def compile_for(c, topology: str) -> dict:
   config_lib.validate(c)
   devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
@@ -68,7 +82,8 @@ def compile_for(c, topology: str) -> dict:
       per_device["generated_code"] - per_device["alias"]
   chip = topology.split(":")[0]
   counts = params_lib.count(c)
-  return {"topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind,
+  kernels = mosaic_kernels(compiled.as_text())
+  return {"mosaic_kernels": kernels, "topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind,
           "mesh": dict(mesh.shape), "batch": [c.data.batch_size, c.data.seq_len],
           "per_device_bytes": per_device, "per_device_total_gb": total / 1e9,
           "hbm_gb": HBM_GB.get(chip), "lower_s": t_lower, "compile_s": t_compile,
@@ -91,6 +106,8 @@ def main(argv):
         f"(aliased {gb['alias']:.2f}), temporaries {gb['temp']:.2f} GB, code "
         f"{gb['generated_code']:.3f} GB; total {r['per_device_total_gb']:.2f} GB of "
         f"{r['hbm_gb']} GB HBM")
+  print("Mosaic kernels: " + (", ".join(f"{k} ×{n}" for k, n in r["mosaic_kernels"].items())
+                              or "none"))
 
 
 if __name__ == "__main__":

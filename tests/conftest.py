@@ -73,6 +73,16 @@ def x64():
   jax.config.update("jax_enable_x64", False)
 
 
+def tpu_abstract_mesh(platform="tpu", device_kind="TPU v5"):
+  """A one-device mesh of abstract `platform` devices in context: kernel choices resolve as
+  for that target (pallas_kernels/platform.py) while the host stays a CPU; jax.export with
+  platforms=[...] lowers for it."""
+  from jax._src.mesh import AbstractDevice   # no public constructor for one yet
+  device = AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device))
+
+
 def rel_err(a, b) -> float:
   """‖a − b‖ / ‖b‖ in float64."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

@@ -210,7 +210,8 @@ def test_kda_rejects_bad_input():
     kda(q, k, v, g, beta, chunk_size=48)
   with pytest.raises(ValueError, match=r"implementation must be None or one of"):
     kda(q, k, v, g, beta, implementation="cuda")
-  with pytest.raises(NotImplementedError, match="pallas_tpu"):
+  with pytest.raises(ValueError, match=r"pallas_tpu' needs K and V to be multiples of 8 up "
+                                       r"to 256, got K=4, V=4"):
     kda(q, k, v, g, beta, implementation="pallas_tpu")
   with pytest.raises(ValueError, match=r"segment_ids must be an integer \[B,T\]"):
     kda(q, k, v, g, beta, segment_ids=jnp.ones((1, 7), jnp.int32))

@@ -75,6 +75,22 @@ def test_flash_kernel_equals_xla_attention(T, dv):
     assert rel_err(a, b) < 1e-5
 
 
+def test_tpu_flash_kernel_equals_xla_attention():
+  """mla_implementation="tpu": jax's Mosaic flash attention (in the TPU interpreter here),
+  with segment ids and padding, equals the XLA path in output and every gradient."""
+  from jax.experimental.pallas import tpu as pltpu
+  from pallas_kernels.attention import tpu_flash
+
+  dv = make_small_config().model.mla_qk_head_dim      # the kernel's contract: Dv = Dqk
+  assert tpu_flash.fits(128, dv, dv) and not tpu_flash.fits(64, dv, dv)
+  out_x, grads_x = _mla_and_grads("xla", 128, dv)
+  with pltpu.force_tpu_interpret_mode():
+    out_t, grads_t = _mla_and_grads("tpu", 128, dv)
+  assert rel_err(out_t, out_x) < 1e-5
+  for a, b in zip(jax.tree.leaves(grads_t), jax.tree.leaves(grads_x)):
+    assert rel_err(a, b) < 1e-5
+
+
 def test_flash_training_attention_lowers_to_triton(h200, monkeypatch):  # noqa: F811
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # no interpret mode
   c = make_small_config()

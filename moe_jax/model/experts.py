@@ -9,8 +9,12 @@ grouped matmul does both) and `down` [E, F, D].
   (a Pallas Mosaic kernel) for bf16/fp16. On GPU its weight gradient comes from
   pallas_kernels/moe/grouped_dw.py instead: tokamax 0.0.17's is wrong on the H200.
   tokamax's GPU kernel takes no float32, so float32 models (debugging, numerics checks)
-  take XLA's ragged_dot on GPU: exact, but dense in E (fine at the tiny config's 8 experts). tokamax is imported lazily: CPU runs
-  never need it.
+  take XLA's ragged_dot on GPU: exact, but dense in E (fine at the tiny config's 8 experts).
+  On TPU it is tokamax's Mosaic TPU kernel (`implementation="mosaic_tpu"`, megablox-style
+  gmm / tgmm, forward and backward), named explicitly so that a program compiled for a TPU
+  on a CPU host (pallas_kernels/platform.py) gets it too; it takes K and N of at least 128,
+  smaller experts fall back to XLA's ragged_dot. tokamax is imported lazily: CPU
+  runs never need it.
 * batched (capacity): tokens laid out [E, C, D], plain batched matmuls.
 """
 
@@ -18,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model import remat
+from pallas_kernels import platform
 from pallas_kernels.moe import grouped_dw
 
 GROUPED_MATMULS = ("xla", "tokamax")
@@ -26,7 +31,7 @@ GROUPED_MATMULS = ("xla", "tokamax")
 def default_grouped_matmul(dtype) -> str:
   """tokamax on GPU/TPU, except for float32 on GPU (tokamax's Mosaic GPU kernel is bf16/fp16
   only); xla on CPU."""
-  backend = jax.default_backend()
+  backend = platform.target()
   if backend == "cpu" or (backend == "gpu" and not _tokamax_gpu_dtype(dtype)):
     return "xla"
   return "tokamax"
@@ -46,7 +51,8 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
   if implementation == "xla":
     return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
   if implementation == "tokamax":
-    on_gpu = jax.default_backend() == "gpu"
+    target = platform.target()
+    on_gpu = target == "gpu"
     if on_gpu and not _tokamax_gpu_dtype(x_MxK.dtype):
       raise ValueError(f"model.moe.grouped_matmul='tokamax' on GPU takes bfloat16/float16 "
                        f"inputs, got {x_MxK.dtype}; use '' (xla for float32) or "
@@ -55,6 +61,9 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
 
     if on_gpu:
       return _tokamax_gpu_jit(x_MxK, w_GxKxN, group_sizes_G)
+    if target == "tpu":  # the kernel takes dims >= 128; it raises otherwise and XLA's runs
+      return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G,
+                                implementation=("mosaic_tpu", "xla"))
     return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
   raise ValueError(f"grouped_matmul implementation must be one of {GROUPED_MATMULS} or '', "
                    f"got {implementation!r}")

@@ -20,8 +20,9 @@ from moe_jax.model.layers import dense, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size, per_device
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention.cached_attention import cached_attention
+from pallas_kernels import platform
 from pallas_kernels.attention.causal import causal_attention
-from pallas_kernels.attention import latent_decode
+from pallas_kernels.attention import latent_decode, tpu_flash
 
 
 class MLAMixer(nn.Module):
@@ -56,6 +57,9 @@ class MLAMixer(nn.Module):
       elif mla_implementation(cfg) == "gpu":
         o_BxTxHxDv = per_device(causal_attention, q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv,
                                 segment_ids_BxT)
+      elif mla_implementation(cfg) == "tpu" and tpu_flash.fits(x_BxTxD.shape[1], Dqk, Dv):
+        o_BxTxHxDv = per_device(tpu_flash.causal_attention, q_BxTxHxDqk, k_BxTxHxDqk,
+                                v_BxTxHxDv, segment_ids_BxT)
       else:
         o_BxTxHxDv = _dense_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
       new_cache = None
@@ -73,8 +77,12 @@ class MLAMixer(nn.Module):
 
 def mla_implementation(cfg) -> str:
   """"gpu" (Pallas kernels: training attention (pallas_kernels/attention/causal.py), prefill
-  and decode over the cache) or "xla"; "" picks by platform."""
-  return cfg.mla_implementation or ("gpu" if jax.default_backend() == "gpu" else "xla")
+  and decode over the cache), "tpu" (jax's Mosaic flash attention for training and
+  full-sequence forwards, pallas_kernels/attention/tpu_flash.py, where its shapes fit; the
+  cache paths and ring steps stay on XLA) or "xla"; "" picks by the target platform."""
+  if cfg.mla_implementation:
+    return cfg.mla_implementation
+  return {"gpu": "gpu", "tpu": "tpu"}.get(platform.target(), "xla")
 
 
 def _dense_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT):

@@ -29,6 +29,7 @@ from moe_jax.config import param_names
 from moe_jax.model import experts, layer_stack, router
 from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size
+from pallas_kernels import platform
 from pallas_kernels.moe import decode_experts
 
 
@@ -97,7 +98,7 @@ def decode_path(decode_dispatch: str, assignments: int, backend: str | None = No
   where 4 assignments make too small a grid (benchmarks/long_context.md, 2026-11-30)."""
   if decode_dispatch != "auto":
     return decode_dispatch
-  backend = backend or jax.default_backend()
+  backend = backend or platform.target()
   return "fused" if backend == "gpu" and assignments >= AUTO_FUSED_MIN else "gather"
 
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.parallel.mesh import activation_spec
+from pallas_kernels import platform
 from pallas_kernels.attention import ring_step
 
 AXIS = "sequence"
@@ -269,7 +270,7 @@ def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=No
   implementation: "pallas" runs each ring step as flash kernels (ring_step.py; the GPU
   default, interpret mode elsewhere), "xla" as SUB × SUB score blocks in XLA (the default
   off GPU, e.g. TPU)."""
-  impl = implementation or ("pallas" if jax.default_backend() == "gpu" else "xla")
+  impl = implementation or ("pallas" if platform.target() == "gpu" else "xla")
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"ring_attention implementation must be one of {IMPLEMENTATIONS}, got "
                      f"{implementation!r}")

@@ -3,7 +3,8 @@
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import pallas_gpu, reference
+from pallas_kernels import platform
+from pallas_kernels.kda import pallas_gpu, pallas_tpu, reference
 from pallas_kernels.kda.gate import check_lower_bound
 
 IMPLEMENTATIONS = ("xla", "recurrent", "pallas_gpu", "pallas_tpu")
@@ -53,9 +54,15 @@ def pallas_gpu_fits(K, V) -> bool:
 
 
 def default_implementation(K=128, V=128) -> str:
-  """Pallas kernels on GPU where the head dims fit them; the XLA chunked form elsewhere
-  (pallas_tpu is not built yet)."""
-  return "pallas_gpu" if jax.default_backend() == "gpu" and pallas_gpu_fits(K, V) else "xla"
+  """The target platform's Pallas kernels where the head dims fit them (pallas_gpu on GPU,
+  pallas_tpu on TPU, including a TPU program compiled on a CPU host); the XLA chunked form
+  elsewhere."""
+  target = platform.target()
+  if target == "gpu" and pallas_gpu_fits(K, V):
+    return "pallas_gpu"
+  if target == "tpu" and pallas_tpu.fits(K, V):
+    return "pallas_tpu"
+  return "xla"
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
@@ -74,6 +81,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   if impl == "pallas_gpu" and not pallas_gpu_fits(K, V):
     raise ValueError(f"implementation='pallas_gpu' needs K and V to be powers of two >= 16, "
                      f"got K={K}, V={V}; use implementation='xla'")
+  if impl == "pallas_tpu" and not pallas_tpu.fits(K, V):
+    raise ValueError(f"implementation='pallas_tpu' needs K and V to be multiples of 8 up to "
+                     f"{pallas_tpu.MAX_HEAD_DIM}, got K={K}, V={V}; use implementation='xla'")
   kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
   bounded = lower_bound is not None
   if impl == "xla":
@@ -84,8 +94,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     o, S = pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, chunk_size=chunk_size, bounded=bounded,
                                      **kw)
   elif impl == "pallas_tpu":
-    raise NotImplementedError("implementation='pallas_tpu' is not built yet (its own issue); "
-                              "use 'xla', 'recurrent' or 'pallas_gpu'")
+    o, S = pallas_tpu.kda_pallas_tpu(q, k, v, g, beta, chunk_size=chunk_size, bounded=bounded,
+                                     **kw)
   else:
     raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {impl!r}")
   return o.astype(v.dtype), (S if output_final_state else None)

@@ -1,0 +1,16 @@
+"""The platform kernels are built for: that of the devices in the mesh in context
+(`jax.set_mesh`), else the default backend.
+
+Compiling ahead of time for a TPU topology on a CPU host (scripts/aot_compile.py) sets a mesh
+of abstract TPU devices while jax's default backend stays "cpu"; every `""` / None kernel
+choice asks this function, so that program gets the Mosaic TPU kernels, not the XLA paths
+or the interpreter.
+"""
+
+import jax
+
+
+def target() -> str:
+  """"tpu", "gpu" or "cpu"."""
+  device = jax.sharding.get_abstract_mesh().abstract_device   # None without a mesh
+  return device.platform if device is not None else jax.default_backend()

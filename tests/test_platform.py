@@ -1,0 +1,37 @@
+"""What every "" / None kernel choice resolves to on each target platform. The target is the
+platform of the mesh's devices in context (abstract ones here), so these run on a CPU host,
+as an ahead-of-time compile for a TPU does (scripts/aot_compile.py)."""
+
+import contextlib
+
+import jax.numpy as jnp
+import pytest
+
+from moe_jax.model import experts, moe
+from moe_jax.model.mla import mla_implementation
+from moe_jax.train.state import frozen_model_config
+from pallas_kernels import platform
+from pallas_kernels.kda import ops
+from tests.conftest import make_small_config, tpu_abstract_mesh
+
+TARGETS = {  # target: (context, KDA at K=V=128 / K=V=24 / K=V=512, MLA, grouped matmul bf16 / f32)
+    "cpu": (contextlib.nullcontext, ("xla", "xla", "xla"), "xla", ("xla", "xla")),
+    "gpu": (lambda: tpu_abstract_mesh("gpu", "NVIDIA H200"),
+            ("pallas_gpu", "xla", "pallas_gpu"), "gpu", ("tokamax", "xla")),
+    "tpu": (tpu_abstract_mesh, ("pallas_tpu", "pallas_tpu", "xla"), "tpu",
+            ("tokamax", "tokamax")),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_kernel_choices_resolve_for_the_target(target):
+  context, kda_impls, mla_impl, gmm = TARGETS[target]
+  cfg = frozen_model_config(make_small_config())
+  with context():
+    assert platform.target() == target
+    assert tuple(ops.default_implementation(d, d) for d in (128, 24, 512)) == kda_impls
+    assert mla_implementation(cfg) == mla_impl
+    assert (experts.default_grouped_matmul(jnp.bfloat16),
+            experts.default_grouped_matmul(jnp.float32)) == gmm
+    # decode experts: the fused Pallas kernels only on GPU, gathered weights elsewhere
+    assert moe.decode_path("auto", 32) == ("fused" if target == "gpu" else "gather")

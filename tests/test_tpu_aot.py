@@ -1,0 +1,37 @@
+"""The full train step of the tiny model compiled ahead of time for a TPU v5p:2x2x2 slice
+(data 2 × expert 2 × sequence 2) on this CPU host with libtpu's compiler: every kernel goes
+through Mosaic, and XLA plans the per-device memory. libtpu lives in its own folder
+(`make setup` puts it in .venv/tpu_aot) and only this subprocess sees it."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT, subprocess_env
+
+LIBTPU = os.path.join(sys.prefix, "tpu_aot")
+
+
+def test_train_step_compiles_for_a_tpu_slice(tmp_path):
+  assert os.path.isdir(os.path.join(LIBTPU, "libtpu")), f"libtpu not installed in {LIBTPU}"
+  out = tmp_path / "aot.json"
+  env = subprocess_env(PYTHONPATH=os.pathsep.join([ROOT, LIBTPU]), JAX_PLATFORMS="")
+  cmd = [sys.executable, "scripts/aot_compile.py", "--config=configs/tiny.py",
+         "--topology=v5p:2x2x2", "--config.mesh.data=2", "--config.mesh.expert=2",
+         "--config.mesh.sequence=2", f"--out={out}"]
+  run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert r["chips"] == 8 and r["device_kind"].startswith("TPU v5")
+  assert r["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "sequence": 2, "tensor": 1}
+  # KDA's four kernels (3 KDA layers; the forward recurrence twice: the chunk states are
+  # recomputed for the backward) and tokamax's grouped matmul; MLA's attention runs as ring
+  # steps in XLA over the sequence axis.
+  kernels = r["mosaic_kernels"]
+  assert kernels["kda_tpu_intra"] == kernels["kda_tpu_intra_bwd"] == 3
+  assert kernels["kda_tpu_recurrence"] == 6 and kernels["kda_tpu_recurrence_bwd"] == 3
+  assert any(name.startswith("ragged-dot") for name in kernels), kernels
+  per_device = r["per_device_bytes"]
+  assert 0 < per_device["argument"] < per_device["temp"]
+  assert 0 < r["per_device_total_gb"] < r["hbm_gb"]
