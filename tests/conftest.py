@@ -73,7 +73,7 @@ def x64():
   jax.config.update("jax_enable_x64", False)
 
 
-def tpu_abstract_mesh(platform="tpu", device_kind="TPU v5"):
+def target_mesh(platform="tpu", device_kind="TPU v5"):
   """A one-device mesh of abstract `platform` devices in context: kernel choices resolve as
   for that target (pallas_kernels/platform.py) while the host stays a CPU; jax.export with
   platforms=[...] lowers for it."""

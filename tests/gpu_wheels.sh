@@ -17,6 +17,8 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl_gpu \
   sentencepiece==0.2.3 tokenizers==0.23.3   # (their other dependencies are in the image)
+python3 -m pip download -q --no-deps --only-binary=:all: -d .whl_gpu \
+  jaxtyping==0.3.11 wadler_lindig==0.1.8    # tokamax's KDA (tests/test_kda_tpu.py)
 for f in /tmp/moe_jax_nb_wheels/*.whl; do
   case $(basename "$f") in   # in the image already, or optional (debugpy: the kernel's debugger)
     attrs-*|packaging-*|psutil-*|pygments-*|python_dateutil-*|typing_extensions-*|tzdata-*|debugpy-*) ;;

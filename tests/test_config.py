@@ -44,7 +44,7 @@ def test_command_line_overrides(monkeypatch):
     ("model.kda_chunk_size", 24, r"model\.kda_chunk_size must be one of \(16, 32, 64, 128\), got 24"),
     ("model.decode_matmul", "cublas", r"model\.decode_matmul must be one of "),
     ("model.mla_implementation", "cudnn", r"model\.mla_implementation must be one of "
-                                          r"\('', 'xla', 'gpu'\), got 'cudnn'"),
+                                          r"\('', 'xla', 'gpu', 'tpu'\), got 'cudnn'"),
     ("model.dtype", "float16", r"model\.dtype must be one of .*got 'float16'"),
     ("data.source", "web", r"data\.source must be one of .*got 'web'"),
     ("schedule.warmup_steps", 10_000, r"schedule\.warmup_steps must be in \[0, "),

@@ -13,7 +13,7 @@ from jax._src import tpu_info
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda import kda, reference
-from tests.conftest import rel_err, tpu_abstract_mesh
+from tests.conftest import rel_err, target_mesh
 from tests.test_kda import LB, _inputs
 
 x64 = pytest.mark.usefixtures("x64")   # the spec runs in float64 (tokamax does not take it)
@@ -145,7 +145,7 @@ def test_lowers_to_mosaic_for_tpu():
   args = (S(bf, 1, 128, 2, 64), S(bf, 1, 128, 2, 64), S(bf, 1, 128, 2, 64),
           S(f32, 1, 128, 2, 64), S(f32, 1, 128, 2))
   loss = lambda *a: kda(*a, lower_bound=LB)[0].astype(f32).sum()
-  with tpu_abstract_mesh():
+  with target_mesh():
     exported = jax.export.export(jax.jit(jax.grad(loss, argnums=range(5))),
                                  platforms=["tpu"])(*args)
   text = exported.mlir_module()

@@ -2,8 +2,6 @@
 platform of the mesh's devices in context (abstract ones here), so these run on a CPU host,
 as an ahead-of-time compile for a TPU does (scripts/aot_compile.py)."""
 
-import contextlib
-
 import jax.numpy as jnp
 import pytest
 
@@ -12,13 +10,14 @@ from moe_jax.model.mla import mla_implementation
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels import platform
 from pallas_kernels.kda import ops
-from tests.conftest import make_small_config, tpu_abstract_mesh
+from tests.conftest import make_small_config, target_mesh
 
 TARGETS = {  # target: (context, KDA at K=V=128 / K=V=24 / K=V=512, MLA, grouped matmul bf16 / f32)
-    "cpu": (contextlib.nullcontext, ("xla", "xla", "xla"), "xla", ("xla", "xla")),
-    "gpu": (lambda: tpu_abstract_mesh("gpu", "NVIDIA H200"),
+    "cpu": (lambda: target_mesh("cpu", "cpu"), ("xla", "xla", "xla"), "xla",
+            ("xla", "xla")),
+    "gpu": (lambda: target_mesh("gpu", "NVIDIA H200"),
             ("pallas_gpu", "xla", "pallas_gpu"), "gpu", ("tokamax", "xla")),
-    "tpu": (tpu_abstract_mesh, ("pallas_tpu", "pallas_tpu", "xla"), "tpu",
+    "tpu": (target_mesh, ("pallas_tpu", "pallas_tpu", "xla"), "tpu",
             ("tokamax", "tokamax")),
 }
 
