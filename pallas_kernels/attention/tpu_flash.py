@@ -8,7 +8,6 @@ Dqk = Dv and key tiles of 128, so T a multiple of 128; other shapes take the XLA
 `pltpu.force_tpu_interpret_mode()`.
 """
 
-import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as fa
 

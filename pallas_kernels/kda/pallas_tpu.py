@@ -117,7 +117,7 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, *, scale, chunk_size,
   dt = q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) else F32
   q, k, v, g, beta, reset = reference.prepare(q, k, v, g, beta, segment_ids, dtype=dt)
   q, k, v, beta, G, seg = reference.chunk_layout(q, k, v, g, beta, reset, C)
-  Tp, N = q.shape[1], q.shape[1] // C
+  N = q.shape[1] // C
   if bounded:
     st = intra(*map(_heads_first, (q, k, v, G, beta[..., None])), seg, scale, C, mode)
   else:  # unbounded gates: diagonal tiles elementwise in fp32 (the safe path), in XLA

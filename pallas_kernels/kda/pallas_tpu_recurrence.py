@@ -17,8 +17,6 @@ precision otherwise. The decay arrives as a [K, 1] column ([B, H, N, K, 1]) so t
 the state's rows without a transpose.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
