@@ -4,10 +4,15 @@
 384 experts (hidden 2048), 8 active + 1 shared. 32 heads; KDA head dim 128;
 MLA NoPE with a 512-rank KV latent and a 1536-rank query bottleneck.
 
-Mesh for 2048 chips (e.g. a TPU v5p-4096 slice, 2048 chips): data 4 × fsdp 32 × expert
-16. Experts shard 16 ways over `expert` (24 per shard) and their d_model axis
-32 ways over `fsdp`, so each chip holds 1/512 of the expert weights (≈2 B
-parameters, ≈24 GB with fp32 Adam state); the batch splits 2048 ways.
+Layout for a TPU v5p-4096 slice (v5p:8x16x16, 2048 chips), chosen by compiling the train
+step for it on a CPU host (scripts/aot_compile.py; benchmarks/tpu.md): fsdp 64 × expert 16
+× sequence 2, capacity-factor dispatch, 1024 rows of 8192 tokens per step (8.4 M tokens;
+4096 tokens per chip). XLA plans 65.9 of 95.7 GB per chip (16.7 GB of state, 48.8 GB of
+temporaries). On 1024 chips (v5p:8x8x16, fsdp 32, 512 rows) it is 90.9 GB: 5% spare, too
+little. What does not fit on 2048: dropless dispatch (its all-to-all buffers are sized
+for every assignment landing on one of 16 expert shards: 240 GB of temporaries), and a
+`data` axis, which replicates the expert weights (31 GB of state per chip at data 4 ×
+fsdp 32).
 
   python scripts/param_count.py --config=configs/trillion.py
 """
@@ -42,9 +47,13 @@ def get_config(arg=None):
   e.score = "sigmoid"
   e.route_scale = 2.5
 
+  e.dispatch = "capacity"       # dropless EP buffers are 16× the balanced size at expert 16
+  e.capacity_factor = 1.25
+
   c.data.seq_len = 8192
-  c.data.batch_size = 4096
-  c.mesh.data = 4
-  c.mesh.fsdp = 32
+  c.data.batch_size = 1024
+  c.mesh.data = 1
+  c.mesh.fsdp = 64
   c.mesh.expert = 16
+  c.mesh.sequence = 2           # 4096 tokens per chip: KDA state passing, MLA ring attention
   return c
