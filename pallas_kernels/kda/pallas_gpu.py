@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kda import reference
+from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
 SUB = reference.SUB
 F32 = jnp.float32
@@ -592,30 +593,8 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
   return ({"W": dW, "U0": dU0, "Qg": dQg, "Kd": dKd, "Aqk": dAqk, "decay": ddecay}, dS0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def recurrence(st, S0, chunk_size, interpret):
-  """Stage 2 with a Pallas forward and backward. Returns (o [B,Tp,H,V] in the stage-1
-  dtype, S fp32)."""
-  O, S = _recurrence_call(st, S0, chunk_size=chunk_size, with_states=False, interpret=interpret)
-  return O, S
-
-
-def _recurrence_fwd(st, S0, chunk_size, interpret):
-  return recurrence(st, S0, chunk_size, interpret), (st, S0)
-
-
-def _recurrence_bwd(chunk_size, interpret, res, cts):
-  st, S0 = res
-  dO, dSN = cts
-  _, _, states = _recurrence_call(st, S0, chunk_size=chunk_size, with_states=True,
-                                  interpret=interpret)   # recomputed chunk-start states
-  d_st, dS0 = _recurrence_bwd_call(st, states, dO, dSN, chunk_size=chunk_size,
-                                   interpret=interpret)
-  d_st = {n: d_st[n].astype(st[n].dtype) for n in st}
-  return d_st, dS0.astype(S0.dtype)
-
-
-recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+# Stage 2 with a Pallas forward and backward: (o [B,Tp,H,V] in the stage-1 dtype, S fp32).
+recurrence = recurrence_with_vjp(_recurrence_call, _recurrence_bwd_call)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))

@@ -25,6 +25,7 @@ from pallas_kernels import platform
 from pallas_kernels.kda import pallas_tpu_intra as intra_k
 from pallas_kernels.kda import pallas_tpu_recurrence as rec_k
 from pallas_kernels.kda import reference
+from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
 F32 = jnp.float32
 MAX_HEAD_DIM = 256   # K, V: the [K, V] fp32 state (256 KB) and its double-buffered tiles in VMEM
@@ -64,29 +65,8 @@ def _intra_bwd(scale, chunk_size, interpret, res, d_st):
 intra.defvjp(_intra_fwd, _intra_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def recurrence(st, S0, chunk_size, interpret):
-  """Stage 2. Returns (O [B,H,Tp,V] in the stage-1 dtype, S fp32)."""
-  O, S = rec_k.recurrence_call(st, S0, chunk_size=chunk_size, with_states=False,
-                               interpret=interpret)
-  return O, S
-
-
-def _recurrence_fwd(st, S0, chunk_size, interpret):
-  return recurrence(st, S0, chunk_size, interpret), (st, S0)
-
-
-def _recurrence_bwd(chunk_size, interpret, res, cts):
-  st, S0 = res
-  dO, dSN = cts
-  _, _, states = rec_k.recurrence_call(st, S0, chunk_size=chunk_size, with_states=True,
-                                       interpret=interpret)   # recomputed chunk-start states
-  d_st, dS0 = rec_k.recurrence_bwd_call(st, states, dO.astype(F32), dSN.astype(F32),
-                                        chunk_size=chunk_size, interpret=interpret)
-  return {n: d_st[n].astype(st[n].dtype) for n in st}, dS0.astype(S0.dtype)
-
-
-recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+# Stage 2: (O [B,H,Tp,V] in the stage-1 dtype, S fp32); the backward kernel casts dO itself.
+recurrence = recurrence_with_vjp(rec_k.recurrence_call, rec_k.recurrence_bwd_call)
 
 
 def default_interpret() -> bool:
