@@ -99,11 +99,11 @@ def test_decode_reproduces_full_forward(hybrid, key_block, impl, matmul, monkeyp
   assert bool(kernel_calls) == (matmul == "pallas")
 
 
-@pytest.mark.parametrize("impl", ["xla", "gpu"])
+@pytest.mark.parametrize("impl", ["xla", "gpu", "tpu"])
 def test_chunked_prefill_equals_one_shot(hybrid, monkeypatch, impl):
   """Chunks of 7 (< kv_lora_rank: latent-space attention) vs one chunk of 40 (≥ rank: keys
-  and values expanded, over 5 key blocks of 10 in a 48-slot cache with XLA, or by the
-  Pallas kernel in interpret mode with expansion blocks of 16)."""
+  and values expanded, over 5 key blocks of 10 in a 48-slot cache with XLA, or by the GPU
+  or TPU Pallas kernel in interpret mode with expansion blocks of 16)."""
   monkeypatch.setattr(mla, "KEY_BLOCK", 10)
   monkeypatch.setattr(mla, "SCORE_BUDGET", 0)
   monkeypatch.setattr(mla, "EXPAND_BLOCK", 16)

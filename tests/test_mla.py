@@ -75,14 +75,16 @@ def test_flash_kernel_equals_xla_attention(T, dv):
     assert rel_err(a, b) < 1e-5
 
 
-def test_tpu_flash_kernel_equals_xla_attention():
+@pytest.mark.parametrize("dv", [16, 24])
+def test_tpu_flash_kernel_equals_xla_attention(dv):
   """mla_implementation="tpu": jax's Mosaic flash attention (in the TPU interpreter here),
-  with segment ids and padding, equals the XLA path in output and every gradient."""
+  with segment ids and padding, equals the XLA path in output and every gradient; also with
+  a value head dim unlike the query's (16), which the kernel gets padded to one dim."""
   from jax.experimental.pallas import tpu as pltpu
   from pallas_kernels.attention import tpu_flash
 
-  dv = make_small_config().model.mla_qk_head_dim      # the kernel's contract: Dv = Dqk
-  assert tpu_flash.fits(128, dv, dv) and not tpu_flash.fits(64, dv, dv)
+  assert tpu_flash.fits(128) and not tpu_flash.fits(64)
+  assert tpu_flash.common_dim(16, 24) == 24 and tpu_flash.common_dim(192, 128) == 256
   out_x, grads_x = _mla_and_grads("xla", 128, dv)
   with pltpu.force_tpu_interpret_mode():
     out_t, grads_t = _mla_and_grads("tpu", 128, dv)

@@ -7,24 +7,27 @@ import pytest
 
 from moe_jax.model import experts, moe
 from moe_jax.model.mla import mla_implementation
+from moe_jax.parallel import ring_attention
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels import platform
 from pallas_kernels.kda import ops
 from tests.conftest import make_small_config, target_mesh
 
-TARGETS = {  # target: (context, KDA at K=V=128 / K=V=24 / K=V=512, MLA, grouped matmul bf16 / f32)
+TARGETS = {  # target: (context, KDA at K=V=128 / K=V=24 / K=V=512, MLA, grouped matmul
+             #          bf16 / f32, ring steps for shards of 256 / 200 positions)
     "cpu": (lambda: target_mesh("cpu", "cpu"), ("xla", "xla", "xla"), "xla",
-            ("xla", "xla")),
+            ("xla", "xla"), ("xla", "xla")),
     "gpu": (lambda: target_mesh("gpu", "NVIDIA H200"),
-            ("pallas_gpu", "xla", "pallas_gpu"), "gpu", ("tokamax", "xla")),
+            ("pallas_gpu", "xla", "pallas_gpu"), "gpu", ("tokamax", "xla"),
+            ("pallas", "pallas")),
     "tpu": (target_mesh, ("pallas_tpu", "pallas_tpu", "xla"), "tpu",
-            ("tokamax", "tokamax")),
+            ("tokamax", "tokamax"), ("tpu", "xla")),
 }
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_kernel_choices_resolve_for_the_target(target):
-  context, kda_impls, mla_impl, gmm = TARGETS[target]
+  context, kda_impls, mla_impl, gmm, ring = TARGETS[target]
   cfg = frozen_model_config(make_small_config())
   with context():
     assert platform.target() == target
@@ -34,3 +37,4 @@ def test_kernel_choices_resolve_for_the_target(target):
             experts.default_grouped_matmul(jnp.float32)) == gmm
     # decode experts: the fused Pallas kernels only on GPU, gathered weights elsewhere
     assert moe.decode_path("auto", 32) == ("fused" if target == "gpu" else "gather")
+    assert tuple(ring_attention.default_implementation(n) for n in (256, 200)) == ring

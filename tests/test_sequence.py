@@ -83,6 +83,37 @@ for n in (2, 4, 8):
                             argnums=(0, 1, 2)))(*bf)
     out[n]["ring_bf16_out"] = rel(o.astype(jnp.float32), ref)
     out[n]["ring_bf16_grads"] = [rel(a.astype(jnp.float32), b) for a, b in zip(gr, ref_g)]
+# Ring steps as jax's TPU flash kernels: shards of whole 128-position tiles. Documents end
+# inside shards and at an edge, so shard 2 of 4 (ids 3, 4) sees nothing of block 0 (ids 1,
+# 2): the case the kernel's finite mask value would fill with a uniform average. Run by
+# the generic interpreter (True): the TPU interpreter steps the devices in lockstep and
+# hangs when shards take different step kinds (lax.switch branches).
+from jax.experimental.pallas import tpu as pltpu
+Tt = 512
+segt = np.ones((1, Tt), np.int32)
+segt[0, 100:], segt[0, 256:], segt[0, 300:], segt[0, 420:] = 2, 3, 4, 0
+segt = jnp.array(segt)
+qt, kt = (jax.random.normal(ks[i], (1, Tt, 1, 16)) for i in (0, 1))
+vt, wt = (jax.random.normal(ks[i], (1, Tt, 1, 8)) for i in (2, 3))
+def dense_t(q, k, v):
+  visible = (segt[:, :, None] == segt[:, None, :]) & jnp.tril(jnp.ones((Tt, Tt), bool))
+  s = jnp.where(visible[:, None], jnp.einsum("bthd,bshd->bhts", q, k) / 4.0, -jnp.inf)
+  return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
+reft = dense_t(qt, kt, vt)
+reft_g = jax.grad(lambda *a: (dense_t(*a) * wt).sum(), argnums=(0, 1, 2))(qt, kt, vt)
+for n in (2, 4):
+  mesh = Mesh(np.array(jax.devices()[:n]), ("sequence",))
+  ring_t = lambda *a: ring_attention(*a, segt, implementation="tpu")
+  with jax.set_mesh(mesh), pltpu.force_tpu_interpret_mode(True):
+    ot = jax.jit(ring_t)(qt, kt, vt)
+    grt = jax.jit(jax.grad(lambda *a: (ring_t(*a) * wt).sum(), argnums=(0, 1, 2)))(qt, kt, vt)
+  out[n].update(ring_tpu_out=rel(ot, reft),
+                ring_tpu_grads=[rel(a, b) for a, b in zip(grt, reft_g)])
+try:
+  with jax.set_mesh(Mesh(np.array(jax.devices()[:8]), ("sequence",))):
+    ring_attention(qt, kt, vt, segt, implementation="tpu")   # shards of 64
+except ValueError as e:
+  out["tpu_short_shards"] = str(e)
 print("RESULT", json.dumps(out))
 """
 
@@ -108,5 +139,9 @@ def test_ring_attention_and_kda_state_passing_equal_single_device(results):
     assert r["ring_pallas_out"] < 1e-5 and max(r["ring_pallas_grads"]) < 1e-5, (n, r)
     assert r["kda_out"] < 1e-4 and r["kda_state"] < 1e-4, (n, r)
     assert len(r["kda_grads"]) == 6 and max(r["kda_grads"]) < 1e-4, (n, r)  # q k v g beta S0
+  for n in ("2", "4"):   # the TPU flash ring steps
+    r = results[n]
+    assert r["ring_tpu_out"] < 1e-5 and max(r["ring_tpu_grads"]) < 1e-5, (n, r)
+  assert "shards of a multiple of 128 positions; got 64" in results["tpu_short_shards"]
   r = results["4"]   # bf16 inputs against the fp32 reference
   assert r["ring_bf16_out"] < 1e-2 and max(r["ring_bf16_grads"]) < 2e-2, r

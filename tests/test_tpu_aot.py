@@ -26,9 +26,13 @@ def test_train_step_compiles_for_a_tpu_slice(tmp_path):
   assert r["chips"] == 8 and r["device_kind"].startswith("TPU v5")
   assert r["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "sequence": 2, "tensor": 1}
   # KDA's four kernels (3 KDA layers; the forward recurrence twice: the chunk states are
-  # recomputed for the backward) and tokamax's grouped matmul; MLA's attention runs as ring
-  # steps in XLA over the sequence axis.
+  # recomputed for the backward), tokamax's grouped matmul, and MLA's ring steps over the
+  # sequence axis as jax's flash kernels (one MLA layer: the own block causal, the earlier
+  # one unmasked, each with its dq and dk/dv kernels).
   kernels = r["mosaic_kernels"]
+  assert kernels["ring_flash_fwd_own"] == kernels["ring_flash_fwd_earlier"] == 1, kernels
+  assert sum(n for name, n in kernels.items() if name.startswith("flash_mha_bwd_dq")) == 2
+  assert sum(n for name, n in kernels.items() if name.startswith("flash_mha_bwd_dkv")) == 2
   assert kernels["kda_tpu_intra"] == kernels["kda_tpu_intra_bwd"] == 3
   assert kernels["kda_tpu_recurrence"] == 6 and kernels["kda_tpu_recurrence_bwd"] == 3
   assert any(name.startswith("ragged-dot") for name in kernels), kernels

@@ -22,7 +22,7 @@ from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention.cached_attention import cached_attention
 from pallas_kernels import platform
 from pallas_kernels.attention.causal import causal_attention
-from pallas_kernels.attention import latent_decode, tpu_flash
+from pallas_kernels.attention import latent_decode, tpu_cached_attention, tpu_flash
 
 
 class MLAMixer(nn.Module):
@@ -51,13 +51,12 @@ class MLAMixer(nn.Module):
     if cache is None:
       k_BxTxHxDqk, v_BxTxHxDv = k_b(ckv_BxTxR), v_b(ckv_BxTxR)
       if axis_size("sequence") > 1:  # time sharded: K/V blocks go round the ring
-        o_BxTxHxDv = ring_attention(
-            q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT,
-            implementation="pallas" if mla_implementation(cfg) == "gpu" else "xla")
+        o_BxTxHxDv = ring_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT,
+                                    implementation=_ring_implementation(cfg, x_BxTxD.shape[1]))
       elif mla_implementation(cfg) == "gpu":
         o_BxTxHxDv = per_device(causal_attention, q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv,
                                 segment_ids_BxT)
-      elif mla_implementation(cfg) == "tpu" and tpu_flash.fits(x_BxTxD.shape[1], Dqk, Dv):
+      elif mla_implementation(cfg) == "tpu" and tpu_flash.fits(x_BxTxD.shape[1]):
         o_BxTxHxDv = per_device(tpu_flash.causal_attention, q_BxTxHxDqk, k_BxTxHxDqk,
                                 v_BxTxHxDv, segment_ids_BxT)
       else:
@@ -78,11 +77,21 @@ class MLAMixer(nn.Module):
 def mla_implementation(cfg) -> str:
   """"gpu" (Pallas kernels: training attention (pallas_kernels/attention/causal.py), prefill
   and decode over the cache), "tpu" (jax's Mosaic flash attention for training and
-  full-sequence forwards, pallas_kernels/attention/tpu_flash.py, where its shapes fit; the
-  cache paths and ring steps stay on XLA) or "xla"; "" picks by the target platform."""
+  full-sequence forwards, pallas_kernels/attention/tpu_flash.py, and for ring steps,
+  tpu_ring_step.py, where T fits; prefill over the cache, tpu_cached_attention.py; decode
+  stays on XLA) or "xla"; "" picks by the target platform."""
   if cfg.mla_implementation:
     return cfg.mla_implementation
   return {"gpu": "gpu", "tpu": "tpu"}.get(platform.target(), "xla")
+
+
+def _ring_implementation(cfg, T) -> str:
+  """The ring steps' kernels for mla_implementation: the GPU flash kernels, jax's TPU flash
+  kernels where each shard is whole 128-position tiles, else XLA."""
+  impl = mla_implementation(cfg)
+  if impl == "gpu":
+    return "pallas"
+  return "tpu" if impl == "tpu" and tpu_flash.fits(T // axis_size("sequence")) else "xla"
 
 
 def _dense_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT):
@@ -113,7 +122,8 @@ def _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT, cache, k_b, v_
   applied after; with impl "gpu" and few rows a Pallas kernel split over the cache
   (flash-decoding), else an online softmax over blocks of the filled cache in XLA. Many
   queries (prefill chunks, T ≥ R) expand the filled latents to per-head K/V, which is
-  cheaper then, and run the Pallas flash kernel (impl "gpu") or the same block loop in XLA.
+  cheaper then, and run a flash kernel (impl "gpu": cached_attention.py, "tpu":
+  tpu_cached_attention.py) or the same block loop in XLA. Decode on TPU stays in XLA.
   """
   B, T, H, Dqk = q_BxTxHxDqk.shape
   ckv_BxSxR = cache["ckv"]
@@ -138,10 +148,10 @@ def _attend_latent_cache(q_BxTxHxDqk, ckv_BxTxR, segment_ids_BxT, cache, k_b, v_
       o_BxTxHxR = _online_softmax(q_BxTxHxR, ckv_BxSxR, lambda c: c, lambda c: c, pos_BxT,
                                   filled_B, key_block)
     o_BxTxHxDv = jnp.einsum("bthr,rhd->bthd", o_BxTxHxR.astype(q_BxTxHxR.dtype), w_vb_RxHxDv)
-  elif impl == "gpu":
+  elif impl in ("gpu", "tpu"):
     k_BxSxHxD, v_BxSxHxDv = _expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, filled_B)
-    o_BxTxHxDv = cached_attention(q_BxTxHxDqk, k_BxSxHxD, v_BxSxHxDv, length_B, filled_B,
-                                  scale=1.0)
+    kernel = cached_attention if impl == "gpu" else tpu_cached_attention.cached_attention
+    o_BxTxHxDv = kernel(q_BxTxHxDqk, k_BxSxHxD, v_BxSxHxDv, length_B, filled_B, scale=1.0)
   else:
     o_BxTxHxDv = _online_softmax(
         q_BxTxHxDqk, ckv_BxSxR, lambda c: jnp.einsum("bsr,rhd->bshd", c, w_kb_RxHxDqk),

@@ -16,6 +16,8 @@ balancing yet: the last shard does useful work at every step, shard 0 only at th
 implementation="pallas" (the GPU default) runs each step as flash kernels instead
 (pallas_kernels/attention/ring_step.py): per-step output and log-sum-exp merged across
 steps, and the backward from the final log-sum-exp; no score block is ever materialised.
+implementation="tpu" (the TPU default where the shard length is a multiple of 128) does the
+same with jax's Mosaic flash kernels (pallas_kernels/attention/tpu_ring_step.py).
 """
 
 import functools
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 
 from moe_jax.parallel.mesh import activation_spec
 from pallas_kernels import platform
-from pallas_kernels.attention import ring_step
+from pallas_kernels.attention import ring_step, tpu_flash, tpu_ring_step
 
 AXIS = "sequence"
 F32 = jnp.float32
@@ -116,16 +118,20 @@ def _attend_block(q, k_blk, v_blk, seg, seg_blk, q_first, k_first, m, l, acc, sc
   return unb(m_b), unb(l_b), _unblocks(acc_b)
 
 
-def _forward_pallas(q, k, v, seg, axis, scale):
-  """The forward with each step one flash kernel (ring_step), merged by log-sum-exp."""
+# The flash-kernel step modules: ring_step_forward / ring_step_backward with one contract.
+_KERNEL_STEPS = {"pallas": ring_step, "tpu": tpu_ring_step}
+
+
+def _forward_kernels(q, k, v, seg, axis, scale, steps):
+  """The forward with each step flash kernels (`steps`), merged by log-sum-exp."""
   n, idx = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
   B, T, H, _ = q.shape
 
   def step(s, carry):
     o_BxTxHxDv, lse_BxHxT, k_blk, v_blk, seg_blk = carry
     src = (idx - s) % n
-    o_s, lse_s = ring_step.ring_step_forward(q, k_blk, v_blk, seg, seg_blk, idx * T, src * T,
-                                             scale=scale)
+    o_s, lse_s = steps.ring_step_forward(q, k_blk, v_blk, seg, seg_blk, idx * T, src * T,
+                                         scale=scale)
     m = jnp.maximum(lse_BxHxT, lse_s)
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     w_old, w_new = jnp.exp(lse_BxHxT - m_safe), jnp.exp(lse_s - m_safe)
@@ -144,8 +150,8 @@ def _forward_pallas(q, k, v, seg, axis, scale):
 
 
 def _forward(q, k, v, seg, axis, scale, impl):
-  if impl == "pallas":
-    return _forward_pallas(q, k, v, seg, axis, scale)
+  if impl in _KERNEL_STEPS:
+    return _forward_kernels(q, k, v, seg, axis, scale, _KERNEL_STEPS[impl])
   n, idx = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
   B, T, H, _ = q.shape
   Dv = v.shape[-1]
@@ -237,8 +243,8 @@ def _bwd(axis, scale, impl, res, do_BxTxHxDv):
   def step(s, carry):
     dq_BxTxHxD, k_blk, v_blk, seg_blk, dk_blk, dv_blk = carry
     src = (idx - s) % n
-    if impl == "pallas":
-      dq_step, dk_step, dv_step = ring_step.ring_step_backward(
+    if impl in _KERNEL_STEPS:
+      dq_step, dk_step, dv_step = _KERNEL_STEPS[impl].ring_step_backward(
           q, k_blk, v_blk, seg, seg_blk, idx * T, src * T, do_BxTxHxDv, lse_BxHxT, delta_BxHxT,
           scale=scale)
       dq_BxTxHxD = dq_BxTxHxD + dq_step
@@ -259,7 +265,16 @@ def _bwd(axis, scale, impl, res, do_BxTxHxDv):
 ring_attention_shard.defvjp(_fwd, _bwd)
 
 
-IMPLEMENTATIONS = ("xla", "pallas")
+IMPLEMENTATIONS = ("xla", "pallas", "tpu")
+
+
+def default_implementation(shard_len: int) -> str:
+  """The target platform's kernels: "pallas" on GPU, "tpu" on TPU where the shard is whole
+  128-position tiles, else "xla"."""
+  target = platform.target()
+  if target == "gpu":
+    return "pallas"
+  return "tpu" if target == "tpu" and tpu_flash.fits(shard_len) else "xla"
 
 
 def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=None, axis=AXIS,
@@ -268,13 +283,20 @@ def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=No
   (shard_map over the mesh set with jax.set_mesh, or `mesh`).
 
   implementation: "pallas" runs each ring step as flash kernels (ring_step.py; the GPU
-  default, interpret mode elsewhere), "xla" as SUB × SUB score blocks in XLA (the default
-  off GPU, e.g. TPU)."""
-  impl = implementation or ("pallas" if platform.target() == "gpu" else "xla")
+  default, interpret mode elsewhere), "tpu" as jax's Mosaic flash kernels (tpu_ring_step.py;
+  shards of a multiple of 128 positions; the TPU interpreter off TPU, under
+  pltpu.force_tpu_interpret_mode()), "xla" as SUB × SUB score blocks in XLA; None picks by
+  the target platform (default_implementation)."""
+  mesh = mesh or jax.sharding.get_abstract_mesh()
+  shard_len = q_BxTxHxD.shape[1] // mesh.shape[axis]
+  impl = implementation or default_implementation(shard_len)
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"ring_attention implementation must be one of {IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
-  mesh = mesh or jax.sharding.get_abstract_mesh()
+  if impl == "tpu" and not tpu_flash.fits(shard_len):
+    raise ValueError(f"ring_attention implementation 'tpu' takes shards of a multiple of "
+                     f"{tpu_flash.BLOCK} positions; got {shard_len} (T={q_BxTxHxD.shape[1]} "
+                     f"over {mesh.shape[axis]} shards)")
   x4, x2 = activation_spec(mesh, 4, axis), activation_spec(mesh, 2, axis)
   body = lambda q, k, v, seg: ring_attention_shard(q, k, v, seg, axis, scale, impl)
   return jax.shard_map(body, mesh=mesh, in_specs=(x4, x4, x4, x2), out_specs=x4,
