@@ -8,11 +8,11 @@ Layout for a TPU v5p-4096 slice (v5p:8x16x16, 2048 chips), chosen by compiling t
 step for it on a CPU host (scripts/aot_compile.py; benchmarks/tpu.md): fsdp 64 × expert 16
 × sequence 2, capacity-factor dispatch, 1024 rows of 8192 tokens per step (8.4 M tokens;
 4096 tokens per chip). XLA plans 67.3 of 95.7 GB per chip (16.7 GB of state, 50.2 GB of
-temporaries), with every Mosaic kernel in (MLA's ring steps as TPU flash kernels). On 1024 chips (v5p:8x8x16, fsdp 32, 512 rows) it is 90.9 GB: 5% spare, too
-little. What does not fit on 2048: dropless dispatch (its all-to-all buffers are sized
-for every assignment landing on one of 16 expert shards: 240 GB of temporaries), and a
-`data` axis, which replicates the expert weights (31 GB of state per chip at data 4 ×
-fsdp 32).
+temporaries), with every Mosaic kernel in (MLA's ring steps as TPU flash kernels). On 1024
+chips (v5p:8x8x16, fsdp 32, 512 rows) it is 90.9 GB: 5% spare, too little. What does not
+fit on 2048: dropless dispatch (its all-to-all buffers are sized for every assignment
+landing on one of 16 expert shards: 240 GB of temporaries), and a `data` axis, which
+replicates the expert weights (31 GB of state per chip at data 4 × fsdp 32).
 
   python scripts/param_count.py --config=configs/trillion.py
 """

@@ -122,3 +122,19 @@ def test_latent_decode_lowers_to_triton(h200):  # noqa: F811
   fn = lambda *a: ld.latent_decode_attention(*a, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "latent_decode" in text
+
+
+def test_tpu_kernel_lowers_to_mosaic():
+  """Under a mesh of (abstract) TPU devices the prefill kernel is not interpreted: the
+  program exported for TPU holds it as one Mosaic custom call."""
+  import re
+
+  from tests.conftest import target_mesh
+  S = jax.ShapeDtypeStruct
+  args = (S((2, 40, 2, 128), jnp.bfloat16), S((2, 300, 2, 128), jnp.bfloat16),
+          S((2, 300, 2, 64), jnp.bfloat16), S((2,), jnp.int32), S((2,), jnp.int32))
+  with target_mesh():
+    exported = jax.export.export(jax.jit(tca.cached_attention), platforms=["tpu"])(*args)
+  text = exported.mlir_module()
+  assert re.findall(r'kernel_name = \\?"([\w-]+)', text) == ["tpu_cached_attention"]
+  assert exported.out_avals[0].shape == (2, 40, 2, 64)
