@@ -4,15 +4,19 @@
 384 experts (hidden 2048), 8 active + 1 shared. 32 heads; KDA head dim 128;
 MLA NoPE with a 512-rank KV latent and a 1536-rank query bottleneck.
 
-Layout for a TPU v5p-4096 slice (v5p:8x16x16, 2048 chips), chosen by compiling the train
-step for it on a CPU host (scripts/aot_compile.py; benchmarks/tpu.md): fsdp 64 × expert 16
-× sequence 2, capacity-factor dispatch, 1024 rows of 8192 tokens per step (8.4 M tokens;
-4096 tokens per chip). XLA plans 67.3 of 95.7 GB per chip (16.7 GB of state, 50.2 GB of
-temporaries), with every Mosaic kernel in (MLA's ring steps as TPU flash kernels). On 1024
-chips (v5p:8x8x16, fsdp 32, 512 rows) it is 90.9 GB: 5% spare, too little. What does not
-fit on 2048: dropless dispatch (its all-to-all buffers are sized for every assignment
-landing on one of 16 expert shards: 240 GB of temporaries), and a `data` axis, which
-replicates the expert weights (31 GB of state per chip at data 4 × fsdp 32).
+Layout for a TPU v5p-3072 slice (v5p:8x12x16, 1536 chips), the smallest that fits with a
+margin, chosen by compiling the train step for each slice on a CPU host
+(scripts/aot_compile.py; benchmarks/tpu.md): fsdp 32 × expert 24 × sequence 2,
+capacity-factor dispatch, 768 rows of 8192 tokens per step (6.3 M tokens; 4096 tokens per
+chip). XLA plans 76.2 of 95.7 GB per chip (22.9 GB of state, 51.3 GB of temporaries; 20%
+spare), with every Mosaic kernel in. Tried and rejected: 1024 chips (v5p:8x8x16, fsdp 32 ×
+expert 16, 512 rows), 90.9 GB, 5% spare; the same 1536 chips as fsdp 16 × expert 48,
+81.0 GB (the dense weights shard only 16 ways). On 2048 chips (v5p:8x16x16, fsdp 64 ×
+expert 16, 1024 rows) it is 67.3 GB. What does not fit: dropless dispatch (its all-to-all
+buffers are sized for every assignment landing on one expert shard: 240 GB of temporaries
+at expert 16), and a `data` axis, which replicates the expert weights (31 GB of state per
+chip at data 4 × fsdp 32). fsdp must divide d_model 7168 (so no factor 3: the slice's 3
+goes to the expert axis, 384 / 24 = 16 experts per shard).
 
   python scripts/param_count.py --config=configs/trillion.py
 """
@@ -47,13 +51,13 @@ def get_config(arg=None):
   e.score = "sigmoid"
   e.route_scale = 2.5
 
-  e.dispatch = "capacity"       # dropless EP buffers are 16× the balanced size at expert 16
+  e.dispatch = "capacity"       # dropless EP buffers are sized for all on one expert shard
   e.capacity_factor = 1.25
 
   c.data.seq_len = 8192
-  c.data.batch_size = 1024
+  c.data.batch_size = 768       # one row per (fsdp, expert) pair
   c.mesh.data = 1
-  c.mesh.fsdp = 64
-  c.mesh.expert = 16
+  c.mesh.fsdp = 32
+  c.mesh.expert = 24
   c.mesh.sequence = 2           # 4096 tokens per chip: KDA state passing, MLA ring attention
   return c
