@@ -34,7 +34,8 @@ out = {}
 q, k = (jax.random.normal(ks[i], (B, T, H, 16)) for i in (0, 1))
 v = jax.random.normal(ks[2], (B, T, H, 8))
 w = jax.random.normal(ks[3], (B, T, H, 8))
-def dense_attention(q, k, v):
+def dense_attention(q, k, v, seg=seg):
+  T = q.shape[1]
   visible = (seg[:, :, None] == seg[:, None, :]) & jnp.tril(jnp.ones((T, T), bool))
   s = jnp.where(visible[:, None], jnp.einsum("bthd,bshd->bhts", q, k) / 4.0, -jnp.inf)
   return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
@@ -95,12 +96,9 @@ segt[0, 100:], segt[0, 256:], segt[0, 300:], segt[0, 420:] = 2, 3, 4, 0
 segt = jnp.array(segt)
 qt, kt = (jax.random.normal(ks[i], (1, Tt, 1, 16)) for i in (0, 1))
 vt, wt = (jax.random.normal(ks[i], (1, Tt, 1, 8)) for i in (2, 3))
-def dense_t(q, k, v):
-  visible = (segt[:, :, None] == segt[:, None, :]) & jnp.tril(jnp.ones((Tt, Tt), bool))
-  s = jnp.where(visible[:, None], jnp.einsum("bthd,bshd->bhts", q, k) / 4.0, -jnp.inf)
-  return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
-reft = dense_t(qt, kt, vt)
-reft_g = jax.grad(lambda *a: (dense_t(*a) * wt).sum(), argnums=(0, 1, 2))(qt, kt, vt)
+reft = dense_attention(qt, kt, vt, segt)
+reft_g = jax.grad(lambda *a: (dense_attention(*a, segt) * wt).sum(), argnums=(0, 1, 2))(
+    qt, kt, vt)
 for n in (2, 4):
   mesh = Mesh(np.array(jax.devices()[:n]), ("sequence",))
   ring_t = lambda *a: ring_attention(*a, segt, implementation="tpu")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from moe_jax.model import remat
 from moe_jax.model.layers import dense, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size, per_device
+from moe_jax.parallel.ring_attention import implementation_for as ring_implementation_for
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention.cached_attention import cached_attention
 from pallas_kernels import platform
@@ -52,7 +53,9 @@ class MLAMixer(nn.Module):
       k_BxTxHxDqk, v_BxTxHxDv = k_b(ckv_BxTxR), v_b(ckv_BxTxR)
       if axis_size("sequence") > 1:  # time sharded: K/V blocks go round the ring
         o_BxTxHxDv = ring_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT,
-                                    implementation=_ring_implementation(cfg, x_BxTxD.shape[1]))
+                                    implementation=ring_implementation_for(
+                                        mla_implementation(cfg),
+                                        x_BxTxD.shape[1] // axis_size("sequence")))
       elif mla_implementation(cfg) == "gpu":
         o_BxTxHxDv = per_device(causal_attention, q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv,
                                 segment_ids_BxT)
@@ -83,15 +86,6 @@ def mla_implementation(cfg) -> str:
   if cfg.mla_implementation:
     return cfg.mla_implementation
   return {"gpu": "gpu", "tpu": "tpu"}.get(platform.target(), "xla")
-
-
-def _ring_implementation(cfg, T) -> str:
-  """The ring steps' kernels for mla_implementation: the GPU flash kernels, jax's TPU flash
-  kernels where each shard is whole 128-position tiles, else XLA."""
-  impl = mla_implementation(cfg)
-  if impl == "gpu":
-    return "pallas"
-  return "tpu" if impl == "tpu" and tpu_flash.fits(T // axis_size("sequence")) else "xla"
 
 
 def _dense_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT):

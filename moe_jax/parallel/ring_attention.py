@@ -268,13 +268,17 @@ ring_attention_shard.defvjp(_fwd, _bwd)
 IMPLEMENTATIONS = ("xla", "pallas", "tpu")
 
 
-def default_implementation(shard_len: int) -> str:
-  """The target platform's kernels: "pallas" on GPU, "tpu" on TPU where the shard is whole
-  128-position tiles, else "xla"."""
-  target = platform.target()
-  if target == "gpu":
+def implementation_for(kernels: str, shard_len: int) -> str:
+  """The step implementation for a platform's kernels ("gpu", "tpu", else XLA): "pallas" on
+  GPU, "tpu" on TPU where the shard is whole 128-position tiles, else "xla"."""
+  if kernels == "gpu":
     return "pallas"
-  return "tpu" if target == "tpu" and tpu_flash.fits(shard_len) else "xla"
+  return "tpu" if kernels == "tpu" and tpu_flash.fits(shard_len) else "xla"
+
+
+def default_implementation(shard_len: int) -> str:
+  """The target platform's step kernels (implementation_for)."""
+  return implementation_for(platform.target(), shard_len)
 
 
 def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=None, axis=AXIS,

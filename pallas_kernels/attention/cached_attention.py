@@ -71,6 +71,17 @@ def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block
   o_ref[...] = (acc_QxDv / jnp.where(l_Q == 0.0, 1.0, l_Q)[:, None]).astype(o_ref.dtype)
 
 
+def check_shapes(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv):
+  """(S, Dv) where k and v are [B, S, H, D] and [B, S, H, Dv] with q [B, T, H, D], else a
+  ValueError (the contract of this kernel and of tpu_cached_attention's)."""
+  B, _, H, D = q_BxTxHxD.shape
+  S, Dv = k_BxSxHxD.shape[1], v_BxSxHxDv.shape[-1]
+  if k_BxSxHxD.shape != (B, S, H, D) or v_BxSxHxDv.shape != (B, S, H, Dv):
+    raise ValueError(f"cached_attention: k {k_BxSxHxD.shape} and v {v_BxSxHxDv.shape} must be "
+                     f"[B={B}, S, H={H}, D] with q {q_BxTxHxD.shape}")
+  return S, Dv
+
+
 def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, scale=None,
                      interpret=None):
   """softmax(q·kᵀ·scale) v over the visible cache positions; [B, T, H, Dv] in q's dtype.
@@ -79,10 +90,7 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   j < kv_len_B[b]. A query that sees no key gets zeros.
   """
   B, T, H, D = q_BxTxHxD.shape
-  S, Dv = k_BxSxHxD.shape[1], v_BxSxHxDv.shape[-1]
-  if k_BxSxHxD.shape != (B, S, H, D) or v_BxSxHxDv.shape != (B, S, H, Dv):
-    raise ValueError(f"cached_attention: k {k_BxSxHxD.shape} and v {v_BxSxHxDv.shape} must be "
-                     f"[B={B}, S, H={H}, D] with q {q_BxTxHxD.shape}")
+  S, Dv = check_shapes(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   scale = D ** -0.5 if scale is None else scale

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import platform
+from pallas_kernels.attention.cached_attention import check_shapes
 
 F32 = jnp.float32
 BLOCK_Q = 128   # query rows per program (fewer for a short chunk: T rounded up to 8)
@@ -82,10 +83,7 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   TPU target.
   """
   B, T, H, D = q_BxTxHxD.shape
-  S, Dv = k_BxSxHxD.shape[1], v_BxSxHxDv.shape[-1]
-  if k_BxSxHxD.shape != (B, S, H, D) or v_BxSxHxDv.shape != (B, S, H, Dv):
-    raise ValueError(f"tpu cached_attention: k {k_BxSxHxD.shape} and v {v_BxSxHxDv.shape} "
-                     f"must be [B={B}, S, H={H}, D] with q {q_BxTxHxD.shape}")
+  S, Dv = check_shapes(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv)
   if interpret is None:
     interpret = platform.target() != "tpu"
   scale = D ** -0.5 if scale is None else scale
