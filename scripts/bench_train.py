@@ -35,6 +35,8 @@ import tempfile  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
+from scripts.xprof_tables import hlo_ops, op_of, tool_rows  # noqa: E402
+
 _ROWS = flags.DEFINE_list("rows", ["tiny_cpu"], "Rows to measure (ROWS).")
 _OUT = flags.DEFINE_string("out", "benchmarks", "Where train.md and train.json go (and logs).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steady steps (after 3 warm-up steps).")
@@ -147,38 +149,6 @@ def phase_of(op_name: str, kernel_name: str = "") -> str:
   return "other"
 
 
-def _tool_rows(paths, tool: str) -> list[dict]:
-  from xprof.convert import raw_to_tool_data
-  data, _ = raw_to_tool_data.xspace_to_tool_data(paths, tool, {})
-  table = json.loads(data)
-  cols = [col["id"] for col in table["cols"]]
-  return [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
-
-
-def _kernel_name(name: str) -> str:
-  """An HLO instruction name as XLA names the GPU kernel emitted for it."""
-  return re.sub(r"[^A-Za-z0-9_]", "_", name)
-
-
-def hlo_ops(hlo_text: str) -> dict[str, str]:
-  """Kernel name → op_name (the named scopes) of the HLO instruction it runs, from the
-  compiled step's HLO: on the GPU the profile names every XLA fusion's op "XlaModule", and
-  the instruction's metadata is what says whose gradient or norm it computes."""
-  ops = {}
-  for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo_text,
-                       re.M):
-    ops[_kernel_name(m.group(1))] = m.group(2)
-  return ops
-
-
-def _op_of(kernel: str, ops: dict[str, str]) -> str:
-  """The HLO op_name of a kernel: its instruction's, or that of the name without XLA's
-  trailing kernel index."""
-  if kernel in ops:
-    return ops[kernel]
-  return ops.get(re.sub(r"_\d+$", "", kernel), "")
-
-
 def phase_profile(trace_dir: str, steps: int, ops: dict[str, str]) -> dict | None:
   """Device time per phase and the top kernels (ms per step), from xprof's kernel_stats:
   every GPU kernel with the framework op (named scopes) it ran for, or, where the profile
@@ -190,13 +160,13 @@ def phase_profile(trace_dir: str, steps: int, ops: dict[str, str]) -> dict | Non
   except ImportError:
     return None
   paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  rows = _tool_rows(paths, "kernel_stats")
+  rows = tool_rows(paths, "kernel_stats")
   phases, kernels = {}, []
   for r in rows:
     op = str(r.get("op_name") or r.get("tf_op_name") or "")
     kernel = str(r.get("kernel_name") or "")
     if phase_of(op) == "other":   # no named scope in the profile's op: ask the HLO
-      op = _op_of(kernel, ops) or op
+      op = op_of(kernel, ops) or op
     ms = float(r.get("total_duration_us") or 0.0) / 1e3 / steps
     phase = phase_of(op, kernel)
     phases[phase] = phases.get(phase, 0.0) + ms

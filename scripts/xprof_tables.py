@@ -1,9 +1,11 @@
-"""Per-op device time of a JAX profiler trace, from xprof's hlo_stats tool (best effort:
+"""Per-op device time of a JAX profiler trace, from xprof's hlo_stats and kernel_stats tools, and
+the HLO op (named scopes) of each GPU kernel (best effort:
 xprof is optional on the GPU machine)."""
 
 import glob
 import json
 import os
+import re
 
 
 def hlo_op_table(trace_dir: str, title: str, top: int = 25) -> str:
@@ -38,3 +40,35 @@ def hlo_op_table(trace_dir: str, title: str, top: int = 25) -> str:
   launches = sum(int(r.get("occurrences") or 0) for r in rows)
   lines.append(f"\nall kernels ({title}): {launches} launches, {total_us:.0f} µs on the device")
   return "\n".join(lines)
+
+
+def tool_rows(paths, tool: str) -> list[dict]:
+  from xprof.convert import raw_to_tool_data
+  data, _ = raw_to_tool_data.xspace_to_tool_data(paths, tool, {})
+  table = json.loads(data)
+  cols = [col["id"] for col in table["cols"]]
+  return [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
+
+
+def kernel_name(name: str) -> str:
+  """An HLO instruction name as XLA names the GPU kernel emitted for it."""
+  return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def hlo_ops(hlo_text: str) -> dict[str, str]:
+  """Kernel name → op_name (the named scopes) of the HLO instruction it runs, from the
+  compiled step's HLO: on the GPU the profile names every XLA fusion's op "XlaModule", and
+  the instruction's metadata is what says whose gradient or norm it computes."""
+  ops = {}
+  for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?op_name="([^"]*)"', hlo_text,
+                       re.M):
+    ops[kernel_name(m.group(1))] = m.group(2)
+  return ops
+
+
+def op_of(kernel: str, ops: dict[str, str]) -> str:
+  """The HLO op_name of a kernel: its instruction's, or that of the name without XLA's
+  trailing kernel index."""
+  if kernel in ops:
+    return ops[kernel]
+  return ops.get(re.sub(r"_\d+$", "", kernel), "")

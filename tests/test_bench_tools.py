@@ -4,7 +4,7 @@ so scripts/bench_train.py reads each kernel's named scope from the compiled HLO.
 import jax
 import jax.numpy as jnp
 
-from scripts import bench_train
+from scripts import bench_train, xprof_tables
 
 
 def test_fusion_kernels_map_to_their_named_scope():
@@ -15,12 +15,12 @@ def test_fusion_kernels_map_to_their_named_scope():
       return jnp.sum(jnp.tanh(y) * x, axis=0)
 
   hlo = jax.jit(f).lower(jnp.ones((64, 32))).compile().as_text()
-  ops = bench_train.hlo_ops(hlo)
+  ops = xprof_tables.hlo_ops(hlo)
   fusions = {k: v for k, v in ops.items() if "fusion" in k}
   assert fusions, list(ops)[:10]
-  phases = {bench_train.phase_of(bench_train._op_of(k, ops)) for k in fusions}
+  phases = {bench_train.phase_of(xprof_tables.op_of(k, ops)) for k in fusions}
   assert phases <= {"kda", "optimizer"} and phases, fusions
   # XLA's kernel names: the instruction name with '.' → '_', or with a trailing index.
   name = next(iter(fusions))
-  assert bench_train._op_of(name + "_7", ops) == ops[name]
+  assert xprof_tables.op_of(name + "_7", ops) == ops[name]
   assert bench_train.phase_of("XlaModule", "ring_step_dkv") == "mla"

@@ -146,6 +146,20 @@ def test_extreme_gates_stay_finite_and_accurate(impl):
     assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_chunk_cumsum_is_the_running_sum_inside_each_chunk(dtype):
+  """The matmul form of the chunk-local cumsum (and its transpose, the reverse cumsum)."""
+  rng = np.random.default_rng(3)
+  g = jnp.asarray(-5.0 * rng.uniform(size=(2, 96, 3, 4)), dtype)
+  w = jnp.asarray(rng.normal(size=g.shape), dtype)
+  want = np.cumsum(np.asarray(g, np.float64).reshape(2, 3, 32, 3, 4), axis=2).reshape(g.shape)
+  G, vjp = jax.vjp(lambda g: reference.chunk_cumsum(g, 32), g)
+  tol = 1e-12 if dtype == jnp.float64 else 2e-6
+  assert G.dtype == dtype and rel_err(G, want) < tol
+  w_rev = np.cumsum(np.asarray(w, np.float64).reshape(2, 3, 32, 3, 4)[:, :, ::-1], axis=2)
+  assert rel_err(vjp(w)[0], w_rev[:, :, ::-1].reshape(g.shape)) < tol
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, -2.0, None])
 def test_gate_values_and_gradients_vs_finite_differences(lower_bound):
   rng = np.random.default_rng(0)

@@ -94,9 +94,26 @@ def chunk_layout(q, k, v, g, beta, reset_BxT, chunk_size):
     beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
     reset_BxT = jnp.pad(reset_BxT, ((0, 0), (0, pad)))
   N = (T + pad) // C
-  G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2).reshape(B, N * C, H, K)
+  G = chunk_cumsum(g, C)
   seg = jnp.cumsum(reset_BxT.reshape(B, N, C).astype(jnp.int32), axis=2).reshape(B, N * C)
   return q, k, v, beta, G, seg
+
+
+def chunk_cumsum(g_BxTxHxK, C):
+  """Inclusive cumsum of g inside each chunk of C positions, as one batched matmul with a
+  lower-triangular matrix of ones in g's precision (the products are exact; only the
+  summation order differs from a running sum). XLA GPU lowers jnp.cumsum to a windowed
+  reduce-window and fuses its transpose into the backward's multi-output row reductions
+  (the l2 norms, the gate): in the scanned train step on the H200 each such fusion took
+  3-4 ms (benchmarks/train.md). A matmul is never fused into them."""
+  B, T, H, K = g_BxTxHxK.shape
+  M = B * (T // C)
+  ones_MxCxC = jnp.broadcast_to(jnp.tril(jnp.ones((C, C), g_BxTxHxK.dtype)), (M, C, C))
+  G_MxCxHK = jax.lax.dot_general(ones_MxCxC, g_BxTxHxK.reshape(M, C, H * K),
+                                 (((2,), (1,)), ((0,), (0,))),
+                                 precision=jax.lax.Precision.HIGHEST,
+                                 preferred_element_type=g_BxTxHxK.dtype)
+  return G_MxCxHK.reshape(B, T, H, K)
 
 
 def _sub_chunk_decays(G_BNHSLK, bounded):
