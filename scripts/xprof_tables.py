@@ -1,6 +1,6 @@
-"""Per-op device time of a JAX profiler trace, from xprof's hlo_stats and kernel_stats tools, and
-the HLO op (named scopes) of each GPU kernel (best effort:
-xprof is optional on the GPU machine)."""
+"""Per-op and per-kernel device time of a JAX profiler trace (xprof's hlo_stats and
+kernel_stats tools), and the HLO op (named scopes) of each GPU kernel. Best effort: xprof is
+optional on the GPU machine."""
 
 import glob
 import json
@@ -13,22 +13,20 @@ def hlo_op_table(trace_dir: str, title: str, top: int = 25) -> str:
   table of the `top` ops by self time."""
   from xprof.convert import raw_to_tool_data
   paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  tables = {}
   for tool in ("hlo_stats", "kernel_stats"):
     data, _ = raw_to_tool_data.xspace_to_tool_data(paths, tool, {})
     with open(os.path.join(trace_dir, f"{tool}.json"), "w" if isinstance(data, str) else "wb") as f:
       f.write(data)
-  table = json.loads(open(os.path.join(trace_dir, "hlo_stats.json")).read())
-  cols = [c["id"] for c in table["cols"]]
-  rows = [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
+    tables[tool] = _rows(data)
+  rows = tables["hlo_stats"]
   rows.sort(key=lambda r: -(r.get("total_self_time") or 0))
   lines = [f"| HLO op ({title}) | category | n | self µs | framework op |", "|---|---|---|---|---|"]
   for r in rows[:top]:
     lines.append(f"| {r['hlo_op_name']} | {r['category']} | {r['occurrences']} | "
                  f"{r['total_self_time']:.0f} | {str(r['tf_op_name'])[-70:]} |")
   # Per kernel as well: hlo_stats can come back empty on GPU (seen for Pallas-only programs).
-  table = json.loads(open(os.path.join(trace_dir, "kernel_stats.json")).read())
-  cols = [c["id"] for c in table["cols"]]
-  rows = [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
+  rows = tables["kernel_stats"]
   rows.sort(key=lambda r: -float(r.get("total_duration_us") or 0))
   lines += ["", f"| kernel ({title}) | n | total µs | regs/thread | occupancy % | grid |",
             "|---|---|---|---|---|---|"]
@@ -42,12 +40,18 @@ def hlo_op_table(trace_dir: str, title: str, top: int = 25) -> str:
   return "\n".join(lines)
 
 
-def tool_rows(paths, tool: str) -> list[dict]:
-  from xprof.convert import raw_to_tool_data
-  data, _ = raw_to_tool_data.xspace_to_tool_data(paths, tool, {})
+def _rows(data) -> list[dict]:
+  """An xprof tool's JSON table as one dict per row, keyed by column id."""
   table = json.loads(data)
   cols = [col["id"] for col in table["cols"]]
   return [dict(zip(cols, [x.get("v") if x else None for x in r["c"]])) for r in table["rows"]]
+
+
+def tool_rows(paths, tool: str) -> list[dict]:
+  """The rows of xprof tool `tool` (e.g. kernel_stats) over the .xplane.pb files `paths`."""
+  from xprof.convert import raw_to_tool_data
+  data, _ = raw_to_tool_data.xspace_to_tool_data(paths, tool, {})
+  return _rows(data)
 
 
 def kernel_name(name: str) -> str:
