@@ -65,7 +65,7 @@ def get_config(arg=None):
   moe.route_scale = 1.0         # combine weights: top-k scores renormalised, times this
   moe.dispatch = "dropless"     # dropless (sort + grouped matmul) | capacity ([E, C, D] batched)
   moe.capacity_factor = 1.25    # capacity path: C = ceil(factor * tokens * top_k / E)
-  moe.grouped_matmul = ""       # "" = tokamax for bf16 on GPU/TPU, else xla; or xla | tokamax
+  moe.grouped_matmul = ""       # "" = mosaic (GPU) / tokamax (TPU) for bf16, else xla; or xla | tokamax | mosaic
   # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
   # gather | grouped | fused
   moe.decode_dispatch = "auto"

@@ -18,7 +18,7 @@ BALANCERS = ("none", "aux_loss", "loss_free", "quantile_ema", "quantile_exact")
 ROUTER_SCORES = ("sigmoid", "softmax")
 DISPATCH = ("dropless", "capacity")
 DECODE_DISPATCH = ("auto", "gather", "grouped", "fused")
-GROUPED_MATMULS = ("", "xla", "tokamax")
+GROUPED_MATMULS = ("", "xla", "tokamax", "mosaic")
 REMAT_POLICIES = ("full", "dots", "kernels")   # model/remat.py
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
 

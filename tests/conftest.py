@@ -64,6 +64,18 @@ def cpu_devices_env(n: int) -> dict:
 
 
 @pytest.fixture
+def absl_flags_parsed(request):
+  """tokamax reads its absl flags on first use and, if nobody has parsed flags, parses
+  sys.argv with every flag this process defines: a script module an earlier test imported
+  in the same worker (scripts/train_tokenizer.py's required --output) then fails it. The
+  flags are marked parsed for the test, as an absl program's main would have them."""
+  from absl import flags
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+    request.addfinalizer(flags.FLAGS.unparse_flags)
+
+
+@pytest.fixture
 def x64():
   """float64 for the tests that compare with the float64 spec; scoped to the test, since
   x64 breaks kernels outside this project (jax's flash attention, tokamax) that mix int32

@@ -24,3 +24,5 @@ def test_fusion_kernels_map_to_their_named_scope():
   name = next(iter(fusions))
   assert xprof_tables.op_of(name + "_7", ops) == ops[name]
   assert bench_train.phase_of("XlaModule", "ring_step_dkv") == "mla"
+  assert bench_train.phase_of("XlaModule", "grouped_mgpu_dw_704x1024_mosaic_gpu_kernel") == \
+      "moe_experts"

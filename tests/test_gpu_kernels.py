@@ -198,10 +198,12 @@ def test_decode_experts_match_gathered_einsums():
   assert np.isfinite(np.asarray(got, np.float32)).all() and rel_err(f32(got), ref) < 1e-2
 
 
-def test_tokamax_grouped_matmul_matches_ragged_dot():
-  """The dropless expert matmul on GPU (tokamax for y and dx, grouped_dw for dw; bf16)
-  against jax.lax.ragged_dot in fp32, output and both gradients, with empty and uneven
-  groups. tokamax's own dw failed this at 4.6e-2 (benchmarks/gpu_tests.md)."""
+@pytest.mark.parametrize("impl", ["tokamax", "mosaic"])
+def test_gpu_grouped_matmul_matches_ragged_dot(impl, absl_flags_parsed):
+  """The dropless expert matmul on GPU (tokamax: its y and dx, grouped_dw's dw; mosaic: the
+  Mosaic GPU kernels of grouped_mgpu, tuned tiles; bf16) against jax.lax.ragged_dot in fp32,
+  output and both gradients, with empty and uneven groups. tokamax's own dw failed this at
+  4.6e-2 (benchmarks/gpu_tests.md)."""
   rng = np.random.default_rng(7)
   M, E, Kd, N = 4096, 32, 1024, 512
   sizes = rng.multinomial(M - 100, rng.dirichlet(np.ones(E) * 0.5))   # 100 padding rows
@@ -217,7 +219,7 @@ def test_tokamax_grouped_matmul_matches_ragged_dot():
     return (jnp.where(live, y.astype(jnp.float32), 0.0),
             *vjp(jnp.where(live, ct, 0.0).astype(y.dtype)))
 
-  y, dx, dw = run("tokamax", x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+  y, dx, dw = run(impl, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
   y_ref, dx_ref, dw_ref = run("xla", x, w)
   for name, a, b in [("y", y, y_ref), ("dx", jnp.where(live, dx, 0), dx_ref), ("dw", dw, dw_ref)]:
     a = np.asarray(a, np.float32)
@@ -227,4 +229,4 @@ def test_tokamax_grouped_matmul_matches_ragged_dot():
 
 def test_float32_models_take_xla_grouped_matmul_on_gpu():
   assert experts.default_grouped_matmul(jnp.float32) == "xla"
-  assert experts.default_grouped_matmul(jnp.bfloat16) == "tokamax"
+  assert experts.default_grouped_matmul(jnp.bfloat16, 1024, 1408) == "mosaic"

@@ -101,17 +101,13 @@ def test_unbounded_gates_take_the_safe_path():
   assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
 
 
-def test_matches_tokamax_mosaic_tpu_kda(monkeypatch, request):
+def test_matches_tokamax_mosaic_tpu_kda(monkeypatch, absl_flags_parsed):
   """tokamax 0.0.17's Mosaic TPU KDA (head-first [H, B, T, D], per-segment states, chunk 64)
   and ours, both interpreted, on the same log-space gates bounded by -5: outputs, final
   state and gradients agree to fp32 rounding. tokamax gates its kernel to TPU v6+ and reads
   the chip from the device, so the test presents a v6e and bypasses its device check."""
-  from absl import flags
   from tokamax._src.ops.kda import pallas_mosaic_tpu as tk
 
-  if not flags.FLAGS.is_parsed():   # else tokamax parses them, and with them the required
-    flags.FLAGS.mark_as_parsed()    # flags of any script module this process has imported
-    request.addfinalizer(flags.FLAGS.unparse_flags)
   monkeypatch.setenv("PALLAS_INTERPRET", "1")
   monkeypatch.setattr(pltpu, "get_tpu_info",
                       lambda: tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V6E, 1))

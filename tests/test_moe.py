@@ -171,13 +171,16 @@ def test_decode_path_resolves_auto(setting, assignments, backend, path):
   assert moe_lib.decode_path(setting, assignments, backend) == path
 
 
-@pytest.mark.parametrize("backend,dtype,impl", [
-    ("gpu", jnp.bfloat16, "tokamax"), ("gpu", jnp.float32, "xla"), ("tpu", jnp.float32, "tokamax"),
-    ("cpu", jnp.bfloat16, "xla")])
-def test_grouped_matmul_default_follows_backend_and_dtype(monkeypatch, backend, dtype, impl):
-  """tokamax's GPU kernel takes no float32: fp32 models on GPU take XLA's ragged_dot."""
+@pytest.mark.parametrize("backend,dtype,dims,impl", [
+    ("gpu", jnp.bfloat16, (1024, 1408), "mosaic"), ("gpu", jnp.bfloat16, (1024, 1000), "tokamax"),
+    ("gpu", jnp.float32, (1024, 1408), "xla"), ("tpu", jnp.float32, (1024, 1408), "tokamax"),
+    ("cpu", jnp.bfloat16, (1024, 1408), "xla")])
+def test_grouped_matmul_default_follows_backend_dtype_and_dims(monkeypatch, backend, dtype,
+                                                               dims, impl):
+  """The GPU kernels take no float32 (fp32 models on GPU take XLA's ragged_dot); the Mosaic
+  GPU kernels need both dims in multiples of 64, tokamax's takes the rest."""
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
-  assert experts.default_grouped_matmul(dtype) == impl
+  assert experts.default_grouped_matmul(dtype, *dims) == impl
 
 
 def test_tokamax_on_gpu_rejects_float32(monkeypatch):
@@ -186,6 +189,14 @@ def test_tokamax_on_gpu_rejects_float32(monkeypatch):
   with pytest.raises(ValueError, match="grouped_matmul='tokamax' on GPU takes bfloat16/float16 "
                                        "inputs, got float32"):
     experts.grouped_matmul(x, w, jnp.array([2, 2]), "tokamax")
+
+
+@pytest.mark.parametrize("dtype,dims", [(jnp.float32, (64, 64)), (jnp.bfloat16, (64, 96))])
+def test_mosaic_rejects_float32_and_dims_off_64(dtype, dims):
+  x, w = jnp.ones((4, dims[0]), dtype), jnp.ones((2, *dims), dtype)
+  with pytest.raises(ValueError, match="grouped_matmul='mosaic' takes bfloat16/float16 experts "
+                                       "with both dims multiples of 64"):
+    experts.grouped_matmul(x, w, jnp.array([2, 2]), "mosaic")
 
 
 # ---- balancers -----------------------------------------------------------------------------

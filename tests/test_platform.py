@@ -18,7 +18,7 @@ TARGETS = {  # target: (context, KDA at K=V=128 / K=V=24 / K=V=512, MLA, grouped
     "cpu": (lambda: target_mesh("cpu", "cpu"), ("xla", "xla", "xla"), "xla",
             ("xla", "xla"), ("xla", "xla")),
     "gpu": (lambda: target_mesh("gpu", "NVIDIA H200"),
-            ("pallas_gpu", "xla", "pallas_gpu"), "gpu", ("tokamax", "xla"),
+            ("pallas_gpu", "xla", "pallas_gpu"), "gpu", ("mosaic", "xla"),
             ("pallas", "pallas")),
     "tpu": (target_mesh, ("pallas_tpu", "pallas_tpu", "xla"), "tpu",
             ("tokamax", "tokamax"), ("tpu", "xla")),

@@ -5,10 +5,14 @@ grouped matmul does both) and `down` [E, F, D].
 
 * grouped (dropless): rows sorted by expert, `ragged_dot` over group sizes.
   `jax.lax.ragged_dot` is emulated densely on GPU (2% of peak, and at E=256 it
-  tries to allocate 128 GiB on an H200), so GPU/TPU use `tokamax.ragged_dot`
-  (a Pallas Mosaic kernel) for bf16/fp16. On GPU its weight gradient comes from
-  pallas_kernels/moe/grouped_dw.py instead: tokamax 0.0.17's is wrong on the H200.
-  tokamax's GPU kernel takes no float32, so float32 models (debugging, numerics checks)
+  tries to allocate 128 GiB on an H200), so GPU/TPU use kernels for bf16/fp16:
+  * `mosaic` (the GPU default where both dims are multiples of 64): the Mosaic GPU
+    kernels of pallas_kernels/moe/grouped_mgpu.py for y, dx (w read transposed in place)
+    and dw, with tile shapes tuned per product on the H200 (benchmarks/moe.md);
+  * `tokamax`: `tokamax.ragged_dot` (its sm90 Mosaic kernel, fixed 64×64 tiles) for y and
+    dx; its weight gradient comes from pallas_kernels/moe/grouped_dw.py instead, as
+    tokamax 0.0.17's is wrong on the H200.
+  The GPU kernels take no float32, so float32 models (debugging, numerics checks)
   take XLA's ragged_dot on GPU: exact, but dense in E (fine at the tiny config's 8 experts).
   On TPU it is tokamax's Mosaic TPU kernel (`implementation="mosaic_tpu"`, megablox-style
   gmm / tgmm, forward and backward), named explicitly so that a program compiled for a TPU
@@ -23,17 +27,20 @@ import jax.numpy as jnp
 
 from moe_jax.model import remat
 from pallas_kernels import platform
-from pallas_kernels.moe import grouped_dw
+from pallas_kernels.moe import grouped_dw, grouped_mgpu
 
-GROUPED_MATMULS = ("xla", "tokamax")
+GROUPED_MATMULS = ("xla", "tokamax", "mosaic")
 
 
-def default_grouped_matmul(dtype) -> str:
-  """tokamax on GPU/TPU, except for float32 on GPU (tokamax's Mosaic GPU kernel is bf16/fp16
-  only); xla on CPU."""
+def default_grouped_matmul(dtype, K: int = 64, N: int = 64) -> str:
+  """On GPU for bf16/fp16: mosaic where K and N (the expert's D and F) are multiples of 64,
+  else tokamax; xla for float32 on GPU (the GPU kernels are bf16/fp16 only) and on CPU;
+  tokamax on TPU."""
   backend = platform.target()
   if backend == "cpu" or (backend == "gpu" and not _tokamax_gpu_dtype(dtype)):
     return "xla"
+  if backend == "gpu" and grouped_mgpu.fits(K, N):
+    return "mosaic"
   return "tokamax"
 
 
@@ -47,9 +54,19 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
   Rows past sum(group_sizes) are undefined (xla writes 0, tokamax's GPU kernel leaves
   them unwritten): callers with padding rows mask them.
   """
-  implementation = implementation or default_grouped_matmul(x_MxK.dtype)
+  K, N = w_GxKxN.shape[1:]
+  implementation = implementation or default_grouped_matmul(x_MxK.dtype, K, N)
   if implementation == "xla":
     return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
+  if implementation == "mosaic":
+    if platform.target() == "tpu":
+      raise ValueError("model.moe.grouped_matmul='mosaic' is the Mosaic GPU kernels; on TPU "
+                       "use '' or 'tokamax'")
+    if not _tokamax_gpu_dtype(x_MxK.dtype) or not grouped_mgpu.fits(K, N):
+      raise ValueError(f"model.moe.grouped_matmul='mosaic' takes bfloat16/float16 experts "
+                       f"with both dims multiples of 64, got {x_MxK.dtype} [{K}, {N}]; use '' "
+                       f"(xla for float32, tokamax for other dims)")
+    return _mosaic_gpu_jit(x_MxK, w_GxKxN, group_sizes_G)
   if implementation == "tokamax":
     target = platform.target()
     on_gpu = target == "gpu"
@@ -108,6 +125,34 @@ _tokamax_gpu.defvjp(_tokamax_gpu_fwd, _tokamax_gpu_bwd)
 # Jitted, so that every MoE layer with these shapes shares one trace and one lowering of the
 # Mosaic kernels (0.4 s each on the H200's host): trace + lower time stops growing with depth.
 _tokamax_gpu_jit = jax.jit(_tokamax_gpu)
+
+
+def _interpret() -> bool:
+  """Pallas's Mosaic GPU interpreter off a GPU (CPU tests)."""
+  return jax.default_backend() != "gpu"
+
+
+@jax.custom_vjp
+def _mosaic_gpu(x_MxK, w_GxKxN, group_sizes_G):
+  """y, dx and dw by the Mosaic GPU kernels (pallas_kernels/moe/grouped_mgpu.py)."""
+  return grouped_mgpu.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, interpret=_interpret())
+
+
+def _mosaic_gpu_fwd(x_MxK, w_GxKxN, group_sizes_G):
+  return _mosaic_gpu(x_MxK, w_GxKxN, group_sizes_G), (x_MxK, w_GxKxN, group_sizes_G)
+
+
+def _mosaic_gpu_bwd(res, dy_MxN):
+  x_MxK, w_GxKxN, group_sizes_G = res
+  dy_MxN = dy_MxN.astype(x_MxK.dtype)
+  dx_MxK = grouped_mgpu.ragged_dot(dy_MxN, w_GxKxN, group_sizes_G, transpose_rhs=True,
+                                   interpret=_interpret())
+  dw_GxKxN = grouped_mgpu.ragged_dw(x_MxK, dy_MxN, group_sizes_G, interpret=_interpret())
+  return dx_MxK, dw_GxKxN.astype(w_GxKxN.dtype), None
+
+
+_mosaic_gpu.defvjp(_mosaic_gpu_fwd, _mosaic_gpu_bwd)
+_mosaic_gpu_jit = jax.jit(_mosaic_gpu)
 
 
 def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation=""):

@@ -1,0 +1,210 @@
+"""The grouped matmul's three products on the GPU, side by side: tokamax's y and dx and
+pallas_kernels/moe/grouped_dw.py's dw (the `tokamax` path) against the Mosaic GPU kernels of
+pallas_kernels/moe/grouped_mgpu.py (the `mosaic` path), each checked against an fp32
+per-group reference. With --tune it times every candidate tile config of the Mosaic kernels
+per product and writes the fastest correct one to --table (grouped_mgpu_tuned.json, which
+the kernels read at import).
+
+  python scripts/bench_grouped_matmul.py --tune --out=$OUT     # long_context_1b's shapes
+
+bf16, --rows rows (long_context_1b: 4 × 8192 tokens × top-4) in --experts groups, sizes
+Dirichlet(0.5)-skewed with one empty group and 100 padding rows (NaN) past the groups.
+FLOPs 2·rows·K·N per product. Median of --iters runs after warm-up.
+"""
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from pallas_kernels.moe import grouped_dw as gdw
+from pallas_kernels.moe import grouped_mgpu as gm
+from scripts import timing
+
+_ROWS = flags.DEFINE_integer("rows", 131072, "Rows (tokens × top-k) of the timed products.")
+_EXPERTS = flags.DEFINE_integer("experts", 32, "Groups.")
+_SHAPES = flags.DEFINE_string("shapes", "1024x1408,704x1024",
+                              "K x N of each forward product (long_context_1b: gate/up "
+                              "1024 → 2·704, down 704 → 1024), comma-separated.")
+_ITERS = flags.DEFINE_integer("iters", 10, "Timed runs per measurement (median reported).")
+_TUNE = flags.DEFINE_bool("tune", False, "Time every candidate config and write --table.")
+_TABLE = flags.DEFINE_string("table", gm.TUNED_PATH, "The tuned-config table --tune writes.")
+_BUDGET = flags.DEFINE_float("budget_s", 30.0, "Tuning time per product (seconds).")
+_OUT = flags.DEFINE_string("out", None, "Folder for grouped_matmul.md / .json.")
+_PEAK_FLOPS = 762e12  # bf16 matmul through JAX, measured on this H200 (shared/device/README.md)
+
+
+def _inputs(M, E, seed=7):
+  rng = np.random.default_rng(seed)
+  sizes = rng.multinomial(M - 100, rng.dirichlet(np.ones(E) * 0.5))
+  sizes[3] = 0
+  return np.asarray(sizes, np.int32)
+
+
+def _reference(product, a, b, sizes):
+  """fp32 on the host (numpy), group by group: y = a_g·b[g], dx = a_g·b[g]ᵀ,
+  dw[g] = a_gᵀ·b_g. Rows past the groups are dropped (y, dx)."""
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  ends = np.cumsum(sizes)
+  groups = list(zip(ends - sizes, ends))
+  if product == "dw":
+    return np.stack([a[s:e].T @ b[s:e] for s, e in groups])
+  return np.concatenate([a[s:e] @ (b[g].T if product == "dx" else b[g])
+                         for g, (s, e) in enumerate(groups)])
+
+
+def _rel_err(got, ref, used):
+  got = np.asarray(got, np.float32)
+  got = got if got.ndim == 3 else got[:used]
+  ref = np.asarray(ref, np.float32)
+  if not np.isfinite(got).all():
+    return float("inf")
+  return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+# (block_m, block_n, block_k, stages, grid_block_n), most promising first: the accumulator
+# is block_m × block_n fp32 in one warpgroup's registers (128 × 128 = 128 per thread).
+_DOT_TILES = ((128, 128, 64, 4, 1), (128, 128, 64, 3, 1), (128, 128, 64, 5, 1),
+              (128, 64, 64, 4, 1), (64, 256, 64, 4, 1), (128, 128, 128, 3, 1),
+              (128, 128, 64, 4, 4), (64, 128, 64, 4, 1), (128, 64, 64, 6, 1),
+              (128, 64, 64, 3, 1), (64, 64, 64, 4, 1))
+_DW_TILES = ((128, 128, 64, 2, 1), (128, 128, 64, 4, 1), (128, 128, 128, 2, 1),
+             (128, 64, 64, 4, 1), (64, 128, 64, 4, 1), (64, 256, 64, 4, 1),
+             (64, 128, 128, 2, 1), (64, 64, 64, 4, 1))
+
+
+def _candidates(product, K, N):
+  """Tile configs to time for one product (K: contracted width, or dw's output rows)."""
+  out = []
+  for bm, bn, bk, st, gbn in (_DW_TILES if product == "dw" else _DOT_TILES):
+    if product == "dw":
+      ok = K % bm == 0 and N % bn == 0
+    else:
+      ok = K % bk == 0 and N % bn == 0 and (N // bn) % gbn == 0
+    if ok:
+      out.append(gm.Config(block_m=bm, block_n=bn, block_k=bk, stages=st, grid_block_n=gbn))
+  return out
+
+
+def _mosaic_fn(product, config):
+  if product == "dw":
+    return jax.jit(lambda a, b, s: gm.ragged_dw(a, b, s, config=config))
+  return jax.jit(lambda a, b, s: gm.ragged_dot(a, b, s, config=config,
+                                               transpose_rhs=product == "dx"))
+
+
+def _baseline_fn(product):
+  import tokamax
+  if product == "dw":
+    return jax.jit(lambda a, b, s: gdw.grouped_dw(a, b, s))
+  if product == "dx":   # as experts._tokamax_gpu_bwd does it: a transposed copy of w
+    return jax.jit(lambda a, b, s: tokamax.ragged_dot(a, jnp.swapaxes(b, 1, 2), s,
+                                                      implementation="mosaic"))
+  return jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s, implementation="mosaic"))
+
+
+def main(_):
+  M, E = _ROWS.value, _EXPERTS.value
+  sizes_np = _inputs(M, E)
+  used = int(sizes_np.sum())
+  sizes = jnp.asarray(sizes_np)
+  rng = np.random.default_rng(1)
+
+  def rows(cols):   # NaN past the groups: no product may read them into a sum
+    a = rng.normal(size=(M, cols)).astype(np.float32)
+    a[used:] = np.nan
+    return jnp.asarray(a, jnp.bfloat16)
+
+  records, tuned = [], {}
+  for shape in _SHAPES.value.split(","):
+    K, N = map(int, shape.split("x"))
+    x, dy = rows(K), rows(N)
+    w = jnp.asarray(rng.normal(size=(E, K, N)) / np.sqrt(K), jnp.bfloat16)
+    clean = lambda a: jnp.where((jnp.arange(M) < used)[:, None], a, 0)
+    for product, key_KN, args in (("y", (K, N), (x, w, sizes)),
+                                  ("dx", (N, K), (clean(dy), w, sizes)),
+                                  ("dw", (K, N), (x, dy, sizes))):
+      ref = _reference(product, clean(args[0]), args[1] if product != "dw" else clean(dy),
+                       sizes_np)
+      flops = 2 * used * K * N
+      row = {"product": product, "key": gm.tuned_key(product, *key_KN), "rows": M,
+             "groups": E}
+
+      def timed(fn):
+        out = fn(*args)
+        err = _rel_err(out, ref, used)
+        ms = timing.median_ms(fn, args, _ITERS.value)
+        return ms, err
+
+      ms, err = timed(_baseline_fn(product))
+      row["baseline"] = {"impl": "grouped_dw" if product == "dw" else "tokamax", "ms": ms,
+                         "tflops": flops / ms / 1e9, "err": err}
+      default = gm.default_config(product, *key_KN)
+      ms, err = timed(_mosaic_fn(product, default))
+      row["mosaic_default"] = {"config": dataclasses.asdict(default), "ms": ms,
+                               "tflops": flops / ms / 1e9, "err": err}
+      best = (ms, default) if err < 1e-2 else (float("inf"), None)
+      if _TUNE.value:
+        tried, t0 = [], time.time()
+        for cfg in _candidates(product, *key_KN):
+          if time.time() - t0 > _BUDGET.value:
+            break
+          try:
+            ms, err = timed(_mosaic_fn(product, cfg))
+          except Exception as e:  # noqa: BLE001 — e.g. shared memory exceeded: skip it
+            tried.append({"config": dataclasses.asdict(cfg), "error": str(e)[:200]})
+            print(f"  {row['key']} {cfg}: {str(e)[:120]}", flush=True)
+            continue
+          tried.append({"config": dataclasses.asdict(cfg), "ms": ms, "err": err})
+          print(f"  {row['key']} {cfg}: {ms:.3f} ms, err {err:.1e}", flush=True)
+          if err < 1e-2 and ms < best[0]:
+            best = (ms, cfg)
+        row["tried"] = tried
+        if best[1] is not None:
+          tuned[row["key"]] = dataclasses.asdict(best[1])
+          row["mosaic_tuned"] = {"config": tuned[row["key"]], "ms": best[0],
+                                 "tflops": flops / best[0] / 1e9}
+      records.append(row)
+      print(json.dumps({k: v for k, v in row.items() if k != "tried"}), flush=True)
+
+  if _TUNE.value and tuned:   # merged into the table: other shapes' entries stay
+    table = {"configs": {}}
+    if os.path.exists(_TABLE.value):
+      with open(_TABLE.value) as fh:
+        table = json.load(fh)
+    table.update({"device": jax.devices()[0].device_kind, "rows": M, "groups": E})
+    table["configs"].update(tuned)
+    with open(_TABLE.value, "w") as fh:
+      json.dump(table, fh, indent=1)
+  pct = lambda t: 100 * t * 1e12 / _PEAK_FLOPS
+  lines = ["| product | baseline | ms (TFLOP/s, % peak) | mosaic, default tile | "
+           "mosaic, tuned tile | tuned config (m, n, k, stages, grid_n) | err vs fp32 |",
+           "|---|---|---|---|---|---|---|"]
+  for r in records:
+    b, d, t = r["baseline"], r["mosaic_default"], r.get("mosaic_tuned")
+    tc = t["config"] if t else None
+    lines.append(
+        f"| {r['key']} | {b['impl']} | {b['ms']:.3f} ({b['tflops']:.0f}, {pct(b['tflops']):.0f}%) "
+        f"| {d['ms']:.3f} ({d['tflops']:.0f}) | "
+        + (f"{t['ms']:.3f} ({t['tflops']:.0f}, {pct(t['tflops']):.0f}%) | "
+           f"{tc['block_m']}, {tc['block_n']}, {tc['block_k']}, {tc['stages']}, "
+           f"{tc['grid_block_n']} |" if t else "— | — |")
+        + f" {b['err']:.1e} / {d['err']:.1e} |")
+  table = "\n".join(lines)
+  if _OUT.value:
+    os.makedirs(_OUT.value, exist_ok=True)
+    with open(os.path.join(_OUT.value, "grouped_matmul.json"), "w") as fh:
+      json.dump({"device": str(jax.devices()[0]), "records": records}, fh, indent=1)
+    with open(os.path.join(_OUT.value, "grouped_matmul.md"), "w") as fh:
+      fh.write(table + "\n")
+  print(f"\n{jax.devices()[0].device_kind}: {M} rows, {E} groups, bf16")
+  print(table)
+
+
+if __name__ == "__main__":
+  app.run(main)

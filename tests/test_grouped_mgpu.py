@@ -1,0 +1,117 @@
+"""The Mosaic GPU grouped-matmul kernels (pallas_kernels/moe/grouped_mgpu.py) in Pallas's Mosaic
+GPU interpreter here (natively in the GPU suite): y, dx (w transposed in place) and dw
+against an fp64 per-group reference, with empty groups, a group of one row, groups over
+several row blocks, a group on a block boundary and NaN in the padding rows past the groups;
+the model's custom VJP against jax.lax.ragged_dot; and the lowering of long_context_1b's
+six products to Mosaic GPU for CUDA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.model import experts
+from pallas_kernels.moe import grouped_mgpu as gm
+
+INTERPRET = jax.default_backend() != "gpu"
+SMALL = gm.Config(block_m=64, block_n=64, block_k=64, stages=2)
+SIZES = [0, 70, 1, 0, 129, 64]   # 264 rows used of 320: empty, one row, 3 blocks, aligned
+
+
+def _operands(M, K, N, sizes, seed=0):
+  rng = np.random.default_rng(seed)
+  used = sum(sizes)
+  x = rng.normal(size=(M, K))
+  dy = rng.normal(size=(M, N))
+  x[used:], dy[used:] = np.nan, np.nan     # the grouped matmul leaves such rows unwritten
+  w = rng.normal(size=(len(sizes), K, N)) / np.sqrt(K)
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  return bf(x), bf(dy), bf(w)
+
+
+def _per_group(sizes, fn):
+  ends = np.cumsum(sizes)
+  return [fn(g, slice(s, e)) for g, (s, e) in enumerate(zip(ends - np.asarray(sizes), ends))]
+
+
+def _f64(a):
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _rel(a, b):
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_ragged_dot_matches_per_group_products(transpose_rhs):
+  M, K, N = 320, 128, 192
+  x, dy, w = _operands(M, K, N, SIZES)
+  used = sum(SIZES)
+  lhs = dy if transpose_rhs else x
+  got = gm.ragged_dot(lhs, w, jnp.asarray(SIZES), config=SMALL, transpose_rhs=transpose_rhs,
+                      interpret=INTERPRET)
+  assert got.shape == (M, K if transpose_rhs else N) and got.dtype == jnp.bfloat16
+  w64 = _f64(w)
+  ref = np.concatenate(_per_group(SIZES, lambda g, r: _f64(lhs)[r] @ (
+      w64[g].T if transpose_rhs else w64[g])))
+  got = _f64(got)[:used]
+  assert np.isfinite(got).all()
+  assert _rel(got, ref) < 4e-3      # bf16 output rounding
+
+
+def test_ragged_dw_matches_per_group_products_and_ignores_padding():
+  M, K, N = 320, 128, 192
+  x, dy, _ = _operands(M, K, N, SIZES, seed=1)
+  for config in (SMALL, gm.Config(block_m=128, block_n=64, block_k=128, stages=3)):
+    got = _f64(gm.ragged_dw(x, dy, jnp.asarray(SIZES), config=config, interpret=INTERPRET))
+    ref = np.stack(_per_group(SIZES, lambda g, r: _f64(x)[r].T @ _f64(dy)[r]))
+    assert got.shape == (len(SIZES), K, N) and np.isfinite(got).all()
+    assert _rel(got, ref) < 4e-3
+    assert not got[np.asarray(SIZES) == 0].any()     # empty groups: exact zeros
+
+
+def test_model_vjp_matches_xla_ragged_dot():
+  """experts.grouped_matmul(..., "mosaic"): y and both gradients against XLA's ragged_dot
+  in fp32 (the same bf16-rounded operands)."""
+  M, K, N = 256, 64, 128
+  sizes = jnp.asarray([100, 0, 91, 65], jnp.int32)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(4, K, N)) / 8, jnp.bfloat16)
+  ct = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)
+
+  def run(impl, x, w):
+    y, vjp = jax.vjp(lambda x, w: experts.grouped_matmul(x, w, sizes, impl), x, w)
+    return (y, *vjp(ct.astype(y.dtype)))
+
+  got = run("mosaic", x, w)
+  with jax.default_matmul_precision("highest"):
+    ref = run("xla", x.astype(jnp.float32), w.astype(jnp.float32))
+  for name, a, b in zip(("y", "dx", "dw"), got, ref):
+    a, b = _f64(a), _f64(b)
+    assert a.shape == b.shape and np.isfinite(a).all(), name
+    assert _rel(a, b) < 1e-2, name
+
+
+def test_bad_shapes_are_named():
+  x = jnp.ones((64, 96), jnp.bfloat16)
+  with pytest.raises(ValueError, match="K=96 and N=64 must be multiples of block_k=64"):
+    gm.ragged_dot(x, jnp.ones((1, 96, 64), jnp.bfloat16), jnp.array([64]), config=SMALL,
+                  interpret=True)
+  with pytest.raises(ValueError, match="bfloat16/float16 operands"):
+    gm.ragged_dw(jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.array([64]), interpret=True)
+
+
+@pytest.mark.parametrize("K,N", [(1024, 1408), (704, 1024)])   # long_context_1b's experts
+def test_long_context_1b_products_lower_to_mosaic_gpu(K, N):
+  """Each product at the 1B's shapes, with its tuned (or default) tile, lowers for CUDA: the
+  Mosaic GPU layout inference and lowering run here, PTX compilation only on the GPU."""
+  M, G = 4096, 32
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((G,), jnp.int32)
+  for fn, args in ((lambda x, w, s: gm.ragged_dot(x, w, s), (sd(M, K), sd(G, K, N), sizes)),
+                   (lambda d, w, s: gm.ragged_dot(d, w, s, transpose_rhs=True),
+                    (sd(M, N), sd(G, K, N), sizes)),
+                   (lambda x, d, s: gm.ragged_dw(x, d, s), (sd(M, K), sd(M, N), sizes))):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
