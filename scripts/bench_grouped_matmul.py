@@ -13,6 +13,7 @@ FLOPs 2·rows·K·N per product. Median of --iters runs after warm-up.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pallas_kernels.moe import grouped_dw as gdw
+from moe_jax.model import experts
 from pallas_kernels.moe import grouped_mgpu as gm
 from scripts import timing
 
@@ -91,21 +92,17 @@ def _candidates(product, K, N):
   return out
 
 
+_PRODUCTS = ("y", "dx", "dw")
+
+
 def _mosaic_fn(product, config):
-  if product == "dw":
-    return jax.jit(lambda a, b, s: gm.ragged_dw(a, b, s, config=config))
-  return jax.jit(lambda a, b, s: gm.ragged_dot(a, b, s, config=config,
-                                               transpose_rhs=product == "dx"))
+  fn = experts.GPU_PRODUCTS["mosaic"][_PRODUCTS.index(product)]
+  return jax.jit(functools.partial(fn, config=config))
 
 
 def _baseline_fn(product):
-  import tokamax
-  if product == "dw":
-    return jax.jit(lambda a, b, s: gdw.grouped_dw(a, b, s))
-  if product == "dx":   # as experts._tokamax_gpu_bwd does it: a transposed copy of w
-    return jax.jit(lambda a, b, s: tokamax.ragged_dot(a, jnp.swapaxes(b, 1, 2), s,
-                                                      implementation="mosaic"))
-  return jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s, implementation="mosaic"))
+  """The tokamax path's kernels: tokamax's y and dx (on a transposed copy of w), grouped_dw."""
+  return jax.jit(experts.GPU_PRODUCTS["tokamax"][_PRODUCTS.index(product)])
 
 
 def main(_):

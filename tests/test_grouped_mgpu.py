@@ -12,6 +12,7 @@ import pytest
 
 from moe_jax.model import experts
 from pallas_kernels.moe import grouped_mgpu as gm
+from tests.conftest import target_mesh
 
 INTERPRET = jax.default_backend() != "gpu"
 SMALL = gm.Config(block_m=64, block_n=64, block_k=64, stages=2)
@@ -109,9 +110,31 @@ def test_long_context_1b_products_lower_to_mosaic_gpu(K, N):
   M, G = 4096, 32
   sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((G,), jnp.int32)
-  for fn, args in ((lambda x, w, s: gm.ragged_dot(x, w, s), (sd(M, K), sd(G, K, N), sizes)),
-                   (lambda d, w, s: gm.ragged_dot(d, w, s, transpose_rhs=True),
+  native = dict(interpret=False)
+  for fn, args in ((lambda x, w, s: gm.ragged_dot(x, w, s, **native),
+                    (sd(M, K), sd(G, K, N), sizes)),
+                   (lambda d, w, s: gm.ragged_dot(d, w, s, transpose_rhs=True, **native),
                     (sd(M, N), sd(G, K, N), sizes)),
-                   (lambda x, d, s: gm.ragged_dw(x, d, s), (sd(M, K), sd(M, N), sizes))):
+                   (lambda x, d, s: gm.ragged_dw(x, d, s, **native),
+                    (sd(M, K), sd(M, N), sizes))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_model_path_lowers_to_the_native_kernels_for_a_gpu_target():
+  """Under a mesh of GPU devices (as an ahead-of-time compile for a GPU on this CPU host),
+  the default grouped matmul and its VJP lower to the three Mosaic GPU kernels, not to the
+  interpreter: `interpret` follows the target platform."""
+  sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+
+  def y_and_grads(x, w, sizes):
+    y, vjp = jax.vjp(lambda x, w: experts.grouped_matmul(x, w, sizes), x, w)
+    return vjp(y)
+
+  with target_mesh("gpu", "NVIDIA H200"):
+    text = jax.jit(y_and_grads).trace(sd(4096, 1024), sd(32, 1024, 1408),
+                                      jax.ShapeDtypeStruct((32,), jnp.int32)
+                                      ).lower(lowering_platforms=("cuda",)).as_text()
+  for kernel in ("grouped_mgpu_y_1024x1408", "grouped_mgpu_dx_1408x1024",
+                 "grouped_mgpu_dw_1024x1408"):
+    assert f"{kernel}_mosaic_gpu" in text, kernel

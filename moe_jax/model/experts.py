@@ -22,6 +22,8 @@ grouped matmul does both) and `down` [E, F, D].
 * batched (capacity): tokens laid out [E, C, D], plain batched matmuls.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -66,7 +68,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
       raise ValueError(f"model.moe.grouped_matmul='mosaic' takes bfloat16/float16 experts "
                        f"with both dims multiples of 64, got {x_MxK.dtype} [{K}, {N}]; use '' "
                        f"(xla for float32, tokamax for other dims)")
-    return _mosaic_gpu_jit(x_MxK, w_GxKxN, group_sizes_G)
+    return _gpu_grouped_jit(x_MxK, w_GxKxN, group_sizes_G, "mosaic")
   if implementation == "tokamax":
     target = platform.target()
     on_gpu = target == "gpu"
@@ -77,7 +79,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
     import tokamax  # heavy optional dependency: the gpu/tpu extras install it
 
     if on_gpu:
-      return _tokamax_gpu_jit(x_MxK, w_GxKxN, group_sizes_G)
+      return _gpu_grouped_jit(x_MxK, w_GxKxN, group_sizes_G, "tokamax")
     if target == "tpu":  # the kernel takes dims >= 128; it raises otherwise and XLA's runs
       return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G,
                                 implementation=("mosaic_tpu", "xla"))
@@ -93,66 +95,58 @@ _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[])
 
 
-@jax.custom_vjp
-def _tokamax_gpu(x_MxK, w_GxKxN, group_sizes_G):
-  """tokamax's Mosaic kernel on GPU for y and dx; dw by pallas_kernels/moe/grouped_dw.py,
-  because tokamax 0.0.17's dw kernel is wrong on the H200 (that module says how)."""
+def _tokamax_y(x_MxK, w_GxKxN, group_sizes_G):
   import tokamax
   return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, implementation="mosaic")
 
 
-def _tokamax_gpu_fwd(x_MxK, w_GxKxN, group_sizes_G):
-  return _tokamax_gpu(x_MxK, w_GxKxN, group_sizes_G), (x_MxK, w_GxKxN, group_sizes_G)
+def _tokamax_dx(dy_MxN, w_GxKxN, group_sizes_G):
+  """tokamax's kernel takes w untransposed only: dx reads a transposed copy."""
+  return _tokamax_y(dy_MxN, jnp.swapaxes(w_GxKxN, 1, 2), group_sizes_G)
 
 
-def _tokamax_gpu_bwd(res, dy_MxN):
-  import tokamax
+def _tokamax_dw(x_MxK, dy_MxN, group_sizes_G):
+  """pallas_kernels/moe/grouped_dw.py: tokamax 0.0.17's dw kernel is wrong on the H200 (that
+  module says how). Dims off its 16-multiples take XLA's exact (dense in G) version."""
+  if grouped_dw.fits(x_MxK.shape[1], dy_MxN.shape[1]):
+    return grouped_dw.grouped_dw(x_MxK, dy_MxN, group_sizes_G)
+  return jax.lax.ragged_dot_general(x_MxK, dy_MxN, group_sizes_G, _RAGGED_CONTRACTING,
+                                    preferred_element_type=F32)
+
+
+# The GPU implementations' three products, (y, dx, dw), each f(a, b, group_sizes):
+#   y = x·w[g],  dx = dy·w[g]ᵀ,  dw[g] = x_gᵀ·dy_g   (scripts/bench_grouped_matmul.py times them)
+GPU_PRODUCTS = {
+    "tokamax": (_tokamax_y, _tokamax_dx, _tokamax_dw),
+    "mosaic": (grouped_mgpu.ragged_dot,
+               functools.partial(grouped_mgpu.ragged_dot, transpose_rhs=True),
+               grouped_mgpu.ragged_dw),
+}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gpu_grouped(x_MxK, w_GxKxN, group_sizes_G, implementation):
+  """The grouped matmul on GPU with its VJP from the same implementation's kernels."""
+  return GPU_PRODUCTS[implementation][0](x_MxK, w_GxKxN, group_sizes_G)
+
+
+def _gpu_grouped_fwd(x_MxK, w_GxKxN, group_sizes_G, implementation):
+  return (_gpu_grouped(x_MxK, w_GxKxN, group_sizes_G, implementation),
+          (x_MxK, w_GxKxN, group_sizes_G))
+
+
+def _gpu_grouped_bwd(implementation, res, dy_MxN):
+  _, dx_fn, dw_fn = GPU_PRODUCTS[implementation]
   x_MxK, w_GxKxN, group_sizes_G = res
   dy_MxN = dy_MxN.astype(x_MxK.dtype)
-  dx_MxK = tokamax.ragged_dot(dy_MxN, jnp.swapaxes(w_GxKxN, 1, 2), group_sizes_G,
-                              implementation="mosaic")
-  K, N = x_MxK.shape[1], dy_MxN.shape[1]
-  if grouped_dw.fits(K, N):
-    dw_GxKxN = grouped_dw.grouped_dw(x_MxK, dy_MxN, group_sizes_G, out_dtype=w_GxKxN.dtype)
-  else:   # dims off the kernel's 16-multiples: XLA's exact (dense in G) version
-    dw_GxKxN = jax.lax.ragged_dot_general(
-        x_MxK, dy_MxN, group_sizes_G, _RAGGED_CONTRACTING,
-        preferred_element_type=F32).astype(w_GxKxN.dtype)
-  return dx_MxK, dw_GxKxN, None
+  return (dx_fn(dy_MxN, w_GxKxN, group_sizes_G),
+          dw_fn(x_MxK, dy_MxN, group_sizes_G).astype(w_GxKxN.dtype), None)
 
 
-_tokamax_gpu.defvjp(_tokamax_gpu_fwd, _tokamax_gpu_bwd)
+_gpu_grouped.defvjp(_gpu_grouped_fwd, _gpu_grouped_bwd)
 # Jitted, so that every MoE layer with these shapes shares one trace and one lowering of the
 # Mosaic kernels (0.4 s each on the H200's host): trace + lower time stops growing with depth.
-_tokamax_gpu_jit = jax.jit(_tokamax_gpu)
-
-
-def _interpret() -> bool:
-  """Pallas's Mosaic GPU interpreter off a GPU (CPU tests)."""
-  return jax.default_backend() != "gpu"
-
-
-@jax.custom_vjp
-def _mosaic_gpu(x_MxK, w_GxKxN, group_sizes_G):
-  """y, dx and dw by the Mosaic GPU kernels (pallas_kernels/moe/grouped_mgpu.py)."""
-  return grouped_mgpu.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, interpret=_interpret())
-
-
-def _mosaic_gpu_fwd(x_MxK, w_GxKxN, group_sizes_G):
-  return _mosaic_gpu(x_MxK, w_GxKxN, group_sizes_G), (x_MxK, w_GxKxN, group_sizes_G)
-
-
-def _mosaic_gpu_bwd(res, dy_MxN):
-  x_MxK, w_GxKxN, group_sizes_G = res
-  dy_MxN = dy_MxN.astype(x_MxK.dtype)
-  dx_MxK = grouped_mgpu.ragged_dot(dy_MxN, w_GxKxN, group_sizes_G, transpose_rhs=True,
-                                   interpret=_interpret())
-  dw_GxKxN = grouped_mgpu.ragged_dw(x_MxK, dy_MxN, group_sizes_G, interpret=_interpret())
-  return dx_MxK, dw_GxKxN.astype(w_GxKxN.dtype), None
-
-
-_mosaic_gpu.defvjp(_mosaic_gpu_fwd, _mosaic_gpu_bwd)
-_mosaic_gpu_jit = jax.jit(_mosaic_gpu)
+_gpu_grouped_jit = jax.jit(_gpu_grouped, static_argnums=3)
 
 
 def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation=""):

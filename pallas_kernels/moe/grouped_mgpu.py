@@ -9,8 +9,8 @@ Rows are sorted by group; rows past sum(sizes) are padding. Adapted from jax's
 pallas/ops/gpu/ragged_dot_mgpu.py and transposed_ragged_dot_mgpu.py. What differs:
 * the tile shape is a per-call `Config`, tuned per product and shape on the H200
   (`TUNED`, written by scripts/bench_grouped_matmul.py --tune; benchmarks/moe.md);
-* the grid is the device's SM count, and `interpret=True` runs Pallas's Mosaic GPU
-  interpreter (CPU tests);
+* the grid is the device's SM count, and off a GPU (`interpret`) Pallas's Mosaic GPU
+  interpreter runs them (CPU tests);
 * ragged_dw selects the rows of its group in its first and last row block of both operands,
   where jax's multiplies x by a 0/1 mask: a padding row may hold NaN (the grouped matmul
   leaves rows past the groups unwritten), and 0·NaN is NaN.
@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import platform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,12 @@ def _check(name, x, w, sizes):
     raise ValueError(f"{name}: group sizes must be integers, got {sizes.dtype}")
 
 
+def _interpret(interpret) -> bool:
+  """None: the kernels where the target platform is a GPU, else Pallas's Mosaic GPU
+  interpreter (CPU tests)."""
+  return platform.target() != "gpu" if interpret is None else interpret
+
+
 def _num_sms(interpret) -> int:
   if interpret:
     return 2     # the interpreter walks the persistent loop; a small grid keeps it quick
@@ -121,10 +129,11 @@ def _group_of_tile(sizes_ref, block_m, tile, num_groups):
 
 @functools.partial(jax.jit, static_argnames=("config", "transpose_rhs", "interpret"))
 def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
-               transpose_rhs: bool = False, interpret: bool = False):
+               transpose_rhs: bool = False, interpret: bool | None = None):
   """[M, N] (x's dtype, fp32 accumulation): row block g of x times w[g] (w[g]ᵀ with
   transpose_rhs, w then [G, N, K]). Rows past sum(sizes) are left unwritten."""
   _check("ragged_dot", x_MxK, w_GxKxN, sizes_G)
+  interpret = _interpret(interpret)
   M, K = x_MxK.shape
   G = w_GxKxN.shape[0]
   N = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
@@ -193,10 +202,12 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None, interpret: bool = False):
+def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
+              interpret: bool | None = None):
   """[G, K, N] (x's dtype, fp32 accumulation): dw[g] = x[rows of g]ᵀ · dy[rows of g]. Rows
   past sum(sizes) never reach a sum, whatever they hold; an empty group gets zeros."""
   _check("ragged_dw", x_MxK, dy_MxN, sizes_G)
+  interpret = _interpret(interpret)
   M, K = x_MxK.shape
   N = dy_MxN.shape[1]
   G = sizes_G.shape[0]
