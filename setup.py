@@ -27,6 +27,7 @@ setup(
         "tqdm>=4.66",
         "tensorboardX==2.6.5",
         "numpy>=2.0",
+        "flatbuffers>=24",   # jax.export serialization (train/compile_cache.py)
     ],
     extras_require={
         # The tests use every extra below but the accelerator ones: the digits image task,

@@ -207,7 +207,8 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
     state, _, _, _, step, timings = loop.start(c, mesh, model, optim.make_optimizer(c), batch,
                                                 manager, train_iter)
     rec.update({"init_s": timings["init_or_restore"], "trace_lower_s": timings["lower"],
-                "compile_s": timings["compile"], "init_and_compile_wall_s": timings["wall"]})
+                "compile_s": timings["compile"], "init_and_compile_wall_s": timings["wall"],
+                "train_step": timings["executable"]})
     print(f"{name} {mode}: {timings}", flush=True)
     t = time.time()
     state, m = step(state, batch)

@@ -126,8 +126,15 @@ GPU_PRODUCTS = {
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gpu_grouped(x_MxK, w_GxKxN, group_sizes_G, implementation):
-  """The grouped matmul on GPU with its VJP from the same implementation's kernels."""
-  return GPU_PRODUCTS[implementation][0](x_MxK, w_GxKxN, group_sizes_G)
+  """The grouped matmul on GPU with its VJP from the same implementation's kernels.
+
+  The barrier keeps XLA from running the kernel twice. Under scanned layers the output is
+  also stored into the scan's stacked residual (remat tag moe_h / moe_y), and XLA's GPU
+  dynamic-slice fusion fuses a custom call into that dynamic-update-slice by cloning the
+  call when it has other users: 24 extra expert launches (about 23 ms) per long_context_1b
+  step (benchmarks/train.md)."""
+  return jax.lax.optimization_barrier(
+      GPU_PRODUCTS[implementation][0](x_MxK, w_GxKxN, group_sizes_G))
 
 
 def _gpu_grouped_fwd(x_MxK, w_GxKxN, group_sizes_G, implementation):

@@ -16,7 +16,7 @@ from moe_jax import config as config_lib
 from moe_jax.data import pipeline, tokenizers
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
-from moe_jax.train import checkpoint, metrics, optim, state as state_lib, step as step_lib
+from moe_jax.train import checkpoint, compile_cache, metrics, optim, state as state_lib, step as step_lib
 from moe_jax.train import probe as route_probe
 from moe_jax.train.guard import DivergenceGuard
 from moe_jax.train.preemption import Preemption
@@ -87,12 +87,14 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   model = HybridMoE(state_lib.frozen_model_config(c))
   tx = optim.make_optimizer(c)
   manager = checkpoint.make_manager(os.path.abspath(os.path.join(workdir, "checkpoints")), c)
-  state, resumed, state_sh, batch_sh, train_step, _ = start(
+  state, resumed, state_sh, batch_sh, train_step, timings = start(
       c, mesh, model, tx, next(iter(eval_ds)), manager, train_iter, start_from)
   start_step = int(state.step)
   print(f"moe_jax: {state_lib.param_count(state.params):,} params; "
         + (f"resumed from checkpoint at step {resumed}" if resumed is not None
-           else "no checkpoint, starting from step 0"), flush=True)
+           else "no checkpoint, starting from step 0")
+        + f"; train step {timings['executable']} in {timings['lower']:.1f} s, compiled in "
+        f"{timings['compile']:.1f} s", flush=True)
 
   eval_step = step_lib.jit_eval_step(model.apply, state_sh, batch_sh, c.model)
   tags = {"stage": c.log.stage} if c.log.stage else None
@@ -181,7 +183,7 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
       json.dump(summary, f, indent=2)
     _print_final(_scalars(eval_metrics), unigram)
   return {**summary, "state": state, "history": history, "max_vio_history": max_vio_history,
-          "route_fluctuation_history": fluctuation_history,
+          "route_fluctuation_history": fluctuation_history, "start": timings,
           "skipped_updates": int(optim.skipped_updates(state.opt_state))}
 
 
@@ -191,9 +193,10 @@ def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=Non
   this one restores the newest checkpoint or, with none, runs init (and `start_from`).
 
   Returns (state, resumed step or None, state shardings, batch sharding, compiled train
-  step, timings in seconds: "init_or_restore", "lower", "compile", "wall")."""
+  step, timings: seconds "init_or_restore", "lower", "compile", "wall", and "executable":
+  "traced", or "loaded" from compile_cache's store)."""
   t0 = time.perf_counter()
-  abstract, state_sh, init = state_lib.train_state_plan(model, tx, example_batch, mesh)
+  abstract, state_sh, init = state_lib.train_state_plan(model, tx, example_batch, mesh, c)
   batch_sh = state_lib.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len) + v.shape[2:], v.dtype,
                                    sharding=batch_sh) for k, v in example_batch.items()}
@@ -201,13 +204,9 @@ def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=Non
   timings = {}
 
   def compile_step():
-    t = time.perf_counter()
-    lowered = jitted.lower(abstract, batch)
-    timings["lower"] = time.perf_counter() - t
-    t = time.perf_counter()
-    compiled = lowered.compile()
-    timings["compile"] = time.perf_counter() - t
-    return compiled
+    return compile_cache.compiled(jitted, (abstract, batch), name="train_step", config=c,
+                                  devices=mesh.devices.flat, known={"state": abstract},
+                                  donate=(0,), timings=timings)
 
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     compiling = pool.submit(compile_step)

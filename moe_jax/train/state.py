@@ -12,6 +12,7 @@ from jax._src import config as jax_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moe_jax.parallel.mesh import LOGICAL_RULES
+from moe_jax.train import compile_cache
 
 
 
@@ -62,12 +63,13 @@ def _boxed_state(model: nn.Module, tx, example_batch, rng):
                            router=variables.get("router", {}))
 
 
-def train_state_plan(model: nn.Module, tx, example_batch, mesh: Mesh):
+def train_state_plan(model: nn.Module, tx, example_batch, mesh: Mesh, config=None):
   """(abstract state: shapes, dtypes and shardings; state shardings; init: rng → state),
   without building anything: the train step can compile from the abstract state while init
   runs, and a resumed run restores into it and never inits. Params are fp32, laid out by
   their logical axes; init runs the XLA paths on a batch of one chunk per shard
-  (init_model, init_batch)."""
+  (init_model, init_batch). With `config` (the run's, which built model and tx) init's
+  executable goes through compile_cache.compiled: stored, or loaded untraced."""
   example_batch = init_batch(example_batch, mesh)
   boxed_state = lambda r: _boxed_state(model, tx, example_batch, r)
   # An abstract key: nothing runs, so this also plans for devices that are not attached
@@ -80,7 +82,10 @@ def train_state_plan(model: nn.Module, tx, example_batch, mesh: Mesh):
 
   def init(rng):
     with _threefry_kernels():
-      return jitted(rng)
+      if config is None:
+        return jitted(rng)
+      return compile_cache.compiled(jitted, (rng,), name="init", config=config,
+                                    devices=mesh.devices.flat, known={"state": abstract})(rng)
 
   return abstract, shardings, init
 
