@@ -1,0 +1,82 @@
+"""Where the train step's cold compile goes: XLA's own trace events (passes, autotuning,
+LLVM, ptxas, Triton) during `compile()`, summed by name, with a fresh compilation cache.
+
+  python scripts/profile_compile.py --row=1b_dropless [--set=k=v ...] [--out=$OUT]
+
+The row is one of scripts/bench_train.py's ROWS; --set and --out are its flags (with --out
+given, the summary goes to <out>/compile_<row>.json). Printed: trace+lower and compile seconds
+and the 40 event names with the most time (inclusive; nested events overlap, and XLA runs
+some stages on several threads, so a name's total can exceed the wall time).
+"""
+
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import jax
+from absl import app, flags
+
+from moe_jax.model.transformer import HybridMoE
+from moe_jax.parallel.mesh import make_mesh
+from moe_jax.train import compile_cache, optim, state as state_lib, step as step_lib
+from scripts import bench_train
+
+_ROW = flags.DEFINE_string("row", "1b_dropless", "A row of scripts/bench_train.py.")
+
+
+def event_totals(trace_dir: str) -> dict:
+  """{event name: [total seconds, count, distinct threads]} from the Perfetto trace."""
+  path, = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  totals = collections.defaultdict(lambda: [0.0, 0, set()])
+  for e in events:
+    if e.get("ph") == "X" and "dur" in e:
+      t = totals[e["name"]]
+      t[0] += e["dur"] / 1e6
+      t[1] += 1
+      t[2].add(e.get("tid"))
+  return {k: [v[0], v[1], len(v[2])] for k, v in totals.items()}
+
+
+def main(argv):
+  del argv
+  compile_cache.enable(tempfile.mkdtemp(prefix="xla_cache_profile_"))   # empty: a cold compile
+  c = bench_train.row_config(_ROW.value, bench_train._SET.value)
+  mesh = make_mesh(c.mesh)
+  with jax.set_mesh(mesh):
+    model = HybridMoE(state_lib.frozen_model_config(c))
+    shapes = {"tokens": "int32", "targets": "int32", "segment_ids": "int32",
+              "positions": "int32", "loss_mask": "float32"}
+    example = {k: jax.numpy.zeros((1, c.data.seq_len), v) for k, v in shapes.items()}
+    abstract, state_sh, _ = state_lib.train_state_plan(model, optim.make_optimizer(c),
+                                                       example, mesh)
+    batch_sh = state_lib.batch_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len), v,
+                                     sharding=batch_sh) for k, v in shapes.items()}
+    t = time.perf_counter()
+    lowered = step_lib.jit_train_step(c, state_sh, batch_sh).lower(abstract, batch)
+    lower_s = time.perf_counter() - t
+    trace_dir = tempfile.mkdtemp(prefix="compile_trace_")
+    t = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      lowered.compile()
+    compile_s = time.perf_counter() - t
+  totals = event_totals(trace_dir)
+  top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:40]
+  print(f"{_ROW.value}: trace+lower {lower_s:.1f} s, compile {compile_s:.1f} s (profiled)")
+  print("| event | total s | count | threads |\n|---|---|---|---|")
+  for name, (s, n, threads) in top:
+    print(f"| {name[:90]} | {s:.2f} | {n} | {threads} |")
+  if flags.FLAGS["out"].present:
+    with open(os.path.join(bench_train._OUT.value, f"compile_{_ROW.value}.json"), "w") as f:
+      json.dump({"row": _ROW.value, "set": bench_train._SET.value, "lower_s": lower_s,
+                 "compile_s": compile_s, "events": dict(top)}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
