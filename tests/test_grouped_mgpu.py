@@ -138,3 +138,6 @@ def test_model_path_lowers_to_the_native_kernels_for_a_gpu_target():
   for kernel in ("grouped_mgpu_y_1024x1408", "grouped_mgpu_dx_1408x1024",
                  "grouped_mgpu_dw_1024x1408"):
     assert f"{kernel}_mosaic_gpu" in text, kernel
+  # y leaves through a barrier: XLA's dynamic-slice fusion would clone the kernel call
+  # into a scan's residual store (experts._gpu_grouped).
+  assert "stablehlo.optimization_barrier" in text
