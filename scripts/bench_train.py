@@ -48,8 +48,6 @@ _RESULT = flags.DEFINE_string("result", "", "Internal: the child's JSON output."
 _LOGS = flags.DEFINE_string("logs", "", "Where each process's log goes (default <out>/logs).")
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA_FLAGS for every row's processes "
                                  "(e.g. --xla_gpu_autotune_level=0), recorded with the row.")
-_INIT_AFTER_LOWERING = flags.DEFINE_bool("init_after_lowering", True, "loop.start's order: "
-                                         "init waits for the step's lowering (else beside it).")
 _SET = flags.DEFINE_multi_string("set", [], "Extra config override key=value for every row "
                                  "(e.g. model.remat=True), applied last.")
 
@@ -191,7 +189,7 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
   from moe_jax.train import checkpoint, compile_cache, loop, optim, state as state_lib
 
   rec = {"row": name, "mode": mode, "imports_s": time.time() - _LAUNCH,
-         "xla_flags": _XLA_FLAGS.value, "init_after_lowering": _INIT_AFTER_LOWERING.value}
+         "xla_flags": _XLA_FLAGS.value}
   c = config_lib.validate(row_config(name, extra))
   compile_cache.enable(cache_dir)
   mesh = make_mesh(c.mesh)
@@ -207,8 +205,7 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
     manager = checkpoint.make_manager(os.path.join(tempfile.mkdtemp(), "checkpoints"), c)
     # loop.start, as train.py runs it: init (or restore) beside the step's trace and compile.
     state, _, _, _, step, timings = loop.start(c, mesh, model, optim.make_optimizer(c), batch,
-                                                manager, train_iter,
-                                                init_after_lowering=_INIT_AFTER_LOWERING.value)
+                                                manager, train_iter)
     rec.update({"init_s": timings["init_or_restore"], "trace_lower_s": timings["lower"],
                 "compile_s": timings["compile"], "init_and_compile_wall_s": timings["wall"],
                 "train_step": timings["executable"]})
@@ -276,7 +273,6 @@ def run_row(name: str, steps: int, extra) -> list[dict]:
     cmd = [sys.executable, __file__, f"--child={name}", f"--mode={mode}", f"--cache_dir={cache}",
            f"--result={result}", f"--steps={steps}", f"--out={_OUT.value}",
            f"--logs={logs}", f"--xla_flags={_XLA_FLAGS.value}",
-           f"--init_after_lowering={_INIT_AFTER_LOWERING.value}",
            *[f"--set={kv}" for kv in extra]]
     t = time.time()
     n = row_devices(name)   # the row's devices: the first n GPUs, or n CPU devices

@@ -166,15 +166,13 @@ def _abstract(x):
 
 
 def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | None = None,
-             donate: tuple = (), timings: dict | None = None, on_lowered=None):
+             donate: tuple = (), timings: dict | None = None):
   """`jitted`, traced on `args` (arrays or ShapeDtypeStructs with shardings) and compiled:
   a Program called as jitted(*args) is. With the store on (enable), the trace is loaded
   from it when it holds one under the same key (module doc), else stored. `known` names
   output subtrees by an example of their structure; `donate` lists donated argument
   positions; `devices` are the program's devices in mesh order. `timings` gets "lower"
-  (trace + export, or the load), "compile", and "executable": "loaded" or "traced".
-  `on_lowered()` is called between the lowering and the compile."""
-  on_lowered = on_lowered or (lambda: None)
+  (trace + export, or the load), "compile", and "executable": "loaded" or "traced"."""
   timings = {} if timings is None else timings
   known = {k: jax.tree.structure(v) for k, v in (known or {}).items()}
   leaves, in_tree = jax.tree.flatten(args)
@@ -213,7 +211,6 @@ def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | N
                       name, type(e).__name__, e)
       lowered = jitted.lower(*args)
       timings["lower"] = time.perf_counter() - t
-      on_lowered()
       t = time.perf_counter()
       executable = lowered.compile()
       timings["compile"] = time.perf_counter() - t
@@ -223,7 +220,6 @@ def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | N
       _store(base, exported, jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves), known)
   lowered = jax.jit(exported.call, donate_argnums=donated).lower(*abstract)
   timings["lower"] = time.perf_counter() - t
-  on_lowered()
   t = time.perf_counter()
   executable = lowered.compile()
   timings["compile"] = time.perf_counter() - t

@@ -4,7 +4,6 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import threading
 import time
 
 import jax
@@ -188,13 +187,12 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
           "skipped_updates": int(optim.skipped_updates(state.opt_state))}
 
 
-def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=None,
-          init_after_lowering=True):
+def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=None):
   """The state to train from and the compiled train step, side by side: the step compiles
   (or loads from the compilation cache) on a second thread from the abstract state while
   this one restores the newest checkpoint or, with none, runs init (and `start_from`).
-  With `init_after_lowering`, init waits until the step is lowered: its trace would share
-  the GIL with the step's, which is on the critical path (lowering, then the compile).
+  (Init waiting for the step's lowering, so that its trace leaves the GIL to the step's,
+  measured slower on the H200: the two XLA compiles then overlap; benchmarks/train.md.)
 
   Returns (state, resumed step or None, state shardings, batch sharding, compiled train
   step, timings: seconds "init_or_restore", "lower", "compile", "wall", and "executable":
@@ -206,23 +204,17 @@ def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=Non
                                    sharding=batch_sh) for k, v in example_batch.items()}
   jitted = step_lib.jit_train_step(c, state_sh, batch_sh)
   timings = {}
-  lowered = threading.Event()
 
   def compile_step():
-    try:
-      return compile_cache.compiled(jitted, (abstract, batch), name="train_step", config=c,
-                                    devices=mesh.devices.flat, known={"state": abstract},
-                                    donate=(0,), timings=timings, on_lowered=lowered.set)
-    finally:
-      lowered.set()
+    return compile_cache.compiled(jitted, (abstract, batch), name="train_step", config=c,
+                                  devices=mesh.devices.flat, known={"state": abstract},
+                                  donate=(0,), timings=timings)
 
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     compiling = pool.submit(compile_step)
     t = time.perf_counter()
     state, resumed = checkpoint.restore_latest(manager, abstract, train_iter, c.model)
     if resumed is None:
-      if init_after_lowering:
-        lowered.wait()
       state = init(jax.random.key(c.seed))
       if start_from is not None:
         state = start_from(state)
