@@ -167,9 +167,10 @@ def _abstract(x):
 
 def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | None = None,
              donate: tuple = (), timings: dict | None = None):
-  """`jitted`, traced on `args` (arrays or ShapeDtypeStructs with shardings) and compiled:
-  a Program called as jitted(*args) is. With the store on (enable), the trace is loaded
-  from it when it holds one under the same key (module doc), else stored. `known` names
+  """`jitted`, traced on `args` (arrays or ShapeDtypeStructs with shardings) and compiled,
+  called as jitted(*args) is. With the store off (enable("")), just lower and compile. With
+  it on, the trace is loaded from the store when it holds one under the same key (module
+  doc), else exported and stored; either way the Program compiles the exported call. `known` names
   output subtrees by an example of their structure; `donate` lists donated argument
   positions; `devices` are the program's devices in mesh order. `timings` gets "lower"
   (trace + export, or the load), "compile", and "executable": "loaded" or "traced"."""
@@ -180,11 +181,12 @@ def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | N
   counts = [len(jax.tree.leaves(a)) for a in args]
   donated = tuple(i for a in donate for i in range(sum(counts[:a]), sum(counts[:a + 1])))
   t = time.perf_counter()
-  base = None
-  if _STORE["dir"]:
-    base = os.path.join(_STORE["dir"], f"{name}-{key(name, config, args, list(devices))}")
+  timings["executable"] = "traced"
+  if not _STORE["dir"]:
+    return _lower_and_compile(jitted, args, timings, t)
+  base = os.path.join(_STORE["dir"], f"{name}-{key(name, config, args, list(devices))}")
   exported = out_tree = None
-  if base and os.path.exists(base + ".json"):
+  if os.path.exists(base + ".json"):
     try:
       with open(base + ".bin", "rb") as f:
         exported = jax.export.deserialize(bytearray(f.read()))
@@ -203,27 +205,25 @@ def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | N
       return out_leaves
 
     checks = [jax.export.DisabledSafetyCheck.custom_call(c) for c in _KERNEL_TARGETS]
-    timings["executable"] = "traced"
     try:
       exported = jax.export.export(jax.jit(flat), disabled_checks=checks)(*abstract)
     except Exception as e:  # e.g. a kernel's custom call not in _KERNEL_TARGETS: no store
       logging.warning("compile_cache: %s cannot be exported (%s: %s); compiling it directly",
                       name, type(e).__name__, e)
-      lowered = jitted.lower(*args)
-      timings["lower"] = time.perf_counter() - t
-      t = time.perf_counter()
-      executable = lowered.compile()
-      timings["compile"] = time.perf_counter() - t
-      return executable
+      return _lower_and_compile(jitted, args, timings, t)
     out_tree = box["out_tree"]
-    if base:
-      _store(base, exported, jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves), known)
-  lowered = jax.jit(exported.call, donate_argnums=donated).lower(*abstract)
+    _store(base, exported, jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves), known)
+  call = jax.jit(exported.call, donate_argnums=donated)
+  return Program(_lower_and_compile(call, abstract, timings, t), in_tree, out_tree)
+
+
+def _lower_and_compile(jitted, args, timings: dict, t: float):
+  lowered = jitted.lower(*args)
   timings["lower"] = time.perf_counter() - t
   t = time.perf_counter()
   executable = lowered.compile()
   timings["compile"] = time.perf_counter() - t
-  return Program(executable, in_tree, out_tree)
+  return executable
 
 
 def _store(base: str, exported, out_example, known: dict):
