@@ -69,8 +69,7 @@ def compile_for(c, topology: str) -> dict:
     t0 = time.perf_counter()
     abstract, state_sh, _ = state_lib.train_state_plan(model, tx, example_batch(c), mesh)
     batch_sh = state_lib.batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len), v.dtype,
-                                     sharding=batch_sh) for k, v in example_batch(c).items()}
+    batch = state_lib.abstract_batch(c, example_batch(c), batch_sh)
     lowered = step_lib.jit_train_step(c, state_sh, batch_sh).lower(abstract, batch)
     t_lower = time.perf_counter() - t0
     compiled = lowered.compile()

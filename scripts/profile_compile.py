@@ -20,6 +20,7 @@ import time
 import jax
 from absl import app, flags
 
+from moe_jax.data import pipeline
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import compile_cache, optim, state as state_lib, step as step_lib
@@ -49,15 +50,12 @@ def main(argv):
   c = bench_train.row_config(_ROW.value, bench_train._SET.value)
   mesh = make_mesh(c.mesh)
   with jax.set_mesh(mesh):
+    example = next(iter(pipeline.train_dataset(pipeline.sources(c)["train"], c)))
     model = HybridMoE(state_lib.frozen_model_config(c))
-    shapes = {"tokens": "int32", "targets": "int32", "segment_ids": "int32",
-              "positions": "int32", "loss_mask": "float32"}
-    example = {k: jax.numpy.zeros((1, c.data.seq_len), v) for k, v in shapes.items()}
     abstract, state_sh, _ = state_lib.train_state_plan(model, optim.make_optimizer(c),
                                                        example, mesh)
     batch_sh = state_lib.batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len), v,
-                                     sharding=batch_sh) for k, v in shapes.items()}
+    batch = state_lib.abstract_batch(c, example, batch_sh)
     t = time.perf_counter()
     lowered = step_lib.jit_train_step(c, state_sh, batch_sh).lower(abstract, batch)
     lower_s = time.perf_counter() - t

@@ -79,7 +79,8 @@ def test_a_changed_config_or_shape_is_traced_and_a_bad_entry_is_replaced(store, 
   small_config.optim.learning_rate *= 2
   _compiled(jitted, args, mesh, small_config, timings)
   assert timings["executable"] == "traced" and len(os.listdir(store)) == 4
-  wider = (args[0], {"x": jax.ShapeDtypeStruct((5, 4), jnp.float32, sharding=args[1]["x"].sharding)})
+  x_sh = args[1]["x"].sharding
+  wider = (args[0], {"x": jax.ShapeDtypeStruct((5, 4), jnp.float32, sharding=x_sh)})
   _compiled(jitted, wider, mesh, small_config, timings)
   assert timings["executable"] == "traced"
   for name in os.listdir(store):         # corrupt every program: each traces and is rewritten

@@ -170,8 +170,8 @@ def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | N
   """`jitted`, traced on `args` (arrays or ShapeDtypeStructs with shardings) and compiled,
   called as jitted(*args) is. With the store off (enable("")), just lower and compile. With
   it on, the trace is loaded from the store when it holds one under the same key (module
-  doc), else exported and stored; either way the Program compiles the exported call. `known` names
-  output subtrees by an example of their structure; `donate` lists donated argument
+  doc), else exported and stored; either way the Program compiles the exported call.
+  `known` names output subtrees by an example of their structure; `donate` lists donated argument
   positions; `devices` are the program's devices in mesh order. `timings` gets "lower"
   (trace + export, or the load), "compile", and "executable": "loaded" or "traced"."""
   timings = {} if timings is None else timings

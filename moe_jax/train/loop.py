@@ -16,7 +16,8 @@ from moe_jax import config as config_lib
 from moe_jax.data import pipeline, tokenizers
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
-from moe_jax.train import checkpoint, compile_cache, metrics, optim, state as state_lib, step as step_lib
+from moe_jax.train import checkpoint, compile_cache, metrics, optim
+from moe_jax.train import state as state_lib, step as step_lib
 from moe_jax.train import probe as route_probe
 from moe_jax.train.guard import DivergenceGuard
 from moe_jax.train.preemption import Preemption
@@ -200,8 +201,7 @@ def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=Non
   t0 = time.perf_counter()
   abstract, state_sh, init = state_lib.train_state_plan(model, tx, example_batch, mesh, c)
   batch_sh = state_lib.batch_sharding(mesh)
-  batch = {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len) + v.shape[2:], v.dtype,
-                                   sharding=batch_sh) for k, v in example_batch.items()}
+  batch = state_lib.abstract_batch(c, example_batch, batch_sh)
   jitted = step_lib.jit_train_step(c, state_sh, batch_sh)
   timings = {}
 

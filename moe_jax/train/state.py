@@ -50,6 +50,13 @@ def init_batch(example_batch, mesh: Mesh | None = None):
 _INIT_CHUNK = 128  # ≥ every kda_chunk_size
 
 
+def abstract_batch(c, example_batch, sharding: NamedSharding) -> dict:
+  """The global train batch's shapes and dtypes (data.batch_size × data.seq_len, trailing
+  dims as in `example_batch`, any batch size) on `sharding`: what the step compiles for."""
+  return {k: jax.ShapeDtypeStruct((c.data.batch_size, c.data.seq_len) + v.shape[2:], v.dtype,
+                                  sharding=sharding) for k, v in example_batch.items()}
+
+
 def global_batch(local_batch: dict, sharding: NamedSharding) -> dict:
   """The global batch array from each process's rows (data/pipeline.py shards them by
   process); with one process, a device_put."""
