@@ -48,6 +48,8 @@ _RESULT = flags.DEFINE_string("result", "", "Internal: the child's JSON output."
 _LOGS = flags.DEFINE_string("logs", "", "Where each process's log goes (default <out>/logs).")
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA_FLAGS for every row's processes "
                                  "(e.g. --xla_gpu_autotune_level=0), recorded with the row.")
+_START_ONLY = flags.DEFINE_bool("start_only", False, "Cold processes too stop after the first "
+                                "step: an A/B of start-up alone (no steady steps, no profile).")
 _SET = flags.DEFINE_multi_string("set", [], "Extra config override key=value for every row "
                                  "(e.g. model.remat=True), applied last.")
 
@@ -217,7 +219,7 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
     print(f"{name} {mode}: first_step_run_s {rec['first_step_run_s']:.1f}", flush=True)
     rec["launch_to_first_step_s"] = time.time() - _LAUNCH
     rec["first_loss"] = float(m["loss"])
-    if mode == "warm":
+    if mode == "warm" or _START_ONLY.value:
       return rec
 
     tokens = c.data.batch_size * c.data.seq_len
@@ -273,6 +275,7 @@ def run_row(name: str, steps: int, extra) -> list[dict]:
     cmd = [sys.executable, __file__, f"--child={name}", f"--mode={mode}", f"--cache_dir={cache}",
            f"--result={result}", f"--steps={steps}", f"--out={_OUT.value}",
            f"--logs={logs}", f"--xla_flags={_XLA_FLAGS.value}",
+           f"--start_only={_START_ONLY.value}",
            *[f"--set={kv}" for kv in extra]]
     t = time.time()
     n = row_devices(name)   # the row's devices: the first n GPUs, or n CPU devices
@@ -318,14 +321,17 @@ def markdown(records: list[dict], extra) -> str:
     by_row.setdefault(r["row"], {})[r["mode"]] = r
   for row, rs in by_row.items():
     cold, warm = rs.get("cold", {}), rs.get("warm", {})
-    if "error" in cold or not cold:
-      lines.append(f"| {row} | failed: {cold.get('error', '')[-200:]!r} |")
-      continue
-    mfu = f"{100 * cold['mfu']:.1f}%" if cold.get("mfu") else "—"
-    peak = f"{cold['peak_memory_gib']:.1f}" if cold.get("peak_memory_gib") else "—"
     start = lambda r: (f"{r['init_s']:.1f} ‖ ({r['trace_lower_s']:.1f} + {r['compile_s']:.1f}) "
                        f"= {r['init_and_compile_wall_s']:.1f}; **{r['launch_to_first_step_s']:.1f}**"
                        if "launch_to_first_step_s" in r else "—")
+    if "error" in cold or not cold:
+      lines.append(f"| {row} | failed: {cold.get('error', '')[-200:]!r} |")
+      continue
+    if "step_ms" not in cold:   # --start_only
+      lines.append(f"| {row} | | | {start(cold)} | {start(warm)} | | | | | |")
+      continue
+    mfu = f"{100 * cold['mfu']:.1f}%" if cold.get("mfu") else "—"
+    peak = f"{cold['peak_memory_gib']:.1f}" if cold.get("peak_memory_gib") else "—"
     lines.append(
         f"| {row} | {cold['device']} | {cold['tokens_per_step']} | {start(cold)} | "
         f"{start(warm)} | {cold['step_ms']:.1f} | {cold['tokens_per_s']:,.0f} | "
