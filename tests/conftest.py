@@ -24,7 +24,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # On a machine without a GPU, XLA:CPU compiles at LLVM -O0 without its expensive passes: the
 # suite is mostly compiles of small programs (a 5-step small-config run: compile 15.7 → 6.0 s,
 # the same losses). Inherited by every subprocess and notebook kernel the tests start; a test
-# whose time is in running, not compiling, can drop it there (without_fast_cpu_compile).
+# whose time is in running, not compiling, can drop it there (xla_flags_without).
 FAST_CPU_COMPILE = ("--xla_backend_optimization_level=0",
                     "--xla_llvm_disable_expensive_passes=true")
 if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get(
@@ -66,14 +66,15 @@ def subprocess_env(**extra) -> dict:
   return {**os.environ, "PYTHONPATH": path, **extra}
 
 
-def without_fast_cpu_compile(xla_flags: str) -> str:
-  return " ".join(f for f in xla_flags.split() if f not in FAST_CPU_COMPILE)
+def xla_flags_without(*prefixes: str) -> str:
+  """This process's XLA_FLAGS less the flags that start with any of `prefixes`."""
+  return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                  if not f.startswith(prefixes))
 
 
 def cpu_devices_env(n: int) -> dict:
   """Environment for a subprocess with n fake CPU devices, whatever accelerator is here."""
-  flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                   if not f.startswith("--xla_force_host_platform_device_count"))
+  flags = xla_flags_without("--xla_force_host_platform_device_count")
   return subprocess_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={n} {flags}".strip(),
                         JAX_PLATFORMS="cpu")
 
@@ -139,4 +140,3 @@ def make_small_config():
   c.checkpoint.every_steps = 3
   c.log.every_steps = 1
   return c
-

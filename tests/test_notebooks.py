@@ -9,7 +9,7 @@ import time
 import nbformat
 import pytest
 
-from tests.conftest import ROOT, without_fast_cpu_compile
+from tests.conftest import FAST_CPU_COMPILE, ROOT, xla_flags_without
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 # Notebooks whose time is in running (many steps of several models), not in compiling: their
@@ -31,7 +31,7 @@ def test_the_five_notebooks_are_there_without_outputs():
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
   from nbclient import NotebookClient
   if os.path.basename(path) in RUNTIME_BOUND:
-    monkeypatch.setenv("XLA_FLAGS", without_fast_cpu_compile(os.environ.get("XLA_FLAGS", "")))
+    monkeypatch.setenv("XLA_FLAGS", xla_flags_without(*FAST_CPU_COMPILE))
   book = nbformat.read(path, as_version=4)
   start = time.perf_counter()
   os.environ.pop("MPLBACKEND", None)   # the kernel's inline backend turns plots into outputs
