@@ -74,6 +74,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   impls = ("", "xla", "recurrent", "pallas_gpu", "pallas_tpu")
   if m.kda_implementation not in impls:
     _fail("model.kda_implementation", m.kda_implementation, f"one of {impls}")
+  if not isinstance(m.kda_gate_in_kernel, bool):
+    _fail("model.kda_gate_in_kernel", m.kda_gate_in_kernel, "True or False")
   if m.attn_res not in ("none", "block", "full", "mix"):
     _fail("model.attn_res", m.attn_res, "one of ('none', 'block', 'full', 'mix')")
   if not isinstance(m.attn_res_block_size, int) or m.attn_res_block_size < 1:

@@ -4,7 +4,8 @@
       [--jobs=2 --shape_timeout=280]   # one process per shape, two GPUs at a time
 
 bf16 inputs, K=V=128, bounded gate (lower_bound=-5) computed from raw gate inputs as part of
-the timed function (fla fuses it in its kernel). Median of --iters runs after warm-up.
+the timed function: inside the op as fla's (A_log, dt_bias passed; pallas_gpu's prologue
+kernel), or in XLA before it for "<impl>/xla_gate". Median of --iters runs after warm-up.
 """
 
 import ast
@@ -26,7 +27,9 @@ from scripts import timing
 
 _SHAPES = flags.DEFINE_string("shapes", "1x8192x16,4x8192x16,1x32768x16,1x65536x32,8x4096x32",
                               "Comma-separated BxTxH.")
-_IMPLS = flags.DEFINE_string("impls", "pallas_gpu,xla", "Our implementations to time.")
+_IMPLS = flags.DEFINE_string("impls", "pallas_gpu,xla", "Our implementations to time "
+                             "(impl/xla_gate: the gate in XLA before the op, the old path).")
+_FLA = flags.DEFINE_bool("fla", True, "Time fla too (its autotuning takes minutes a shape).")
 _KNOBS = flags.DEFINE_multi_string(
     "knobs", [], "Extra pallas_gpu rows with module launch knobs set, e.g. "
     "--knobs=BLOCK_K=64,ROLLED=False --knobs=WARPS.tiles=2 (restored after the row).")
@@ -99,9 +102,16 @@ def set_knobs(spec):
 
 
 def jax_fns(impl):
+  """impl: an implementation with the gate inside the op (A_log, dt_bias passed, as fla's
+  use_gate_in_kernel), or "<impl>/xla_gate": kda_gate in XLA, then the op on g."""
+  impl, _, variant = impl.partition("/")
+
   def fwd(q, k, v, x, beta, A_log, dt_bias):
-    g = kda_gate(x, A_log, dt_bias, lower_bound=_LOWER)
-    return kda(q, k, v, g, beta, lower_bound=_LOWER, implementation=impl)[0]
+    if variant == "xla_gate":
+      g = kda_gate(x, A_log, dt_bias, lower_bound=_LOWER)
+      return kda(q, k, v, g, beta, lower_bound=_LOWER, implementation=impl)[0]
+    return kda(q, k, v, x, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=_LOWER,
+               implementation=impl)[0]
 
   def fwd_bwd(q, k, v, x, beta, A_log, dt_bias, do):
     o, vjp = jax.vjp(fwd, q, k, v, x, beta, A_log, dt_bias)
@@ -168,6 +178,8 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
     print(f"{B}x{T}x{H}", impl, json.dumps(rows[impl]), flush=True)
     on_row(rows)
   try:
+    if not _FLA.value:
+      raise RuntimeError("not timed (--fla=false)")
     f, fb = fla_fns(inp)
     o = f().detach().float().cpu().numpy()
     rows["fla"] = {"fwd_ms": time_torch(f), "fwd_bwd_ms": time_torch(fb)}
@@ -213,7 +225,7 @@ def run_shapes(shapes, impls, out_dir):
 
 def run_parallel(shapes, out_dir):
   """Each shape in a child process of this script, --jobs at a time, slot i on GPU i."""
-  flags_kept = [f"--impls={_IMPLS.value}", f"--iters={_ITERS.value}"] + [
+  flags_kept = [f"--impls={_IMPLS.value}", f"--iters={_ITERS.value}", f"--fla={_FLA.value}"] + [
       f"--knobs={k}" for k in _KNOBS.value]
   pending, running = list(shapes), {}
   results = {"device": None, "date": time.strftime("%Y-%m-%d"), "shapes": {}}

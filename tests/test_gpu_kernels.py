@@ -23,7 +23,7 @@ from pallas_kernels.attention import ring_step
 from pallas_kernels.matmul import few_rows
 from pallas_kernels.moe import decode_experts as de
 from tests.conftest import rel_err
-from tests.test_kda import LB, _impl, _inputs, _loss_and_grads, _spec
+from tests.test_kda import LB, _impl, _inputs, _loss_and_grads, _spec, check_gate_inside_the_op
 
 pytestmark = pytest.mark.gpu
 GRADS = ["q", "k", "v", "g", "beta", "initial_state"]
@@ -86,6 +86,15 @@ def test_kda_fp32_at_default_precision_is_tf32_accurate():
   f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
   with jax.default_matmul_precision("default"):
     _check_kda(f32, S0.astype(jnp.float32), LB, 3e-3, 4)
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("lower_bound", [LB, None])
+def test_kda_gate_and_l2_norm_in_the_prologue_kernel(lower_bound):
+  """The training path (model.kda_gate_in_kernel): bf16 raw q/k/v, the gate input, packed
+  segments and padding; outputs and the gradients of q, k, v, x, β, A_log and dt_bias."""
+  check_gate_inside_the_op("pallas_gpu", 2, 1000, 16, 128, 128, lower_bound, jnp.bfloat16,
+                           1e-2, 8, 64)
 
 
 def _segments(B, T, seed):

@@ -146,6 +146,68 @@ def test_extreme_gates_stay_finite_and_accurate(impl):
     assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
 
 
+def check_gate_inside_the_op(impl, B, T, H, K, V, lower_bound, dtype, bound, seed, chunk):
+  """kda(x, A_log=, dt_bias=, qk_l2norm=True) against the fp64 spec run on
+  kda_gate(x, ...) and l2-normalised q, k: outputs and the gradients of all seven inputs
+  (raw q, k, v, the gate input x, β, A_log, dt_bias), with packed segments, a reset in
+  mid-chunk and trailing padding (pallas_gpu: the prologue kernel and its backward)."""
+  rng = np.random.default_rng(seed)
+  q, k = (jnp.asarray(rng.normal(size=(B, T, H, K)) * 2) for _ in range(2))
+  v, x = jnp.asarray(rng.normal(size=(B, T, H, V))), jnp.asarray(rng.normal(size=(B, T, H, K)))
+  beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(B, T, H)))))
+  A_log, dt_bias = jnp.asarray(rng.normal(size=H) * 0.5), jnp.asarray(rng.normal(size=H * K))
+  seg = np.ones((B, T), np.int32)
+  pad = T - T // 7
+  seg[0, T // 4:T // 2], seg[0, pad:], seg[-1, T // 2 + 1:] = 2, 0, 3
+  seg = jnp.asarray(seg)
+  w_o = jnp.asarray(rng.normal(size=(B, T, H, V)))
+  args = (q, k, v, x, beta, A_log, dt_bias)
+
+  def spec(q, k, v, x, beta, A_log, dt_bias):
+    g = kda_gate(x, A_log, dt_bias, lower_bound=lower_bound)
+    return reference.kda_recurrent(reference.l2_normalize(q), reference.l2_normalize(k), v, g,
+                                   beta, segment_ids=seg)[0]
+
+  def fused(q, k, v, x, beta, A_log, dt_bias):
+    return kda(q, k, v, x, beta, A_log=A_log, dt_bias=dt_bias, qk_l2norm=True,
+               segment_ids=seg, chunk_size=chunk, lower_bound=lower_bound,
+               implementation=impl)[0]
+
+  loss = lambda fn: lambda *a: (fn(*a).astype(jnp.float64) * w_o).sum()
+  low = tuple(a.astype(dtype) for a in args[:5]) + tuple(a.astype(jnp.float32) for a in args[5:])
+  args = tuple(a.astype(jnp.float64) for a in low)       # the spec sees the rounded inputs
+  o_ref, ref_grads = spec(*args), jax.grad(loss(spec), argnums=range(7))(*args)
+  o = fused(*low)
+  assert o.shape == (B, T, H, V) and o.dtype == dtype
+  assert rel_err(o, o_ref) <= bound
+  assert float(jnp.abs(o[0, pad:]).max()) == 0.0                    # padding outputs zeros
+  grads = jax.grad(loss(fused), argnums=range(7))(*low)
+  names = ["q", "k", "v", "x", "beta", "A_log", "dt_bias"]
+  for name, a, b in zip(names, grads, ref_grads):
+    a = np.asarray(a.astype(jnp.float32))
+    assert a.shape == b.shape and np.isfinite(a).all(), name
+    assert rel_err(a, b) <= bound, (name, rel_err(a, b))
+  assert float(jnp.abs(grads[3][0, pad:]).max()) == 0.0            # no gradient into padding
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+@pytest.mark.parametrize("lower_bound", [LB, None])
+def test_gate_and_l2_norm_inside_the_op_match_the_composition(impl, lower_bound):
+  check_gate_inside_the_op(impl, 2, 70, 2, 32, 16, lower_bound, jnp.float32, 1e-4, 7, 32)
+
+
+def test_gate_inside_the_op_rejects_bad_input():
+  (q, k, v, g, beta), _ = _inputs(1, 8, 2, 4, 4)
+  with pytest.raises(ValueError, match=r"A_log and dt_bias go together"):
+    kda(q, k, v, g, beta, A_log=jnp.zeros(2))
+  with pytest.raises(ValueError, match=r"A_log must have shape \[H\]=\(2,\), got \(3,\)"):
+    kda(q, k, v, g, beta, A_log=jnp.zeros(3), dt_bias=jnp.zeros(8))
+  with pytest.raises(ValueError, match=r"dt_bias must have shape \[H\*K\]=\(8,\), got \(4,\)"):
+    kda(q, k, v, g, beta, A_log=jnp.zeros(2), dt_bias=jnp.zeros(4))
+  o, _ = kda(q, k, v, -g + 0.1, beta, A_log=jnp.zeros(2), dt_bias=jnp.zeros(8))  # any gate input
+  assert np.isfinite(np.asarray(o)).all()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_chunk_cumsum_is_the_running_sum_inside_each_chunk(dtype):
   """The matmul form of the chunk-local cumsum (and its transpose, the reverse cumsum)."""

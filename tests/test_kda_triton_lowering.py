@@ -23,25 +23,35 @@ def h200(monkeypatch):
   monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
-@pytest.mark.parametrize("K,V,T,with_segments", [(128, 128, 256, False), (64, 32, 200, True)])
-def test_forward_and_backward_lower_to_triton(h200, K, V, T, with_segments):
+@pytest.mark.parametrize("K,V,T,with_segments,gate", [
+    (128, 128, 256, False, "none"), (64, 32, 200, True, "bounded"),
+    (64, 32, 128, False, "unbounded")])
+def test_forward_and_backward_lower_to_triton(h200, K, V, T, with_segments, gate):
+  """gate "none": g given; else the gate and the q/k L2 norm in the prologue kernel."""
   B, H = 1, 2
   bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
   seg = jnp.ones((B, T), jnp.int32) if with_segments else None
+  kw = {} if gate == "none" else dict(qk_l2norm=True,
+                                      lower_bound=-5.0 if gate == "bounded" else None)
 
-  def fwd(q, k, v, g, beta):
-    return pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, segment_ids=seg, interpret=False)[0]
+  def fwd(q, k, v, g, beta, A_log, dt_bias):
+    gate_params = {} if gate == "none" else dict(A_log=A_log, dt_bias=dt_bias)
+    return pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, segment_ids=seg, interpret=False,
+                                     **gate_params, **kw)[0]
 
-  def fwd_bwd(q, k, v, g, beta):
-    o, vjp = jax.vjp(fwd, q, k, v, g, beta)
+  def fwd_bwd(*args):
+    o, vjp = jax.vjp(fwd, *args)
     return vjp(o)
 
-  args = (bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, V), jnp.zeros((B, T, H, K)), bf(B, T, H))
+  args = (bf(B, T, H, K), bf(B, T, H, K), bf(B, T, H, V), jnp.zeros((B, T, H, K)), bf(B, T, H),
+          jnp.zeros(H), jnp.zeros(H * K))
   text = jax.jit(fwd_bwd).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  for kernel in ("kda_intra_tiles", "kda_intra_solve", "kda_intra_wu", "kda_intra_wu_bwd",
-                 "kda_intra_tiles_bwd", "kda_recurrence", "kda_recurrence_bwd",
+  for kernel in ("kda_prologue", "kda_prologue_bwd", "kda_recurrence", "kda_recurrence_bwd",
                  "kda_recurrence_grads"):
     assert kernel in text
+  for kernel in ("kda_intra_tiles", "kda_intra_solve", "kda_intra_wu", "kda_intra_wu_bwd",
+                 "kda_intra_tiles_bwd"):
+    assert (kernel in text) == (gate != "unbounded")    # unbounded: stage 1's safe XLA form
 
 
 def test_layers_with_equal_shapes_share_one_lowering(h200):
@@ -67,5 +77,5 @@ def test_layers_with_equal_shapes_share_one_lowering(h200):
       r'name = "(kda_\w+)"', jax.jit(stack(n)).trace(*args).lower(
           lowering_platforms=("cuda",)).as_text()))
   two, four = count(2), count(4)
-  assert len(two) == 8 and max(two.values()) <= 2, two
+  assert len(two) == 10 and max(two.values()) <= 2, two   # the prologue, stage 1 and stage 2, fwd and bwd
   assert four == two

@@ -92,6 +92,29 @@ def test_remat_gives_identical_logits_and_gradients(small_config):
     assert rel_err(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
+def test_kda_gate_in_kernel_gives_the_same_loss_and_gradients(small_config, impl):
+  """model.kda_gate_in_kernel (q/k L2 norm and gate inside the KDA op; pallas_gpu: its
+  prologue kernel) against the same model with that glue in XLA, packed documents."""
+  seg = np.concatenate([np.ones((2, 20)), np.full((2, 30), 2), np.zeros((2, 14))], axis=1)
+  batch = _batch(np.arange(128).reshape(2, 64) % 259, seg)
+  kw = dict(dtype="float32", layer_pattern="KA", n_layers=2, kda_implementation=impl)
+  outside = _model(small_config.copy_and_resolve_references(), kda_gate_in_kernel=False, **kw)
+  inside = _model(small_config, kda_gate_in_kernel=True, **kw)
+  variables = nn.meta.unbox(inside.init(jax.random.key(0), batch))
+
+  def loss(model):
+    return lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
+
+  (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(loss(m)))(variables["params"])
+                        for m in (outside, inside))
+  assert np.isfinite(float(l1)) and abs(float(l0) - float(l1)) <= 1e-5 * abs(float(l0))
+  kda_grads = jax.tree_util.tree_flatten_with_path(g1)[0]
+  assert any("A_log" in jax.tree_util.keystr(p) for p, _ in kda_grads)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    assert rel_err(a, b) < 1e-4
+
+
 @pytest.mark.parametrize("dtype,vocab", [("bfloat16", 259), ("float32", 259),
                                          ("bfloat16", 5000)])
 def test_embedding_lookup_equals_gather_with_its_gradient(dtype, vocab):

@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model import remat
-from moe_jax.model.layers import ShortConv, dense, l2_normalize, lp, out_scale, rms_norm
+from moe_jax.model.layers import ShortConv, dense, lp, out_scale, rms_norm
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
 from moe_jax.parallel.mesh import axis_size, per_device
 from pallas_kernels.kda import kda, kda_gate
+from pallas_kernels.kda.reference import l2_normalize
 
 
 def _A_log_init(key, shape, dtype=jnp.float32):
@@ -50,22 +51,34 @@ class KDAMixer(nn.Module):
         y_BxTxHK, new_cache[f"{name}_conv"] = conv(y_BxTxHK, segment_ids_BxT, cache[f"{name}_conv"])
       return y_BxTxHK.reshape(B, T, H, K)
 
-    q_BxTxHxK = l2_normalize(conv_proj("q"))
-    k_BxTxHxK = l2_normalize(conv_proj("k"))
-    v_BxTxHxV = conv_proj("v")
+    q_BxTxHxK, k_BxTxHxK, v_BxTxHxV = conv_proj("q"), conv_proj("k"), conv_proj("v")
 
     # Low-rank gate input, then the bounded per-channel log-decay g ∈ [lower_bound, 0).
     f_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "f_a")(x_BxTxD)
     f_BxTxHxK = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "f_b")(f_BxTxK)
     A_log_H = self.param("A_log", lp(_A_log_init, ("heads",)), (H,))
     dt_bias_HK = self.param("dt_bias", lp(_dt_bias_init, ("kda_channels",)), (H * K,))
-    g_BxTxHxK = kda_gate(f_BxTxHxK, A_log_H, dt_bias_HK, lower_bound=cfg.kda_lower_bound)
     beta_BxTxH = nn.sigmoid(dense(cfg, H, ("embed", "heads"), "b_proj")(x_BxTxD).astype(jnp.float32))
 
     impl = cfg.kda_implementation or None
     if cache is not None and T == 1:
       impl = "recurrent"  # decode: one state update per token
-    if cache is None and axis_size("sequence") > 1:  # time sharded: pass states between shards
+    sequence_sharded = cache is None and axis_size("sequence") > 1
+    if cache is None and not sequence_sharded and cfg.kda_gate_in_kernel:
+      # Training / full forward, each device its own rows, with the q/k L2 norm, the gate
+      # and its chunk cumsum inside the op (pallas_gpu: one prologue kernel; the XLA form
+      # of this glue fused badly in the scanned step, benchmarks/train.md).
+      run = lambda q, k, v, f, beta, seg: kda(
+          q, k, v, f, beta, A_log=A_log_H, dt_bias=dt_bias_HK, qk_l2norm=True,
+          segment_ids=seg, chunk_size=cfg.kda_chunk_size, lower_bound=cfg.kda_lower_bound,
+          implementation=impl)[0]
+      o_BxTxHxV = per_device(run, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, f_BxTxHxK, beta_BxTxH,
+                             segment_ids_BxT)
+      return self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"))
+
+    q_BxTxHxK, k_BxTxHxK = l2_normalize(q_BxTxHxK), l2_normalize(k_BxTxHxK)
+    g_BxTxHxK = kda_gate(f_BxTxHxK, A_log_H, dt_bias_HK, lower_bound=cfg.kda_lower_bound)
+    if sequence_sharded:  # time sharded: pass states between shards
       o_BxTxHxV, _ = kda_sequence_parallel(
           q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, segment_ids_BxT,
           chunk_size=cfg.kda_chunk_size, lower_bound=cfg.kda_lower_bound, implementation=impl)
@@ -82,14 +95,17 @@ class KDAMixer(nn.Module):
                              segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
                              lower_bound=cfg.kda_lower_bound, implementation=impl,
                              initial_state=cache["state"], output_final_state=True)
-    o_BxTxHxV = remat.tag(o_BxTxHxV, "kda_out")
-
-    # Gated RMSNorm per head: norm(o) * sigmoid(low-rank gate(x)).
-    gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)
-    gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b", use_bias=True)(gate_BxTxK)
-    o_BxTxHxV = rms_norm(cfg, "o_norm", "kv")(o_BxTxHxV) * nn.sigmoid(gate_BxTxHxV)
-    out_BxTxD = dense(cfg, D, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
-                      scale=out_scale(cfg))(o_BxTxHxV)
+    out_BxTxD = self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"))
     if cache is None:
       return out_BxTxD
     return out_BxTxD, {**new_cache, "state": state}
+
+  def _output(self, x_BxTxD, o_BxTxHxV):
+    """Gated RMSNorm per head, norm(o) * sigmoid(low-rank gate(x)), then the out projection."""
+    cfg = self.cfg
+    D, (H, K) = x_BxTxD.shape[-1], o_BxTxHxV.shape[-2:]
+    gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)
+    gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b", use_bias=True)(gate_BxTxK)
+    o_BxTxHxV = rms_norm(cfg, "o_norm", "kv")(o_BxTxHxV) * nn.sigmoid(gate_BxTxHxV)
+    return dense(cfg, D, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
+                 scale=out_scale(cfg))(o_BxTxHxV)

@@ -114,8 +114,3 @@ class ShortConv(nn.Module):
     return y_BxTxC, new
 
 
-def l2_normalize(x, eps=1e-6):
-  x32 = x.astype(jnp.float32)
-  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-

@@ -5,13 +5,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import platform
 from pallas_kernels.kda import pallas_gpu, pallas_tpu, reference
-from pallas_kernels.kda.gate import check_lower_bound
+from pallas_kernels.kda.gate import check_lower_bound, kda_gate
 
 IMPLEMENTATIONS = ("xla", "recurrent", "pallas_gpu", "pallas_tpu")
 CHUNK_SIZES = (16, 32, 64, 128)  # multiples of the 16-row sub-chunk
 
 
-def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bound):
+def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bound, A_log,
+              dt_bias):
   if q.ndim != 4:
     raise ValueError(f"q must be [B,T,H,K], got shape {q.shape}")
   B, T, H, K = q.shape
@@ -36,6 +37,16 @@ def _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bo
   if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size}")
   check_lower_bound(lower_bound)
+  if (A_log is None) != (dt_bias is None):
+    raise ValueError("A_log and dt_bias go together (the gate inside the op), got "
+                     f"A_log={'None' if A_log is None else 'an array'} and "
+                     f"dt_bias={'None' if dt_bias is None else 'an array'}")
+  if A_log is not None:       # g is the gate's input: any real value
+    if A_log.shape != (H,):
+      raise ValueError(f"A_log must have shape [H]=({H},), got {A_log.shape}")
+    if dt_bias.shape != (H * K,):
+      raise ValueError(f"dt_bias must have shape [H*K]=({H * K},), got {dt_bias.shape}")
+    return
   if not isinstance(g, jax.core.Tracer):  # checkable only on concrete arrays
     # Concrete g can still arrive inside a trace (closed over by a jitted function).
     with jax.ensure_compile_time_eval():
@@ -66,7 +77,8 @@ def default_implementation(K=128, V=128) -> str:
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-        segment_ids=None, chunk_size=64, lower_bound=None, implementation=None):
+        segment_ids=None, chunk_size=64, lower_bound=None, A_log=None, dt_bias=None,
+        qk_l2norm=False, implementation=None):
   """Kimi delta attention. q,k,g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; g ≤ 0 (log-decay).
 
   Returns (o [B,T,H,V] in v's dtype, final state [B,H,K,V] float32 or None).
@@ -74,8 +86,13 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   lower_bound: the gate's bound (every g ≥ lower_bound, as `kda_gate` guarantees) — the
   static flag that allows all-matmul 16-row tiles; None (unbounded / legacy gates) takes
   the safe path for the diagonal tiles.
+  A_log [H] and dt_bias [H*K]: the gate inside the op (fla's use_gate_in_kernel): g is
+  then kda_gate's input x and the op computes kda_gate(x, A_log, dt_bias, lower_bound).
+  qk_l2norm: q and k are L2-normalised inside the op (fla's use_qk_l2norm_in_kernel).
+  pallas_gpu does both in its prologue kernel; the other implementations in JAX first.
   """
-  _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bound)
+  _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bound, A_log,
+            dt_bias)
   K, V = q.shape[-1], v.shape[-1]
   impl = default_implementation(K, V) if implementation is None else implementation
   if impl == "pallas_gpu" and not pallas_gpu_fits(K, V):
@@ -86,13 +103,19 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
                      f"{pallas_tpu.MAX_HEAD_DIM}, got K={K}, V={V}; use implementation='xla'")
   kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
   bounded = lower_bound is not None
+  if impl != "pallas_gpu":
+    if A_log is not None:
+      g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
+    if qk_l2norm:
+      q, k = reference.l2_normalize(q), reference.l2_normalize(k)
   if impl == "xla":
     o, S = reference.kda_chunked(q, k, v, g, beta, chunk_size=chunk_size, bounded=bounded, **kw)
   elif impl == "recurrent":
     o, S = reference.kda_recurrent(q, k, v, g, beta, **kw)
   elif impl == "pallas_gpu":
-    o, S = pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, chunk_size=chunk_size, bounded=bounded,
-                                     **kw)
+    o, S = pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, chunk_size=chunk_size,
+                                     lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
+                                     qk_l2norm=qk_l2norm, **kw)
   elif impl == "pallas_tpu":
     o, S = pallas_tpu.kda_pallas_tpu(q, k, v, g, beta, chunk_size=chunk_size, bounded=bounded,
                                      **kw)

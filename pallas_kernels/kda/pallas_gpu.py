@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kda import reference
+from pallas_kernels.kda import prologue_gpu, reference
 from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
 SUB = reference.SUB
@@ -629,27 +629,55 @@ intra.defvjp(_intra_fwd, _intra_bwd)
 
 
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
-                   chunk_size=64, bounded=True, interpret=None):
-  """Chunked KDA on the Pallas kernels. Unbounded gates take the safe XLA stage 1."""
+                   chunk_size=64, lower_bound=-5.0, A_log=None, dt_bias=None, qk_l2norm=False,
+                   interpret=None):
+  """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take the safe
+  XLA stage 1. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
+  dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there."""
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   scale = q.shape[-1] ** -0.5 if scale is None else scale
-  return _kda_jit(q, k, v, g, beta, initial_state, segment_ids, scale=scale,
-                  chunk_size=chunk_size, bounded=bounded, interpret=interpret)
+  gate = "none" if A_log is None else ("bounded" if lower_bound is not None else "unbounded")
+  return _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, scale=scale,
+                  chunk_size=chunk_size, lower_bound=lower_bound, gate=gate,
+                  qk_l2norm=qk_l2norm, interpret=interpret)
+
+
+def _gate_params(A_log, dt_bias, H, K):
+  """exp(A_log) and dt_bias as the prologue's [H, K] fp32 rows (zeros without a gate)."""
+  if A_log is None:
+    return jnp.zeros((H, K), F32), jnp.zeros((H, K), F32)
+  a_HK = jnp.broadcast_to(jnp.exp(A_log.astype(F32))[:, None], (H, K))
+  return a_HK, dt_bias.astype(F32).reshape(H, K)
 
 
 # Jitted, so that every layer with these shapes shares one trace and one lowering of the
 # kernels (forward, backward, recomputation): the step's trace + lower time stops growing
 # with the number of KDA layers.
-@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "bounded", "interpret"))
-def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, *, scale, chunk_size, bounded,
-             interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "lower_bound", "gate",
+                                             "qk_l2norm", "interpret"))
+def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, scale,
+             chunk_size, lower_bound, gate, qk_l2norm, interpret):
   B, T, H, K = q.shape
   V = v.shape[-1]
+  C = chunk_size
   dt = q.dtype if q.dtype in (jnp.bfloat16, jnp.float16) else F32
-  q, k, v, g, beta, reset = reference.prepare(q, k, v, g, beta, segment_ids, dtype=dt)
-  q, k, v, beta, G, seg = reference.chunk_layout(q, k, v, g, beta, reset, chunk_size)
-  if bounded:
+  live_BxT, reset_BxT = reference.segment_masks(segment_ids, B, T)
+  live_BxT = jnp.ones((B, T), jnp.int32) if live_BxT is None else live_BxT.astype(jnp.int32)
+  q, k, v = (x.astype(dt) for x in (q, k, v))
+  g = g if g.dtype in (jnp.bfloat16, jnp.float16) else g.astype(F32)
+  beta = beta.astype(F32)
+  if segment_ids is not None:   # padding inert (prepare's masks; q, k, g in the prologue)
+    v, beta = v * live_BxT[:, :, None, None].astype(dt), beta * live_BxT[:, :, None]
+  if pad := -T % C:             # trailing positions are padding: no decay, write or output
+    q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
+    beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
+    live_BxT, reset_BxT = (jnp.pad(x, ((0, 0), (0, pad))) for x in (live_BxT, reset_BxT))
+  a_HK, bias_HK = _gate_params(A_log, dt_bias, H, K)
+  q, k, G = prologue_gpu.prologue(q, k, g, a_HK, bias_HK, live_BxT, dt, gate, lower_bound,
+                                  qk_l2norm, C, interpret)
+  seg = reference.chunk_segments(reset_BxT, C)
+  if lower_bound is not None:
     st = intra(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   else:  # unbounded gates: diagonal tiles elementwise in fp32 (the safe path)
     st = _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=False)

@@ -28,6 +28,12 @@ def compute_dtype(*xs):
   return jnp.result_type(jnp.float32, *(x.dtype for x in xs))
 
 
+def l2_normalize(x, eps=1e-6):
+  """x / sqrt(Σx² + eps) over the last axis, in fp32, returned in x's dtype (KDA's q and k)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def segment_masks(segment_ids, B, T):
   """(live [B,T], reset [B,T]): non-padding positions, and where a new segment starts."""
   if segment_ids is None:
@@ -93,10 +99,13 @@ def chunk_layout(q, k, v, g, beta, reset_BxT, chunk_size):
     q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
     beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
     reset_BxT = jnp.pad(reset_BxT, ((0, 0), (0, pad)))
-  N = (T + pad) // C
-  G = chunk_cumsum(g, C)
-  seg = jnp.cumsum(reset_BxT.reshape(B, N, C).astype(jnp.int32), axis=2).reshape(B, N * C)
-  return q, k, v, beta, G, seg
+  return q, k, v, beta, chunk_cumsum(g, C), chunk_segments(reset_BxT, C)
+
+
+def chunk_segments(reset_BxTp, C):
+  """Chunk-local segment index [B,Tp]: 0 until the first reset inside the chunk, then 1, ..."""
+  B, Tp = reset_BxTp.shape
+  return jnp.cumsum(reset_BxTp.reshape(B, Tp // C, C).astype(jnp.int32), axis=2).reshape(B, Tp)
 
 
 def chunk_cumsum(g_BxTxHxK, C):
