@@ -37,7 +37,7 @@ train: setup
 	$(PY) scripts/train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 tests
 
 clean:
 	rm -rf $(VENV) workdir *.egg-info

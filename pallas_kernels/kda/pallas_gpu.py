@@ -1,5 +1,7 @@
 """KDA chunked kernels in Pallas (Triton lowering on GPU, `interpret=True` on CPU).
 
+Prologue (prologue_gpu.py): padding masks, the chunk cumsum G of the gate and, when asked,
+the gate itself and the q/k L2 norm, forward and backward.
 Stage 1 (reference.chunk_intra, bounded gates) as three kernels, fla-style:
   _tiles_kernel     grid (B, H, N): A and Aqk of a chunk as [16, C] matmuls, each 16-row
                     sub-chunk against all rows before it on decays anchored at its middle
