@@ -116,6 +116,8 @@ def _params(interpret):
 
 def _prologue_call(q, k, f, a_HK, bias_HK, live, *, dtype, gate, lower_bound, l2norm,
                    chunk_size, interpret):
+  if gate not in GATES:
+    raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
   B, Tp, H, K = q.shape
   C = chunk_size
   rows, per_head, live_spec, _ = _specs(C, K)
