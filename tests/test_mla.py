@@ -60,7 +60,10 @@ def _mla_and_grads(impl, T=64, dv=16):
   mixer = MLAMixer(cfg)
   params = nn.meta.unbox(mixer.init(jax.random.key(1), x, seg))
   loss = lambda p, x: (mixer.apply(p, x, seg) ** 2).sum()
-  return mixer.apply(params, x, seg), jax.grad(loss, argnums=(0, 1))(params, x)
+  # Jitted: eagerly, the TPU interpreter's callbacks dispatched ops while the main thread
+  # dispatched the next one, and the CPU client deadlocked (seen once in `make test`).
+  return (jax.jit(mixer.apply)(params, x, seg),
+          jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x))
 
 
 @pytest.mark.parametrize("T,dv", [(64, 16), (40, 24)])

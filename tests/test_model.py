@@ -1,5 +1,9 @@
 """HybridMoE: shapes, logical axes on every param, and no leakage across packed documents."""
 
+import json
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,7 +13,7 @@ import pytest
 from moe_jax.data import tokenizer
 from moe_jax.model.transformer import HybridMoE, mixer_kind
 from moe_jax.train.state import frozen_model_config
-from tests.conftest import rel_err
+from tests.conftest import ROOT, cpu_devices_env, rel_err
 
 
 def _batch(tokens_BxT, segment_ids_BxT):
@@ -114,6 +118,42 @@ def test_kda_gate_in_kernel_gives_the_same_loss_and_gradients(small_config):
   assert any("A_log" in jax.tree_util.keystr(p) for p, _ in kda_grads)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     assert rel_err(a, b) < 1e-4
+
+
+_TENSOR_PARALLEL = """
+import json, numpy as np, jax, jax.numpy as jnp, flax.linen as nn
+from jax.sharding import Mesh
+from moe_jax.config import MESH_AXES
+from moe_jax.model.transformer import HybridMoE
+from moe_jax.train.state import frozen_model_config
+from tests.conftest import make_small_config, rel_err
+c = make_small_config()
+c.model.update({"layer_pattern": "KA", "n_layers": 2, "dtype": "float32"})
+model = HybridMoE(frozen_model_config(c))
+seg = np.concatenate([np.ones((2, 40)), np.full((2, 24), 2)], axis=1)
+batch = {"tokens": jnp.asarray(np.arange(128).reshape(2, 64) % 259, jnp.int32),
+         "segment_ids": jnp.asarray(seg, jnp.int32)}
+variables = nn.meta.unbox(model.init(jax.random.key(0), batch))
+loss = lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
+l1, g1 = jax.jit(jax.value_and_grad(loss))(variables["params"])
+with jax.set_mesh(Mesh(np.array(jax.devices()).reshape(1, 1, 1, 1, 2), MESH_AXES)):
+  l2, g2 = jax.jit(jax.value_and_grad(loss))(variables["params"])
+print("RESULT", json.dumps({"loss": [float(l1), float(l2)], "grads": max(
+    float(rel_err(a, b)) for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1)))}))
+"""
+
+
+def test_heads_split_over_tensor_equal_one_device():
+  """Two fake CPU devices, mesh tensor=2 (KDA and MLA heads split): the same loss and
+  gradients as one device. The KDA op's per-head gate parameters go through per_device
+  with the heads (a closure gave each device all heads' A_log: ValueError)."""
+  proc = subprocess.run([sys.executable, "-c", _TENSOR_PARALLEL], env=cpu_devices_env(2),
+                        capture_output=True, text=True, cwd=ROOT, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT")][0][7:])
+  one, split = r["loss"]
+  assert np.isfinite(one) and abs(one - split) <= 1e-6 * abs(one)
+  assert r["grads"] < 1e-5
 
 
 @pytest.mark.parametrize("dtype,vocab", [("bfloat16", 259), ("float32", 259),
