@@ -68,20 +68,13 @@ class KDAMixer(nn.Module):
       # Training / full forward, each device its own rows, with the q/k L2 norm, the gate
       # and its chunk cumsum inside the op (pallas_gpu: one prologue kernel; the XLA form
       # of this glue fused badly in the scanned step, benchmarks/train.md).
-      # A_log and dt_bias travel as [B, 1, H, 2K] rows, so that per_device hands each device
-      # the parameters of its own heads when the mesh splits heads over `tensor`.
-      gate_Bx1xHx2K = jnp.broadcast_to(jnp.concatenate(
-          [jnp.broadcast_to(A_log_H[:, None], (H, K)), dt_bias_HK.reshape(H, K)], axis=-1),
-          (B, 1, H, 2 * K))
-
-      def run(q, k, v, f, beta, seg, gate_bx1xhx2K):
-        A_log_h, dt_bias_hK = gate_bx1xhx2K[0, 0, :, 0], gate_bx1xhx2K[0, 0, :, K:].reshape(-1)
-        return kda(q, k, v, f, beta, A_log=A_log_h, dt_bias=dt_bias_hK, qk_l2norm=True,
-                   segment_ids=seg, chunk_size=cfg.kda_chunk_size,
+      def run(q, k, v, f, beta, seg, A_log_h, dt_bias_hxK):   # h: this device's heads
+        return kda(q, k, v, f, beta, A_log=A_log_h, dt_bias=dt_bias_hxK.reshape(-1),
+                   qk_l2norm=True, segment_ids=seg, chunk_size=cfg.kda_chunk_size,
                    lower_bound=cfg.kda_lower_bound, implementation=impl)[0]
 
       o_BxTxHxV = per_device(run, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, f_BxTxHxK, beta_BxTxH,
-                             segment_ids_BxT, gate_Bx1xHx2K)
+                             segment_ids_BxT, per_head=(A_log_H, dt_bias_HK.reshape(H, K)))
       return self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"))
 
     q_BxTxHxK, k_BxTxHxK = l2_normalize(q_BxTxHxK), l2_normalize(k_BxTxHxK)

@@ -79,17 +79,22 @@ def state_spec(mesh, ndim: int) -> P:
   return P(spec[0], *spec[2:])
 
 
-def per_device(fn, *arrays_BxT):
-  """fn on each device's slice when a mesh with more than one device is set, else fn.
+def per_device(fn, *arrays_BxT, per_head=()):
+  """fn(*arrays_BxT, *per_head) on each device's slice when a mesh with more than one device
+  is set, else fn.
 
   Arrays are [B, T] or [B, T, H, ...], and fn returns one array laid out like the first:
   the batch splits over data·fsdp·expert and heads over tensor (time whole: sequence-sharded
-  layers have their own shard_map). Pallas GPU kernels are opaque custom calls to XLA's
+  layers have their own shard_map). `per_head` arrays are [H, ...] parameters, split over
+  tensor like the activations' heads. Pallas GPU kernels are opaque custom calls to XLA's
   partitioner, which would gather their operands onto every device; under shard_map each
   device runs the kernel on its own rows.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return fn(*arrays_BxT)
+    return fn(*arrays_BxT, *per_head)
   specs = tuple(activation_spec(mesh, x.ndim) for x in arrays_BxT)
-  return jax.shard_map(fn, in_specs=specs, out_specs=specs[0], check_vma=False)(*arrays_BxT)
+  hax = "tensor" if "tensor" in mesh.axis_names else None
+  head_specs = tuple(P(hax, *[None] * (x.ndim - 1)) for x in per_head)
+  return jax.shard_map(fn, in_specs=specs + head_specs, out_specs=specs[0],
+                       check_vma=False)(*arrays_BxT, *per_head)
