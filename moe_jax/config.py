@@ -19,7 +19,7 @@ ROUTER_SCORES = ("sigmoid", "softmax")
 DISPATCH = ("dropless", "capacity")
 DECODE_DISPATCH = ("auto", "gather", "grouped", "fused")
 GROUPED_MATMULS = ("", "xla", "tokamax", "mosaic")
-REMAT_POLICIES = ("full", "dots", "kernels")   # model/remat.py
+REMAT_POLICIES = ("full", "dots", "kernels", "residuals")   # model/remat.py
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
 
 

@@ -1,11 +1,13 @@
 """HybridMoE: shapes, logical axes on every param, and no leakage across packed documents."""
 
+import collections
 import json
 import subprocess
 import sys
 
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,6 +96,69 @@ def test_remat_gives_identical_logits_and_gradients(small_config):
   assert abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     assert rel_err(a, b) < 1e-5
+
+
+def _kernel_launches(fn, *args) -> collections.Counter:
+  """Pallas calls by name in fn's jaxpr after dead-code elimination, each call site once (a
+  scan body once, a jitted function at every call). jax's jaxpr DCE keeps every pallas_call;
+  XLA drops a kernel whose outputs nobody reads (no side effect), so here, as there, an
+  unread kernel goes."""
+  from jax._src.interpreters import partial_eval as pe
+  from jax._src.pallas.pallas_call import pallas_call_p
+  counts = collections.Counter()
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is pallas_call_p:
+        counts[eqn.params["name"]] += 1
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            visit(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            visit(sub)
+
+  closed = jax.make_jaxpr(fn)(*args)
+  keep_all = pe.dce_rules[pallas_call_p]
+  pe.dce_rules[pallas_call_p] = pe._default_dce_rule
+  jax.clear_caches()   # DCE results are cached per jaxpr
+  try:
+    visit(pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))[0])
+  finally:
+    pe.dce_rules[pallas_call_p] = keep_all
+    jax.clear_caches()
+  return counts
+
+
+def test_remat_residuals_policy_runs_each_kernel_forward_once(small_config):
+  """remat_policy "residuals" saves the kernels' custom-VJP residuals (pallas_kernels/
+  residuals.py): the same loss and gradients as "kernels", and the backward pass no longer
+  runs the KDA stage-1 and flash-attention forward kernels a second time. Pallas kernels in
+  interpret mode, packed documents, scanned layers."""
+  seg = np.concatenate([np.ones((2, 40)), np.full((2, 24), 2)], axis=1)
+  batch = _batch(np.arange(128).reshape(2, 64) % 259, seg)
+  kw = dict(dtype="float32", layer_pattern="KA", n_layers=4, kda_implementation="pallas_gpu",
+            mla_implementation="gpu", remat=True, scan_layers=True)
+  kernels = _model(small_config.copy_and_resolve_references(), remat_policy="kernels", **kw)
+  saved = _model(small_config, remat_policy="residuals", **kw)
+  variables = nn.meta.unbox(saved.init(jax.random.key(0), batch))
+
+  def loss(model):
+    return lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
+
+  grad = lambda m: jax.value_and_grad(loss(m))
+  (l0, g0), (l1, g1) = (jax.jit(grad(m))(variables["params"]) for m in (kernels, saved))
+  assert np.isfinite(float(l1)) and abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    assert rel_err(a, b) < 1e-5
+  before = _kernel_launches(grad(kernels), variables["params"])
+  after = _kernel_launches(grad(saved), variables["params"])
+  # One MLA and one KDA call site in the scanned period, one each in the unrolled layer 0/1.
+  assert before["ring_step_fwd"] == 2 * after["ring_step_fwd"] > 0, (before, after)
+  for name in ("kda_prologue", "kda_intra_tiles", "kda_intra_solve", "kda_intra_wu"):
+    assert before[name] == 2 * after[name] > 0, (name, before, after)
+  assert before["ring_step_dq"] == after["ring_step_dq"] > 0
+  assert before["kda_intra_wu_bwd"] == after["kda_intra_wu_bwd"] > 0
 
 
 def test_kda_gate_in_kernel_gives_the_same_loss_and_gradients(small_config):

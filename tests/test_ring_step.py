@@ -34,12 +34,24 @@ def _dense(q, k, v, seg_q, seg_k, q_first, k_first):
   return jnp.einsum("bhts,bshd->bthd", p, v), lse
 
 
-@pytest.mark.parametrize("q_first,k_first", [(40, 0), (40, 40), (40, 20), (0, 40)],
-                         ids=["earlier-block", "diagonal", "overlapping", "future-block"])
-def test_forward_matches_written_out_attention(q_first, k_first):
+# The default tiles hold all 40 positions in one block; small ones give many blocks, so the
+# loops over blocks below the diagonal (no causal mask) and across it both run, at every
+# offset, with the grid's tile and the loop's block of different sizes.
+SMALL = {"fwd": ring_step.Tiles(16, 8), "dq": ring_step.Tiles(8, 16),
+         "dkv": ring_step.Tiles(16, 8)}
+TILES = pytest.mark.parametrize("small", [False, True], ids=["default-tiles", "small-tiles"])
+
+
+@TILES
+@pytest.mark.parametrize("q_first,k_first",
+                         [(40, 0), (40, 40), (40, 20), (0, 40), (20, 40), (40, 18)],
+                         ids=["earlier-block", "diagonal", "overlapping", "future-block",
+                              "partly-future", "unaligned"])
+def test_forward_matches_written_out_attention(q_first, k_first, small):
   q, k, v, seg_q, seg_k, _ = _inputs(q_first + 7 * k_first)
   o, lse = ring_step.ring_step_forward(q, k, v, seg_q, seg_k, jnp.int32(q_first),
-                                       jnp.int32(k_first), scale=D ** -0.5, interpret=True)
+                                       jnp.int32(k_first), scale=D ** -0.5, interpret=True,
+                                       tiles=SMALL["fwd"] if small else None)
   o_ref, lse_ref = _dense(q, k, v, seg_q, seg_k, q_first, k_first)
   assert o.shape == (B, T, H, DV) and lse.shape == (B, H, T)
   assert rel_err(o, o_ref) < 1e-5
@@ -49,17 +61,24 @@ def test_forward_matches_written_out_attention(q_first, k_first):
   assert float(jnp.abs(jnp.where(seen.transpose(0, 2, 1)[..., None], 0.0, o)).max()) == 0.0
 
 
-def test_backward_of_a_whole_step_matches_autodiff():
-  """On the diagonal step with the same segments for q and k, the step is the whole causal
-  attention, so its lse is the final one and its (dq, dk, dv) the full gradient."""
-  q, k, v, seg, _, w = _inputs(3)
-  dense = lambda q, k, v: _dense(q, k, v, seg, seg, 0, 0)[0]
+@TILES
+@pytest.mark.parametrize("q_first,k_first", [(0, 0), (40, 20), (40, 18)],
+                         ids=["diagonal", "overlapping", "unaligned"])
+def test_backward_of_one_step_matches_autodiff(q_first, k_first, small):
+  """With the step's own lse (as if it were the ring's only step) its (dq, dk, dv) are the
+  gradient of its output: on the diagonal with the same segments for q and k, the whole
+  causal attention."""
+  q, k, v, seg_q, seg_k, w = _inputs(3)
+  seg_k = seg_q if q_first == k_first else seg_k
+  dense = lambda q, k, v: _dense(q, k, v, seg_q, seg_k, q_first, k_first)[0]
   o, vjp = jax.vjp(dense, q, k, v)
   grads_ref = vjp(w)
-  lse = _dense(q, k, v, seg, seg, 0, 0)[1]
+  lse = _dense(q, k, v, seg_q, seg_k, q_first, k_first)[1]
   delta = jnp.einsum("bthd,bthd->bht", w, o)
-  grads = ring_step.ring_step_backward(q, k, v, seg, seg, jnp.int32(0), jnp.int32(0), w, lse,
-                                       delta, scale=D ** -0.5, interpret=True)
+  grads = ring_step.ring_step_backward(q, k, v, seg_q, seg_k, jnp.int32(q_first),
+                                       jnp.int32(k_first), w, lse, delta, scale=D ** -0.5,
+                                       interpret=True,
+                                       tiles=(SMALL["dq"], SMALL["dkv"]) if small else None)
   for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
     assert rel_err(g, g_ref) < 1e-5, name
 

@@ -5,6 +5,10 @@
            and the MoE kernels run again in the backward pass.
   kernels  dots, plus the outputs of the expensive kernels, tagged here by name: the KDA and
            MLA attention outputs and both expert matmuls of the MoE.
+  residuals  kernels, plus what the kernels' custom VJPs keep for their backward pass
+           (pallas_kernels/residuals.py: KDA's stage-1 inputs and outputs, the flash
+           attention's output and log-sum-exp): no kernel's forward runs twice, for memory
+           (about 1 GB per KDA layer of `long_context_1b` at 8192 × 4).
 
 Under nn.scan every value the backward pass reads is stored per period (XLA cannot fuse
 a cheap producer into its consumer across the loop), so scanned layers at long context
@@ -15,6 +19,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from moe_jax.config import REMAT_POLICIES
+from pallas_kernels import residuals
 
 KERNEL_OUTPUTS = ("kda_out", "mla_out", "moe_h", "moe_y")
 
@@ -33,4 +38,7 @@ def policy(name: str):
   if name == "kernels":
     return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
                                       cp.save_only_these_names(*KERNEL_OUTPUTS))
+  if name == "residuals":
+    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                      cp.save_only_these_names(*KERNEL_OUTPUTS, residuals.NAME))
   raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")

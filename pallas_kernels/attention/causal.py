@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import residuals
 from pallas_kernels.attention import ring_step
 
 F32 = jnp.float32
@@ -35,7 +36,10 @@ def _fwd(q, k, v, seg, interpret):
   o, lse_BxHxT = ring_step.ring_step_forward(q, k, v, seg, seg, zero, zero,
                                              scale=q.shape[-1] ** -0.5, interpret=interpret)
   o = o.astype(q.dtype)
-  return o, (q, k, v, seg, o, lse_BxHxT)
+  # q, k, v are the model's projections (saved by remat's dots policies); o and lse are the
+  # kernel's, rebuilt by a second forward kernel unless saved by name.
+  o_res, lse_BxHxT = residuals.tag((o, lse_BxHxT))
+  return o, (q, k, v, seg, o_res, lse_BxHxT)
 
 
 def _bwd(interpret, res, do_BxTxHxDv):

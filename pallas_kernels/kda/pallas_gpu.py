@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import residuals
 from pallas_kernels.kda import prologue_gpu, reference
 from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
@@ -617,7 +618,7 @@ def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
 def _intra_fwd(q, k, v, G, beta, seg, scale, chunk_size, interpret):
   st, A, T = intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
                           interpret=interpret)
-  return st, (q, k, v, G, beta, seg, A, T)
+  return st, residuals.tag((q, k, v, G, beta, seg, A, T))
 
 
 def _intra_bwd(scale, chunk_size, interpret, res, d_st):

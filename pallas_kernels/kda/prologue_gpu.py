@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import residuals
+
 F32 = jnp.float32
 L2_EPS = 1e-6   # reference.l2_normalize's
 GATES = ("none", "bounded", "unbounded")
@@ -165,7 +167,7 @@ def _fwd(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_s
          interpret):
   out = prologue(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_size,
                  interpret)
-  return out, (q, k, f, a_HK, bias_HK, live)
+  return out, residuals.tag((q, k, f, a_HK, bias_HK, live))
 
 
 def _bwd(dtype, gate, lower_bound, l2norm, chunk_size, interpret, res, cts):

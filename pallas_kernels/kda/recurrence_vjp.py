@@ -8,6 +8,8 @@ import functools
 
 import jax
 
+from pallas_kernels import residuals
+
 
 def recurrence_with_vjp(call, bwd_call):
   """recurrence(st, S0, chunk_size, interpret) -> (O in the stage-1 dtype, S fp32)."""
@@ -18,7 +20,7 @@ def recurrence_with_vjp(call, bwd_call):
     return O, S
 
   def fwd(st, S0, chunk_size, interpret):
-    return recurrence(st, S0, chunk_size, interpret), (st, S0)
+    return recurrence(st, S0, chunk_size, interpret), residuals.tag((st, S0))
 
   def bwd(chunk_size, interpret, res, cts):
     st, S0 = res

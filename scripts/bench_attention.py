@@ -1,0 +1,180 @@
+"""The causal flash kernels of single-device MLA training (pallas_kernels/attention/ring_step.py,
+called by causal.py): each kernel's tiles swept at one shape, side by side with a baseline
+copy of the module and with cuDNN, and each variant's error against fp32 attention in XLA.
+
+  python scripts/bench_attention.py [--shape=4,8192,16,64] [--baseline=old/ring_step.py] \
+      [--out=$OUT]
+
+Packed documents (segment ids; lengths exponential with mean --doc_len), bf16. The forward
+is timed alone; the backward (dq and dk/dv kernels, with delta in XLA as causal.py does) with
+one kernel's tiles swept while the other keeps its default. cuDNN
+(jax.nn.dot_product_attention, causal, no segment ids: it has no packed-document mask) is the
+speed reference. TFLOP/s counts causal attention's model FLOPs: forward 2·(D + Dv) per
+visible score, backward 2·(3D + 2Dv) (the dq and dk/dv kernels recompute more than that).
+"""
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from pallas_kernels.attention import ring_step
+from pallas_kernels.attention.ring_step import Tiles
+from scripts.timing import median_ms
+
+_SHAPE = flags.DEFINE_list("shape", ["4", "8192", "16", "64"], "B, T, H, D (= Dv).")
+_DOC_LEN = flags.DEFINE_integer("doc_len", 2048, "Mean packed document length.")
+_ITERS = flags.DEFINE_integer("iters", 10, "Timed runs (median).")
+_BASELINE = flags.DEFINE_string("baseline", "", "Another ring_step.py to time (default tiles).")
+_SWEEP = flags.DEFINE_bool("sweep", True, "Sweep each kernel's tiles (else defaults only).")
+_OUT = flags.DEFINE_string("out", None, "Folder for attention.json.")
+
+F32 = jnp.float32
+PEAK_TFLOPS = 762.0   # bf16 matmul, measured on the H200 (shared/device/README.md)
+
+FWD_CANDIDATES = [Tiles(64, 64), Tiles(128, 64), Tiles(128, 64, 8), Tiles(128, 32),
+                  Tiles(128, 128, 8), Tiles(64, 32), Tiles(64, 128), Tiles(128, 64, 4, 4),
+                  Tiles(128, 64, 4, 2), Tiles(64, 64, 4, 4), Tiles(128, 64, 8, 4)]
+DQ_CANDIDATES = [Tiles(64, 64), Tiles(128, 64), Tiles(128, 64, 8), Tiles(128, 32),
+                 Tiles(64, 32), Tiles(64, 128), Tiles(64, 64, 4, 2), Tiles(128, 32, 8)]
+DKV_CANDIDATES = [Tiles(64, 64), Tiles(128, 64), Tiles(128, 64, 8), Tiles(128, 32),
+                  Tiles(64, 32), Tiles(32, 64), Tiles(64, 128), Tiles(64, 64, 4, 2),
+                  Tiles(128, 32, 8)]
+
+
+def _segments(B, T, mean, rng):
+  """[B, T] ids 1, 2, ... of packed documents with exponential lengths (≥ 16)."""
+  seg = np.zeros((B, T), np.int32)
+  for b in range(B):
+    t, i = 0, 1
+    while t < T:
+      n = max(16, int(rng.exponential(mean)))
+      seg[b, t:t + n], t, i = i, t + n, i + 1
+  return jnp.asarray(seg)
+
+
+def _inputs(B, T, H, D):
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks)
+  return q, k, v, do, _segments(B, T, _DOC_LEN.value, np.random.default_rng(0))
+
+
+def _dense(q, k, v, seg):
+  """fp32 attention written out: o [B, T, H, D]."""
+  T = q.shape[1]
+  s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=F32) * q.shape[-1] ** -0.5
+  visible = jnp.tril(jnp.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+  p = jax.nn.softmax(jnp.where(visible[:, None], s, -jnp.inf), axis=-1)
+  return jnp.einsum("bhts,bshd->bthd", p, v.astype(F32))
+
+
+def _fns(module, fwd_tiles=None, bwd_tiles=None):
+  """(forward, forward+backward) of causal attention on `module`'s kernels."""
+  zero = jnp.zeros((), jnp.int32)
+  kw = lambda t: {} if t is None else {"tiles": t}
+
+  def fwd(q, k, v, seg):
+    return module.ring_step_forward(q, k, v, seg, seg, zero, zero, scale=q.shape[-1] ** -0.5,
+                                    **kw(fwd_tiles))
+
+  def both(q, k, v, seg, do):
+    o, lse = fwd(q, k, v, seg)
+    o = o.astype(q.dtype)
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(F32), o.astype(F32))
+    grads = module.ring_step_backward(q, k, v, seg, seg, zero, zero, do, lse, delta,
+                                      scale=q.shape[-1] ** -0.5, **kw(bwd_tiles))
+    return o, grads
+
+  return jax.jit(fwd), jax.jit(both)
+
+
+def _error(both, q, k, v, seg, do, n_heads=4):
+  """Relative error of o, dq, dk, dv on row 0, the first n_heads heads, against fp32."""
+  sl = lambda x: x[:1, :, :n_heads]
+  o, grads = both(q, k, v, seg, do)
+  o_ref, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, seg[:1]),
+                       *(sl(x).astype(F32) for x in (q, k, v)))
+  refs = (o_ref, *vjp(sl(do).astype(F32)))
+  rel = lambda a, b: float(jnp.linalg.norm(a.astype(F32) - b) / jnp.linalg.norm(b))
+  return max(rel(sl(a), b) for a, b in zip((o, *grads), refs))
+
+
+def _flops(B, T, H, D, seg):
+  """Model FLOPs of the forward and the backward over the visible (causal, same-document)
+  scores."""
+  s = np.asarray(seg)
+  visible = 0
+  for b in range(B):
+    _, counts = np.unique(s[b], return_counts=True)
+    visible += int(np.sum(counts * (counts + 1) // 2))
+  return H * visible * 2 * (2 * D), H * visible * 2 * (5 * D)
+
+
+def main(argv):
+  del argv
+  B, T, H, D = (int(x) for x in _SHAPE.value)
+  q, k, v, do, seg = _inputs(B, T, H, D)
+  f_fwd, f_bwd = _flops(B, T, H, D, seg)
+  rows = []
+
+  def record(name, fwd, both, kernel):
+    ms_f = median_ms(fwd, (q, k, v, seg), _ITERS.value)
+    ms_b = median_ms(both, (q, k, v, seg, do), _ITERS.value)
+    row = {"variant": name, "kernel": kernel, "fwd_ms": ms_f, "fwd_bwd_ms": ms_b,
+           "fwd_tflops": f_fwd / ms_f / 1e9, "fwd_bwd_tflops": (f_fwd + f_bwd) / ms_b / 1e9,
+           "error": _error(both, q, k, v, seg, do)}
+    rows.append(row)
+    print(f"{name:<40} fwd {ms_f:7.3f} ms  fwd+bwd {ms_b:7.3f} ms  "
+          f"{row['fwd_bwd_tflops']:6.1f} TFLOP/s  err {row['error']:.2e}", flush=True)
+
+  if _BASELINE.value:
+    spec = importlib.util.spec_from_file_location("baseline_ring_step", _BASELINE.value)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    record("baseline", *_fns(base), "all")
+  record(f"default {ring_step.FWD} {ring_step.DQ} {ring_step.DKV}", *_fns(ring_step), "all")
+  if _SWEEP.value:
+    for t in FWD_CANDIDATES:
+      record(f"fwd {t}", *_fns(ring_step, fwd_tiles=t), "fwd")
+    for t in DQ_CANDIDATES:
+      record(f"dq {t}", *_fns(ring_step, bwd_tiles=(t, ring_step.DKV)), "dq")
+    for t in DKV_CANDIDATES:
+      record(f"dkv {t}", *_fns(ring_step, bwd_tiles=(ring_step.DQ, t)), "dkv")
+
+  causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                        implementation="cudnn")
+  cudnn_both = jax.jit(lambda q, k, v, do: jax.vjp(causal, q, k, v)[1](do))
+  try:
+    ms_f = median_ms(jax.jit(causal), (q, k, v), _ITERS.value)
+    ms_b = median_ms(lambda *a: (jax.jit(causal)(*a[:3]), cudnn_both(*a)), (q, k, v, do),
+                     _ITERS.value)
+    dense_flops = B * H * T * (T + 1) // 2 * 2 * (2 * D)
+    rows.append({"variant": "cudnn (no segments)", "fwd_ms": ms_f, "fwd_bwd_ms": ms_b,
+                 "fwd_tflops": dense_flops / ms_f / 1e9,
+                 "fwd_bwd_tflops": dense_flops * 3.5 / ms_b / 1e9})
+    print(f"{'cudnn (no segments, all causal scores)':<40} fwd {ms_f:7.3f} ms  "
+          f"fwd+bwd {ms_b:7.3f} ms", flush=True)
+  except Exception as e:  # noqa: BLE001 — a platform without cuDNN attention
+    print("cudnn:", str(e).splitlines()[0])
+
+  best = {kern: min((r for r in rows if r.get("kernel") == kern),
+                    key=lambda r: r["fwd_ms"] if kern == "fwd" else r["fwd_bwd_ms"])
+          for kern in ("fwd", "dq", "dkv") if any(r.get("kernel") == kern for r in rows)}
+  summary = {"shape": [B, T, H, D], "doc_len": _DOC_LEN.value, "visible_fraction":
+             f_fwd / (B * H * T * (T + 1) // 2 * 2 * (2 * D)), "device": jax.devices()[0].device_kind,
+             "rows": rows, "best": {k: r["variant"] for k, r in best.items()}}
+  if _OUT.value:
+    os.makedirs(_OUT.value, exist_ok=True)
+    with open(os.path.join(_OUT.value, "attention.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+  print("\nbest per kernel:", json.dumps(summary["best"]))
+  print(f"visible scores: {summary['visible_fraction']:.3f} of the causal triangle; "
+        f"peak {PEAK_TFLOPS} TFLOP/s")
+
+
+if __name__ == "__main__":
+  app.run(main)
