@@ -13,14 +13,28 @@ from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 B, T, H, D, DV = 2, 40, 2, 16, 8   # T = 40: not whole 64-blocks, so padding is exercised
 
 
-def _inputs(seed):
+def _short_docs(first):
+  """Segment ids of T positions from `first` of two packed rows of short documents (row 1
+  ends in padding, id 0): most key blocks share no document with a query block."""
+  lengths = [5, 9, 3, 12, 7, 4, 11, 6, 2, 8, 10, 3]
+  row = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+  rows = np.stack([row, np.where(np.arange(len(row)) < 70, row + 100, 0)])
+  return rows[:, first:first + T].astype(np.int32)
+
+
+def _inputs(seed, short_docs_at=None):
+  """q, k, v, seg_q, seg_k, dO. short_docs_at=(q_first, k_first): both shards' ids from the
+  same rows of short documents; else a few long documents."""
   ks = jax.random.split(jax.random.key(seed), 4)
   q, k = (jax.random.normal(ks[i], (B, T, H, D)) for i in (0, 1))
   v = jax.random.normal(ks[2], (B, T, H, DV))
-  seg_q = np.ones((B, T), np.int32)
-  seg_q[0, 20:], seg_q[1, 35:] = 2, 0        # a boundary, and trailing padding in row 1
-  seg_k = np.ones((B, T), np.int32)
-  seg_k[0, 30:] = 2
+  if short_docs_at is not None:
+    seg_q, seg_k = (_short_docs(first) for first in short_docs_at)
+  else:
+    seg_q = np.ones((B, T), np.int32)
+    seg_q[0, 20:], seg_q[1, 35:] = 2, 0        # a boundary, and trailing padding in row 1
+    seg_k = np.ones((B, T), np.int32)
+    seg_k[0, 30:] = 2
   return q, k, v, jnp.asarray(seg_q), jnp.asarray(seg_k), jax.random.normal(ks[3], (B, T, H, DV))
 
 
@@ -47,8 +61,10 @@ TILES = pytest.mark.parametrize("small", [False, True], ids=["default-tiles", "s
                          [(40, 0), (40, 40), (40, 20), (0, 40), (20, 40), (40, 18)],
                          ids=["earlier-block", "diagonal", "overlapping", "future-block",
                               "partly-future", "unaligned"])
-def test_forward_matches_written_out_attention(q_first, k_first, small):
-  q, k, v, seg_q, seg_k, _ = _inputs(q_first + 7 * k_first)
+@pytest.mark.parametrize("docs", ["long", "short"])
+def test_forward_matches_written_out_attention(q_first, k_first, small, docs):
+  q, k, v, seg_q, seg_k, _ = _inputs(q_first + 7 * k_first,
+                                     (q_first, k_first) if docs == "short" else None)
   o, lse = ring_step.ring_step_forward(q, k, v, seg_q, seg_k, jnp.int32(q_first),
                                        jnp.int32(k_first), scale=D ** -0.5, interpret=True,
                                        tiles=SMALL["fwd"] if small else None)
@@ -64,11 +80,12 @@ def test_forward_matches_written_out_attention(q_first, k_first, small):
 @TILES
 @pytest.mark.parametrize("q_first,k_first", [(0, 0), (40, 20), (40, 18)],
                          ids=["diagonal", "overlapping", "unaligned"])
-def test_backward_of_one_step_matches_autodiff(q_first, k_first, small):
+@pytest.mark.parametrize("docs", ["long", "short"])
+def test_backward_of_one_step_matches_autodiff(q_first, k_first, small, docs):
   """With the step's own lse (as if it were the ring's only step) its (dq, dk, dv) are the
   gradient of its output: on the diagonal with the same segments for q and k, the whole
   causal attention."""
-  q, k, v, seg_q, seg_k, w = _inputs(3)
+  q, k, v, seg_q, seg_k, w = _inputs(3, (q_first, k_first) if docs == "short" else None)
   seg_k = seg_q if q_first == k_first else seg_k
   dense = lambda q, k, v: _dense(q, k, v, seg_q, seg_k, q_first, k_first)[0]
   o, vjp = jax.vjp(dense, q, k, v)

@@ -14,7 +14,9 @@ query block's causal future are never loaded.
            dv += Pᵀ·dO, dk += dSᵀ·Q
 
 Each loop runs in two parts: the blocks wholly on one side of the diagonal need only the
-segment mask, the few the diagonal crosses also the causal one. Scores are scaled into log2
+segment mask, the few the diagonal crosses also the causal one. Blocks before the first or
+after the last that can share a document with the tile (per-block min/max segment ids) are
+skipped: packed short documents cost their own triangles, not the row's. Scores are scaled into log2
 units so the softmax uses exp2. Each kernel's tiles (Tiles: rows, loop block, warps,
 stages) are a module constant, measured by scripts/bench_attention.py.
 """
@@ -96,8 +98,20 @@ def _query_blocks(off_ref, j_k, BQ, BK, n_q):
   return first, first_after
 
 
-def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref, *, scale,
-                block_k):
+def _meeting_blocks(ids_ref, seg_X, start, stop):
+  """[lo, hi): the loop's blocks in [start, stop) from the first to the last whose segment
+  ids can equal one of seg_X (their [min, max] meets seg_X's); empty when none can. Blocks
+  outside it hold only other documents and are never loaded. ids_ref: [2, NB] per-block
+  (min, max) ids of the loop's side (_block_ids)."""
+  lo_X, hi_X = seg_X.min(), seg_X.max()
+  idx = jax.lax.broadcasted_iota(jnp.int32, ids_ref.shape[1:], 0)
+  meets = (ids_ref[0] <= hi_X) & (ids_ref[1] >= lo_X) & (idx >= start) & (idx < stop)
+  lo = jnp.min(jnp.where(meets, idx, stop))
+  return lo, jnp.maximum(lo, jnp.max(jnp.where(meets, idx + 1, start)))
+
+
+def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, o_ref, lse_ref, *,
+                scale, block_k):
   BQ, D = q_ref.shape
   Tk, Dv = v_ref.shape
   BK = min(block_k, Tk)
@@ -119,18 +133,19 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, o_ref, lse_ref
     return m_new, l_Q * corr_Q + p_QxK.sum(axis=1), acc_QxDv
 
   n_below, n = _key_blocks(off_ref, i, BQ, BK, Tk // BK)
+  lo, hi = _meeting_blocks(ids_ref, seg_Q, 0, n)
+  mid = jnp.clip(n_below, lo, hi)
   carry = (jnp.full((BQ,), -jnp.inf, F32), jnp.zeros((BQ,), F32), jnp.zeros((BQ, Dv), F32))
-  carry = jax.lax.fori_loop(0, n_below, functools.partial(body, causal=False), carry)
-  m_Q, l_Q, acc_QxDv = jax.lax.fori_loop(n_below, n, functools.partial(body, causal=True),
-                                         carry)
+  carry = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=False), carry)
+  m_Q, l_Q, acc_QxDv = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=True), carry)
   seen = l_Q > 0.0
   o_ref[...] = acc_QxDv / jnp.where(seen, l_Q, 1.0)[:, None]
   lse_ref[...] = jnp.where(seen, (m_Q + jnp.log2(jnp.where(seen, l_Q, 1.0))) / LOG2E,
                            -jnp.inf)
 
 
-def _dq_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, scale, block_k):
+def _dq_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, do_ref, lse_ref,
+               delta_ref, dq_ref, *, scale, block_k):
   BQ, D = q_ref.shape
   Tk = k_ref.shape[0]
   BK = min(block_k, Tk)
@@ -148,14 +163,16 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, do_ref, lse_ref
     return dq_QxD + jnp.dot(ds_QxK.astype(k_KxD.dtype), k_KxD, preferred_element_type=F32)
 
   n_below, n = _key_blocks(off_ref, i, BQ, BK, Tk // BK)
-  dq_QxD = jax.lax.fori_loop(0, n_below, functools.partial(body, causal=False),
+  lo, hi = _meeting_blocks(ids_ref, seg_Q, 0, n)
+  mid = jnp.clip(n_below, lo, hi)
+  dq_QxD = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=False),
                              jnp.zeros((BQ, D), F32))
-  dq_QxD = jax.lax.fori_loop(n_below, n, functools.partial(body, causal=True), dq_QxD)
+  dq_QxD = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=True), dq_QxD)
   dq_ref[...] = dq_QxD * scale
 
 
-def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, scale, block_q):
+def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, do_ref, lse_ref,
+                delta_ref, dk_ref, dv_ref, *, scale, block_q):
   BK, D = k_ref.shape
   Tq, Dv = do_ref.shape
   BQ = min(block_q, Tq)
@@ -174,10 +191,11 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, do_ref, lse_re
     return dk_KxD + _t_dot(ds_QxK.astype(q_QxD.dtype), q_QxD), dv_KxDv
 
   first, first_after = _query_blocks(off_ref, j, BQ, BK, Tq // BQ)
+  lo, hi = _meeting_blocks(ids_ref, seg_K, first, Tq // BQ)
+  mid = jnp.clip(first_after, lo, hi)
   carry = (jnp.zeros((BK, D), F32), jnp.zeros((BK, Dv), F32))
-  carry = jax.lax.fori_loop(first, first_after, functools.partial(body, causal=True), carry)
-  dk_KxD, dv_KxDv = jax.lax.fori_loop(first_after, Tq // BQ,
-                                      functools.partial(body, causal=False), carry)
+  carry = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=True), carry)
+  dk_KxD, dv_KxDv = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=False), carry)
   dk_ref[...] = dk_KxD * scale
   dv_ref[...] = dv_KxDv
 
@@ -200,6 +218,22 @@ def _padded(q, k, v, seg_q, seg_k, tiles):
   pad2 = lambda x, c: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=c)
   return (_pad4(q, Tp), _pad4(k, Tp), _pad4(v, Tp), pad2(seg_q, _PAD_Q), pad2(seg_k, _PAD_K),
           tiles, Tp)
+
+
+def _block_ids(seg_BxTp, Bl):
+  """[B, 2, NB] (min, max) segment id of each block of Bl positions, NB padded to a power of
+  two (Triton's loads) with blocks that meet nothing."""
+  B, Tp = seg_BxTp.shape
+  blocks = seg_BxTp.reshape(B, Tp // Bl, Bl)
+  ids = jnp.stack([blocks.min(-1), blocks.max(-1)], axis=1)
+  pad = pl.next_power_of_2(Tp // Bl) - Tp // Bl
+  never = jnp.broadcast_to(jnp.array([[jnp.iinfo(jnp.int32).max], [jnp.iinfo(jnp.int32).min]],
+                                     jnp.int32), (B, 2, pad))
+  return jnp.concatenate([ids, never], axis=-1)
+
+
+def _ids_spec(ids):
+  return pl.BlockSpec((None, *ids.shape[1:]), lambda b, h, i: (b, 0, 0))
 
 
 def _specs(Bl, Tp, D, Dv, rows_of_q):
@@ -233,13 +267,14 @@ def ring_step_forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_
                                       [tiles or FWD])
   Dp, Dvp = q.shape[-1], v.shape[-1]
   off = jnp.stack([q_first, k_first]).astype(jnp.int32)
+  ids = _block_ids(sk, t.loop)
   o, lse = _call(
       functools.partial(_fwd_kernel, scale=scale, block_k=t.loop), (B, H, Tp // t.rows),
-      _specs(t.rows, Tp, Dp, Dvp, rows_of_q=True),
+      _specs(t.rows, Tp, Dp, Dvp, rows_of_q=True) + [_ids_spec(ids)],
       [pl.BlockSpec((None, t.rows, None, Dvp), lambda b, h, i: (b, i, h, 0)),
        pl.BlockSpec((None, None, t.rows), lambda b, h, i: (b, h, i))],
       [jax.ShapeDtypeStruct((B, Tp, H, Dvp), F32), jax.ShapeDtypeStruct((B, H, Tp), F32)],
-      interpret, "ring_step_fwd", t)(off, q, k, v, sq, sk)
+      interpret, "ring_step_fwd", t)(off, q, k, v, sq, sk, ids)
   return o[:, :T, :, :Dv], lse[..., :T]
 
 
@@ -262,16 +297,17 @@ def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q
   tile = lambda Bl, d: pl.BlockSpec((None, Bl, None, d), lambda b, h, i: (b, i, h, 0))
   whole = lambda d: pl.BlockSpec((None, Tp, None, d), lambda b, h, i: (b, 0, h, 0))
   out = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), F32)
+  k_ids, q_ids = _block_ids(sk, tq.loop), _block_ids(sq, tk.loop)
   dq = _call(functools.partial(_dq_kernel, scale=scale, block_k=tq.loop),
              (B, H, Tp // tq.rows),
              _specs(tq.rows, Tp, Dp, Dvp, rows_of_q=True)
-             + [tile(tq.rows, Dvp), row_tile(tq.rows), row_tile(tq.rows)],
+             + [_ids_spec(k_ids), tile(tq.rows, Dvp), row_tile(tq.rows), row_tile(tq.rows)],
              tile(tq.rows, Dp), out(Dp), interpret, "ring_step_dq", tq
-             )(off, q, k, v, sq, sk, do, lse, delta)
+             )(off, q, k, v, sq, sk, k_ids, do, lse, delta)
   dk, dv = _call(functools.partial(_dkv_kernel, scale=scale, block_q=tk.loop),
                  (B, H, Tp // tk.rows),
                  _specs(tk.rows, Tp, Dp, Dvp, rows_of_q=False)
-                 + [whole(Dvp), row_whole, row_whole],
+                 + [_ids_spec(q_ids), whole(Dvp), row_whole, row_whole],
                  [tile(tk.rows, Dp), tile(tk.rows, Dvp)], [out(Dp), out(Dvp)], interpret,
-                 "ring_step_dkv", tk)(off, q, k, v, sq, sk, do, lse, delta)
+                 "ring_step_dkv", tk)(off, q, k, v, sq, sk, q_ids, do, lse, delta)
   return dq[:, :T, :, :D], dk[:, :T, :, :D], dv[:, :T, :, :Dv]
