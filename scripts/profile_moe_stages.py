@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from moe_jax.model import experts, router
-from moe_jax.model.moe import (MoE, combine, inverse_permutation, repeat_rows, sort_by_group,
-                               take_rows)
+from moe_jax.model.moe import (MoE, combine, inverse_permutation, permute_rows, repeat_rows,
+                               sort_by_group)
 from scripts import timing
 from scripts.bench_moe import _D, _F, _K, _N, _PEAK_FLOPS, layer_config
 
@@ -32,6 +32,11 @@ def fwd_bwd(f):
   return jax.jit(f), jax.jit(both)
 
 
+def _dispatch(x, order):
+  """The layer's dispatch gather (moe.dropless): x repeated k times, rows in `order`."""
+  return permute_rows(repeat_rows(x, _K), order, inverse_permutation(order))
+
+
 def main(argv):
   del argv
   E = _EXPERTS.value
@@ -43,17 +48,17 @@ def main(argv):
   kernel = params["router_kernel"]
   idx, w = router.select(x.astype(jnp.float32) @ kernel, jnp.zeros(E), _K, "sigmoid", 1.0)
   order, sizes, _ = sort_by_group(idx.reshape(-1), E)
-  x_sorted = take_rows(repeat_rows(x, _K), order)
+  x_sorted = permute_rows(repeat_rows(x, _K), order, inverse_permutation(order))
   y_sorted = experts.swiglu_grouped(x_sorted, sizes, gate_up, down)
 
   stages = {
       "router": lambda kernel, x: router.select(
           x.astype(jnp.float32) @ kernel, jnp.zeros(E), _K, "sigmoid", 1.0)[1],
-      "dispatch (sort + gather)": lambda x, idx: take_rows(
-          repeat_rows(x, _K), sort_by_group(idx.reshape(-1), E)[0]),
+      "dispatch (sort + gather)": lambda x, idx: _dispatch(
+          x, sort_by_group(idx.reshape(-1), E)[0]),
       "experts (tokamax SwiGLU)": lambda xs, gu, dn: experts.swiglu_grouped(xs, sizes, gu, dn),
       "combine (unsort + sum)": lambda ys, w, order: combine(
-          take_rows(ys, inverse_permutation(order)), w, jnp.bfloat16),
+          permute_rows(ys, inverse_permutation(order), order), w, jnp.bfloat16),
       "whole layer": lambda p, x: MoE(cfg).apply({"params": p, "router": {"bias": jnp.zeros(E)}},
                                                  x[None])[0],
   }

@@ -60,6 +60,27 @@ def take_rows(x_RxD, idx_M):
   return x_RxD.at[idx_M].get(mode="fill", fill_value=0, unique_indices=True)
 
 
+@jax.custom_vjp
+def permute_rows(x_AxD, order_A, inverse_A):
+  """x[order] for a permutation `order` of the rows, with `inverse` its inverse: the backward
+  is the gather g[inverse], not take_rows' scatter (a zeroed buffer, a fill select and a
+  scatter, each over every row: 6.9 ms of the 1B train step's 15 MoE layers on the H200)."""
+  return x_AxD.at[order_A].get(mode="promise_in_bounds", unique_indices=True)
+
+
+def _permute_rows_fwd(x_AxD, order_A, inverse_A):
+  return permute_rows(x_AxD, order_A, inverse_A), (order_A, inverse_A)
+
+
+def _permute_rows_bwd(res, g_AxD):
+  order_A, inverse_A = res
+  return (g_AxD.at[inverse_A].get(mode="promise_in_bounds", unique_indices=True),
+          None, None)
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def repeat_rows(x_NxD, k: int):
   """[N·k, D]: row n·k + j is x[n] (the token of assignment (n, j)); backward is a sum over k."""
   N, D = x_NxD.shape
@@ -82,10 +103,11 @@ def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=
   N, K = idx_NxK.shape
   E = gate_up_ExDx2xF.shape[0]
   order_A, sizes_E, _ = sort_by_group(idx_NxK.reshape(-1), E)
-  x_AxD = take_rows(repeat_rows(x_NxD, K), order_A)
+  inverse_A = inverse_permutation(order_A)
+  x_AxD = permute_rows(repeat_rows(x_NxD, K), order_A, inverse_A)
   with jax.named_scope("moe_experts"):
     y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation)
-  return combine(take_rows(y_AxD, inverse_permutation(order_A)), w_NxK, x_NxD.dtype)
+  return combine(permute_rows(y_AxD, inverse_A, order_A), w_NxK, x_NxD.dtype)
 
 
 AUTO_FUSED_MIN = 8   # assignments from which "auto" takes the fused kernels (on GPU)
