@@ -164,8 +164,9 @@ def main(argv):
   best = {kern: min((r for r in rows if r.get("kernel") == kern),
                     key=lambda r: r["fwd_ms"] if kern == "fwd" else r["fwd_bwd_ms"])
           for kern in ("fwd", "dq", "dkv") if any(r.get("kernel") == kern for r in rows)}
-  summary = {"shape": [B, T, H, D], "doc_len": _DOC_LEN.value, "visible_fraction":
-             f_fwd / (B * H * T * (T + 1) // 2 * 2 * (2 * D)), "device": jax.devices()[0].device_kind,
+  whole_fwd = B * H * T * (T + 1) // 2 * 2 * (2 * D)
+  summary = {"shape": [B, T, H, D], "doc_len": _DOC_LEN.value,
+             "visible_fraction": f_fwd / whole_fwd, "device": jax.devices()[0].device_kind,
              "rows": rows, "best": {k: r["variant"] for k, r in best.items()}}
   if _OUT.value:
     os.makedirs(_OUT.value, exist_ok=True)

@@ -16,9 +16,9 @@ query block's causal future are never loaded.
 Each loop runs in two parts: the blocks wholly on one side of the diagonal need only the
 segment mask, the few the diagonal crosses also the causal one. Blocks before the first or
 after the last that can share a document with the tile (per-block min/max segment ids) are
-skipped: packed short documents cost their own triangles, not the row's. Scores are scaled into log2
-units so the softmax uses exp2. Each kernel's tiles (Tiles: rows, loop block, warps,
-stages) are a module constant, measured by scripts/bench_attention.py.
+skipped: packed short documents cost their own triangles, not the row's. Scores are scaled
+into log2 units so the softmax uses exp2. Each kernel's tiles (Tiles: rows, loop block,
+warps, stages) are a module constant, measured by scripts/bench_attention.py.
 """
 
 import dataclasses
