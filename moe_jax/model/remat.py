@@ -29,16 +29,17 @@ def tag(x, name: str):
   return checkpoint_name(x, name)
 
 
+# The names each name-saving policy keeps, on top of the dots.
+SAVED_NAMES = {"kernels": KERNEL_OUTPUTS, "residuals": KERNEL_OUTPUTS + (residuals.NAME,)}
+
+
 def policy(name: str):
   cp = jax.checkpoint_policies
   if name == "full":
     return None
   if name == "dots":
     return cp.dots_with_no_batch_dims_saveable
-  if name == "kernels":
+  if name in SAVED_NAMES:
     return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
-                                      cp.save_only_these_names(*KERNEL_OUTPUTS))
-  if name == "residuals":
-    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
-                                      cp.save_only_these_names(*KERNEL_OUTPUTS, residuals.NAME))
+                                      cp.save_only_these_names(*SAVED_NAMES[name]))
   raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")

@@ -672,10 +672,8 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
   beta = beta.astype(F32)
   if segment_ids is not None:   # padding inert (prepare's masks; q, k, g in the prologue)
     v, beta = v * live_BxT[:, :, None, None].astype(dt), beta * live_BxT[:, :, None]
-  if pad := -T % C:             # trailing positions are padding: no decay, write or output
-    q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
-    beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
-    live_BxT, reset_BxT = (jnp.pad(x, ((0, 0), (0, pad))) for x in (live_BxT, reset_BxT))
+  q, k, v, g, beta, live_BxT, reset_BxT = reference.pad_to_chunks(C, q, k, v, g, beta,
+                                                                  live_BxT, reset_BxT)
   a_HK, bias_HK = _gate_params(A_log, dt_bias, H, K)
   q, k, G = prologue_gpu.prologue(q, k, g, a_HK, bias_HK, live_BxT, dt, gate, lower_bound,
                                   qk_l2norm, C, interpret)

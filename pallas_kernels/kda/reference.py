@@ -92,14 +92,18 @@ def chunk_layout(q, k, v, g, beta, reset_BxT, chunk_size):
   Returns padded (q, k, v, beta) [B,Tp,...], chunk-local cumulative gates G [B,Tp,H,K]
   and chunk-local segment index seg [B,Tp] (0 until the first reset inside the chunk).
   """
-  B, T, H, K = q.shape
   C = chunk_size
-  pad = -T % C
-  if pad:  # trailing zeros are inert: no decay, no write, no output
-    q, k, v, g = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v, g))
-    beta = jnp.pad(beta, ((0, 0), (0, pad), (0, 0)))
-    reset_BxT = jnp.pad(reset_BxT, ((0, 0), (0, pad)))
+  q, k, v, g, beta, reset_BxT = pad_to_chunks(C, q, k, v, g, beta, reset_BxT)
   return q, k, v, beta, chunk_cumsum(g, C), chunk_segments(reset_BxT, C)
+
+
+def pad_to_chunks(C, *xs_BxT):
+  """Each [B, T, ...] array zero-padded along T to a multiple of C. Trailing zeros are
+  inert: no decay, no write, no output (and not live, not a reset)."""
+  pad = -xs_BxT[0].shape[1] % C
+  if not pad:
+    return xs_BxT
+  return tuple(jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in xs_BxT)
 
 
 def chunk_segments(reset_BxTp, C):
