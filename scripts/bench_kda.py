@@ -48,9 +48,9 @@ _PEAK_FLOPS = 762e12   # bf16 matmul through JAX, measured on this H200 (shared/
 _PEAK_BYTES = 4.3e12   # device copy, read + write
 
 
-def inputs(B, T, H, seed=0):
+def inputs(B, T, H, seed=0, dim=_DIM):
   rng = np.random.default_rng(seed)
-  K = V = _DIM
+  K = V = dim
   normed = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
   return {
       "q": normed(rng.standard_normal((B, T, H, K), np.float32)),

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pallas_kernels.kda import pallas_gpu as P, reference
+from pallas_kernels.kda import pallas_gpu as P, prologue_gpu, reference
 from scripts.bench_kda import inputs, set_knobs
 
-_SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH (K=V=128).")
+_SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH.")
+_DIM = flags.DEFINE_integer("dim", 128, "K = V (long_context_1b's heads: 64).")
 _WARPS = flags.DEFINE_list("warps", ["1", "2", "4", "8"], "num_warps values to try per kernel.")
 _XLA = flags.DEFINE_bool("xla", False, "Also time the XLA stage 1 and its VJP.")
 _BLOCKS = flags.DEFINE_list("blocks", [], "BLOCK_K values to try, each rolled and unrolled.")
@@ -46,15 +47,37 @@ def timed(fn, *args):
     return f"error {type(e).__name__}: {str(e)[:120]}"
 
 
+def prologue_time(q, k, g, inp, B, H, D, C, kw):
+  """warps -> 'fwd ms / bwd ms' of the prologue kernels (bounded gate, q/k L2 norm)."""
+  live = jnp.ones(q.shape[:2], jnp.int32)
+  a_HK = jnp.broadcast_to(jnp.exp(jnp.asarray(inp["A_log"]))[:, None], (H, D))
+  bias_HK = jnp.asarray(inp["dt_bias"]).reshape(H, D)
+  f = jnp.asarray(g, jnp.bfloat16)
+  args = (q, k, f, a_HK, bias_HK, live)
+  call = lambda *a: prologue_gpu._prologue_call(
+      *a, dtype=q.dtype, gate="bounded", lower_bound=-5.0, l2norm=True, **kw)
+  bwd = lambda *a: prologue_gpu._prologue_bwd_call(
+      *a, q, k, g, gate="bounded", lower_bound=-5.0, l2norm=True, **kw)
+
+  def at(w):
+    default, prologue_gpu.WARPS = prologue_gpu.WARPS, w
+    try:
+      return f"{timed(call, *args)} / {timed(bwd, *args)}"
+    finally:
+      prologue_gpu.WARPS = default
+  return at
+
+
 def main(argv):
   del argv
   set_knobs(",".join(_KNOBS.value))   # e.g. --knobs=BLOCK_K=64
   B, T, H = map(int, _SHAPE.value.split("x"))
-  inp = inputs(B, T, H)
+  D = _DIM.value
+  inp = inputs(B, T, H, dim=D)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   q, k, v, beta = bf(inp["q"]), bf(inp["k"]), bf(inp["v"]), jnp.asarray(inp["beta"])
   g = -5.0 * jax.nn.sigmoid(jnp.asarray(inp["x"]))
-  C, scale = 64, 128 ** -0.5
+  C, scale = 64, D ** -0.5
   q, k, v, g, beta, reset = reference.prepare(q, k, v, g, beta, None, dtype=jnp.bfloat16)
   q, k, v, beta, G, seg = jax.jit(reference.chunk_layout, static_argnums=6)(
       q, k, v, g, beta, reset, C)
@@ -77,7 +100,7 @@ def main(argv):
   }
   run = lambda name: timed(kernels[name][0], *kernels[name][1])
   default = dict(P.WARPS)
-  print(f"stage-1 kernels, ms at {_SHAPE.value}, K=V=128, bf16, C=64 (default warps {default}, "
+  print(f"stage-1 kernels, ms at {_SHAPE.value}, K=V={D}, bf16, C=64 (default warps {default}, "
         f"BLOCK_K {P.BLOCK_K}, ROLLED {P.ROLLED}):")
   for name in kernels:
     row = {}
@@ -96,9 +119,12 @@ def main(argv):
       print(f"  BLOCK_K {bk} ROLLED {r}: " + " | ".join(
           f"{name} {run(name)}" for name in ("tiles", "wu", "wu_bwd", "tiles_bwd")), flush=True)
   P.BLOCK_K, P.ROLLED = block_k, rolled
+  pro = prologue_time(q, k, g, inp, B, H, D, C, kw)
+  print("  prologue (gate, L2 norm, cumsum) fwd / bwd by warps: " + " | ".join(
+      f"{w}: {pro(w)}" for w in map(int, _WARPS.value)), flush=True)
 
-  S0 = jnp.zeros((B, H, 128, 128), jnp.float32)
-  do = jnp.ones((B, q.shape[1], H, 128), jnp.float32)
+  S0 = jnp.zeros((B, H, D, D), jnp.float32)
+  do = jnp.ones((B, q.shape[1], H, D), jnp.float32)
 
   def rec_bwd(st, S0, do):
     _, _, states = P._recurrence_call(st, S0, with_states=True, **kw)

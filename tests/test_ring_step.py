@@ -100,6 +100,24 @@ def test_backward_of_one_step_matches_autodiff(q_first, k_first, small, docs):
     assert rel_err(g, g_ref) < 1e-5, name
 
 
+def test_outputs_in_the_model_dtype_are_the_fp32_outputs_rounded_once():
+  """out_dtype=bf16 (causal.py's single-device attention): o, dq, dk, dv are written in bf16
+  by the kernels, equal to the fp32 outputs rounded, element for element."""
+  q, k, v, seg_q, seg_k, w = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
+                              for x in _inputs(5))
+  one = jnp.int32(0)
+  step = lambda dt: ring_step.ring_step_forward(q, k, v, seg_q, seg_q, one, one, scale=0.25,
+                                                interpret=True, out_dtype=dt)
+  (o32, lse), (o16, lse16) = step(jnp.float32), step(jnp.bfloat16)
+  delta = jnp.einsum("bthd,bthd->bht", w.astype(jnp.float32), o32)
+  back = lambda dt: ring_step.ring_step_backward(q, k, v, seg_q, seg_q, one, one, w, lse, delta,
+                                                 scale=0.25, interpret=True, out_dtype=dt)
+  for x32, x16 in zip((o32, *back(jnp.float32)), (o16, *back(jnp.bfloat16))):
+    assert x16.dtype == jnp.bfloat16 and x32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(x16), np.asarray(x32.astype(jnp.bfloat16)))
+  np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse))
+
+
 @pytest.mark.parametrize("D,Dv", [(64, 64), (24, 40)])   # odd head dims are padded to tiles
 def test_forward_and_backward_lower_to_triton(h200, D, Dv):  # noqa: F811
   bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
@@ -109,7 +127,7 @@ def test_forward_and_backward_lower_to_triton(h200, D, Dv):  # noqa: F811
 
   def both(q, k, v, do):
     o, lse = ring_step.ring_step_forward(q, k, v, seg, seg, jnp.int32(128), jnp.int32(0),
-                                         scale=0.125, interpret=False)
+                                         scale=0.125, interpret=False, out_dtype=q.dtype)
     return o, ring_step.ring_step_backward(q, k, v, seg, seg, jnp.int32(128), jnp.int32(0), do,
                                            rows, rows, scale=0.125, interpret=False)
 

@@ -34,8 +34,8 @@ def _attention(q, k, v, seg, interpret):
 def _fwd(q, k, v, seg, interpret):
   zero = jnp.zeros((), jnp.int32)
   o, lse_BxHxT = ring_step.ring_step_forward(q, k, v, seg, seg, zero, zero,
-                                             scale=q.shape[-1] ** -0.5, interpret=interpret)
-  o = o.astype(q.dtype)
+                                             scale=q.shape[-1] ** -0.5, interpret=interpret,
+                                             out_dtype=q.dtype)
   # q, k, v are the model's projections (saved by remat's dots policies); o and lse are the
   # kernel's, rebuilt by a second forward kernel unless saved by name.
   o_res, lse_BxHxT = residuals.tag((o, lse_BxHxT))
@@ -48,8 +48,8 @@ def _bwd(interpret, res, do_BxTxHxDv):
   delta_BxHxT = jnp.einsum("bthd,bthd->bht", do_BxTxHxDv.astype(F32), o.astype(F32))
   dq, dk, dv = ring_step.ring_step_backward(q, k, v, seg, seg, zero, zero, do_BxTxHxDv,
                                             lse_BxHxT, delta_BxHxT, scale=q.shape[-1] ** -0.5,
-                                            interpret=interpret)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+                                            interpret=interpret, out_dtype=q.dtype)
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 _attention.defvjp(_fwd, _bwd)

@@ -139,7 +139,7 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, o_ref
   carry = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=False), carry)
   m_Q, l_Q, acc_QxDv = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=True), carry)
   seen = l_Q > 0.0
-  o_ref[...] = acc_QxDv / jnp.where(seen, l_Q, 1.0)[:, None]
+  o_ref[...] = (acc_QxDv / jnp.where(seen, l_Q, 1.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, (m_Q + jnp.log2(jnp.where(seen, l_Q, 1.0))) / LOG2E,
                            -jnp.inf)
 
@@ -168,7 +168,7 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, do_ref
   dq_QxD = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=False),
                              jnp.zeros((BQ, D), F32))
   dq_QxD = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=True), dq_QxD)
-  dq_ref[...] = dq_QxD * scale
+  dq_ref[...] = (dq_QxD * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, do_ref, lse_ref,
@@ -196,8 +196,8 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, do_re
   carry = (jnp.zeros((BK, D), F32), jnp.zeros((BK, Dv), F32))
   carry = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=True), carry)
   dk_KxD, dv_KxDv = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=False), carry)
-  dk_ref[...] = dk_KxD * scale
-  dv_ref[...] = dv_KxDv
+  dk_ref[...] = (dk_KxD * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv_KxDv.astype(dv_ref.dtype)
 
 
 def _pad4(x, Tp):
@@ -257,9 +257,11 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, tiles):
 
 
 def ring_step_forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_first, k_first,
-                      *, scale, interpret=None, tiles=None):
-  """(o [B,T,H,Dv] fp32, normalised over this block; lse [B,H,T] fp32, -inf where the block
-  shows a query nothing). tiles: the kernel's Tiles (default FWD)."""
+                      *, scale, interpret=None, tiles=None, out_dtype=F32):
+  """(o [B,T,H,Dv] in out_dtype, normalised over this block; lse [B,H,T] fp32, -inf where
+  the block shows a query nothing). tiles: the kernel's Tiles (default FWD). out_dtype: fp32
+  where steps are merged (ring attention); the model's dtype where the block is the whole
+  attention (causal.py), so no convert follows the kernel."""
   B, T, H, D = q_BxTxHxD.shape
   Dv = v_BxTxHxDv.shape[-1]
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
@@ -273,16 +275,16 @@ def ring_step_forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_
       _specs(t.rows, Tp, Dp, Dvp, rows_of_q=True) + [_ids_spec(ids)],
       [pl.BlockSpec((None, t.rows, None, Dvp), lambda b, h, i: (b, i, h, 0)),
        pl.BlockSpec((None, None, t.rows), lambda b, h, i: (b, h, i))],
-      [jax.ShapeDtypeStruct((B, Tp, H, Dvp), F32), jax.ShapeDtypeStruct((B, H, Tp), F32)],
+      [jax.ShapeDtypeStruct((B, Tp, H, Dvp), out_dtype), jax.ShapeDtypeStruct((B, H, Tp), F32)],
       interpret, "ring_step_fwd", t)(off, q, k, v, sq, sk, ids)
   return o[:, :T, :, :Dv], lse[..., :T]
 
 
 def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_first, k_first,
                        do_BxTxHxDv, lse_BxHxT, delta_BxHxT, *, scale, interpret=None,
-                       tiles=None):
-  """This step's share of (dq, dk, dv), fp32, from the final lse and delta = rowsum(dO ⊙ O).
-  tiles: (dq's, dk/dv's) Tiles (default DQ, DKV)."""
+                       tiles=None, out_dtype=F32):
+  """This step's share of (dq, dk, dv), in out_dtype (fp32 where steps are summed), from the
+  final lse and delta = rowsum(dO ⊙ O). tiles: (dq's, dk/dv's) Tiles (default DQ, DKV)."""
   B, T, H, D = q_BxTxHxD.shape
   Dv = v_BxTxHxDv.shape[-1]
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
@@ -296,7 +298,7 @@ def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q
   row_whole = pl.BlockSpec((None, None, Tp), lambda b, h, i: (b, h, 0))
   tile = lambda Bl, d: pl.BlockSpec((None, Bl, None, d), lambda b, h, i: (b, i, h, 0))
   whole = lambda d: pl.BlockSpec((None, Tp, None, d), lambda b, h, i: (b, 0, h, 0))
-  out = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), F32)
+  out = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), out_dtype)
   k_ids, q_ids = _block_ids(sk, tq.loop), _block_ids(sq, tk.loop)
   dq = _call(functools.partial(_dq_kernel, scale=scale, block_k=tq.loop),
              (B, H, Tp // tq.rows),

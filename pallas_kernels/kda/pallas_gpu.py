@@ -460,7 +460,8 @@ def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
 
 
 def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpret):
-  """(dA, and the W/U0/Qg/Kd/decay parts of dq, dk, dv, dβ, dG), all fp32."""
+  """(dA, and the W/U0/Qg/Kd/decay parts of dq, dk, dG, all fp32; dv in v's dtype and dβ
+  fp32, whole)."""
   B, Tp, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -472,7 +473,7 @@ def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpr
                 _chunk(C, K), _chunk(C, K), _per_chunk(K)],
       out_specs=[_chunk(C, C), _chunk(C, K), _chunk(C, K), _chunk(C, V), _chunk_1d(C),
                  _chunk(C, K)],
-      out_shape=[_rows(q, C, F32), _rows(q, K, F32), _rows(q, K, F32), _rows(q, V, F32),
+      out_shape=[_rows(q, C, F32), _rows(q, K, F32), _rows(q, K, F32), _rows(q, V, v.dtype),
                  jax.ShapeDtypeStruct((B, Tp, H), F32), _rows(q, K, F32)],
       interpret=interpret, name="kda_intra_wu_bwd",
       compiler_params=_params(WARPS["wu_bwd"], 1, interpret),
@@ -481,7 +482,8 @@ def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpr
 
 def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret):
   """The tiles' parts of (dq, dk, dG), fp32: one program per (chunk, K block), as the
-  column blocks are independent."""
+  column blocks are independent. (Adding wu_bwd's parts here, to write dq and dk in bf16,
+  made this kernel 40% slower in the 1B train step: benchmarks/kda.md.)"""
   B, Tp, H, K = q.shape
   C, BK = chunk_size, min(K, BLOCK_K)
   nk = K // BK
@@ -510,7 +512,8 @@ def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
 
 
 def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
-  """Cotangents (dq, dk, dv, dG, dβ) of stage 1 from those of its outputs."""
+  """Cotangents (dq, dk, dv, dG, dβ) of stage 1 from those of its outputs (dq, dk, dG fp32;
+  dv in v's dtype)."""
   C = chunk_size
   dA, dq0, dk0, dv, dbeta, dG0 = wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, scale=scale,
                                              chunk_size=C, interpret=interpret)
@@ -573,7 +576,7 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
                 pl.BlockSpec((None, N, None, K), lambda b, h, j: (b, 0, h, 0)),
                 chunk_states, vblk, state],
       out_specs=[vblk, vblk, chunk_states, state],
-      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), F32),       # dU0
+      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt),        # dU0
                  jax.ShapeDtypeStruct((B, Tp, H, V), dt),        # U, for the grads kernel
                  jax.ShapeDtypeStruct((B, H, N, K, V), F32),     # dS at each chunk's end
                  jax.ShapeDtypeStruct((B, H, K, V), F32)],       # dS0
@@ -582,7 +585,7 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
   )(st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO, dSN)
   chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
   one_state = pl.BlockSpec((None, None, None, K, V), lambda b, h, n: (b, h, n, 0, 0))
-  rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), F32)
+  rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
   dW, dQg, dKd, dAqk, ddecay = pl.pallas_call(
       functools.partial(_recurrence_grads_kernel, block=min(K, V, GRADS_BLOCK)),
       grid=(B, H, N),
