@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.model import experts
-from moe_jax.model.moe import (capacity, combine, inverse_permutation, repeat_rows,
-                                 sort_by_group, take_rows)
+from moe_jax.model.moe import (capacity, combine, inverse_permutation, permute_rows,
+                                 repeat_rows, sort_by_group, take_rows)
 
 TOKEN_AXES = ("data", "fsdp", "expert", "sequence")
 
@@ -47,10 +47,13 @@ def _exchange(x_MxD, idx_MxK, w_MxK, gate_up_LxDx2xF, down_LxFxD, *, shards, cap
   recv_x_PxSxD = jax.lax.all_to_all(send_x_PxSxD, "expert", 0, 0)
   recv_e_R = jax.lax.all_to_all(send_e_PxS, "expert", 0, 0).reshape(-1)
   local_order_R, sizes_L, _ = sort_by_group(recv_e_R, L)  # empty slots (id L) sort last
-  y_R = experts.swiglu_grouped(take_rows(recv_x_PxSxD.reshape(-1, D), local_order_R), sizes_L,
-                               gate_up_LxDx2xF, down_LxFxD, implementation)
+  local_inverse_R = inverse_permutation(local_order_R)
+  # The local sort and unsort are permutations: gathers both ways (moe.permute_rows).
+  y_R = experts.swiglu_grouped(
+      permute_rows(recv_x_PxSxD.reshape(-1, D), local_order_R, local_inverse_R), sizes_L,
+      gate_up_LxDx2xF, down_LxFxD, implementation)
   y_R = jnp.where((recv_e_R[local_order_R] < L)[:, None], y_R, 0)  # rows past the groups
-  y_PxSxD = take_rows(y_R, inverse_permutation(local_order_R)).reshape(shards, S, D)
+  y_PxSxD = permute_rows(y_R, local_inverse_R, local_order_R).reshape(shards, S, D)
 
   back_PxSxD = jax.lax.all_to_all(y_PxSxD, "expert", 0, 0)
   y_AxD = take_rows(back_PxSxD.reshape(-1, D), slot_A)
