@@ -47,8 +47,9 @@ def timed(fn, *args):
     return f"error {type(e).__name__}: {str(e)[:120]}"
 
 
-def prologue_time(q, k, g, inp, B, H, D, C, kw):
+def prologue_time(q, k, g, inp, kw):
   """warps -> 'fwd ms / bwd ms' of the prologue kernels (bounded gate, q/k L2 norm)."""
+  H, D = q.shape[2:]
   live = jnp.ones(q.shape[:2], jnp.int32)
   a_HK = jnp.broadcast_to(jnp.exp(jnp.asarray(inp["A_log"]))[:, None], (H, D))
   bias_HK = jnp.asarray(inp["dt_bias"]).reshape(H, D)
@@ -119,7 +120,7 @@ def main(argv):
       print(f"  BLOCK_K {bk} ROLLED {r}: " + " | ".join(
           f"{name} {run(name)}" for name in ("tiles", "wu", "wu_bwd", "tiles_bwd")), flush=True)
   P.BLOCK_K, P.ROLLED = block_k, rolled
-  pro = prologue_time(q, k, g, inp, B, H, D, C, kw)
+  pro = prologue_time(q, k, g, inp, kw)
   print("  prologue (gate, L2 norm, cumsum) fwd / bwd by warps: " + " | ".join(
       f"{w}: {pro(w)}" for w in map(int, _WARPS.value)), flush=True)
 

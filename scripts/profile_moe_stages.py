@@ -48,7 +48,7 @@ def main(argv):
   kernel = params["router_kernel"]
   idx, w = router.select(x.astype(jnp.float32) @ kernel, jnp.zeros(E), _K, "sigmoid", 1.0)
   order, sizes, _ = sort_by_group(idx.reshape(-1), E)
-  x_sorted = permute_rows(repeat_rows(x, _K), order, inverse_permutation(order))
+  x_sorted = _dispatch(x, order)
   y_sorted = experts.swiglu_grouped(x_sorted, sizes, gate_up, down)
 
   stages = {
