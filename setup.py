@@ -32,14 +32,17 @@ setup(
     extras_require={
         # The tests use every extra below but the accelerator ones: the digits image task,
         # the learned tokenizers and corpus formats, and the notebooks (run by nbclient);
-        # tokamax for the comparison with its Mosaic TPU KDA (interpreted on CPU).
+        # tokamax for the comparison with its Mosaic TPU KDA (interpreted on CPU); triton
+        # (the GPU machine's 3.6) for KDA's native Triton kernel, run by its interpreter on
+        # CPU and compiled for sm_90a (ptxas) to check it builds for the H200.
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib==3.11.2", "scikit-learn==1.9.1",
-                "tokamax==0.0.17", *DATA, *NOTEBOOKS],
+                "tokamax==0.0.17", "triton==3.6.0", *DATA, *NOTEBOOKS],
         "vision": ["scikit-learn==1.9.1", "pillow>=10"],   # image tasks, PNG prompts
         "data": DATA,
         "notebooks": NOTEBOOKS,
         # CUDA wheels for jaxlib; tokamax's grouped matmul is imported lazily (heavy deps).
-        "gpu": ["jax[cuda13]==0.11.2", "tokamax==0.0.17"],
+        # jax-triton calls KDA's native Triton kernel (implementation="triton").
+        "gpu": ["jax[cuda13]==0.11.2", "tokamax==0.0.17", "triton==3.6.0", "jax-triton==0.4.1"],
         "tpu": ["jax[tpu]==0.11.2", "tokamax==0.0.17"],
     },
 )

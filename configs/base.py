@@ -32,7 +32,7 @@ def get_config(arg=None):
   m.kda_lower_bound = -5.0      # bounded gate g in [lower_bound, 0); None = legacy unbounded gate
   m.kda_conv_size = 4
   m.kda_chunk_size = 64
-  m.kda_implementation = ""     # "" = best for platform; or xla | recurrent | pallas_gpu | pallas_tpu
+  m.kda_implementation = ""     # "" = best for platform; or xla | recurrent | pallas_gpu | triton | pallas_tpu
   m.kda_gate_in_kernel = True   # q/k L2 norm, gate and chunk cumsum inside the KDA op (False: in XLA)
   # Gated MLA (NoPE) mixer.
   m.attn_res = "none"            # residual: none | block | full | mix (model/attn_res.py)

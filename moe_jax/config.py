@@ -71,7 +71,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   chunk = m.kda_chunk_size
   if chunk not in (16, 32, 64, 128):
     _fail("model.kda_chunk_size", chunk, "one of (16, 32, 64, 128)")
-  impls = ("", "xla", "recurrent", "pallas_gpu", "pallas_tpu")
+  impls = ("", "xla", "recurrent", "pallas_gpu", "triton", "pallas_tpu")
   if m.kda_implementation not in impls:
     _fail("model.kda_implementation", m.kda_implementation, f"one of {impls}")
   if not isinstance(m.kda_gate_in_kernel, bool):

@@ -1,9 +1,10 @@
-"""Registers and spills of every Pallas Triton kernel of the KDA op or the flash kernels,
+"""Registers and spills of every Pallas Triton kernel of the KDA op or the flash kernels
+(and, through triton_report, of native Triton kernels such as triton_gpu.py's),
 without a GPU: the kernels are lowered for an H200 (as tests/test_kda_triton_lowering.py
 does), their Triton IR is compiled to PTX by the `triton` package and ptxas -v reports
 registers, stack and spills for sm_90a.
 
-  pip install triton==3.6.0      # the GPU machine's version; not a project dependency
+  (the triton package, 3.6 as on the GPU machine, comes with `pip install -e '.[dev]'`)
   python scripts/kernel_registers.py --op=kda --dim=64 --warps=kda_intra_tiles_bwd=8
 
 Launch widths are the ones the code ships (read from the lowering) unless --warps sets
@@ -60,14 +61,27 @@ def dump_ttir(fn, args, out_dir):
 
 
 def ptxas_report(ttir_path, num_warps):
-  """'N registers, S bytes spilled (stores)' of one kernel, compiled for sm_90a."""
+  """(registers, spill-store bytes) a thread of one Pallas kernel, compiled for sm_90a."""
   import triton   # only this step needs the package
   from triton.backends.compiler import GPUTarget
   compiled = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": 1})
-  ptx_path = ttir_path[:-len(".ttir")] + ".ptx"
+  return _ptxas(compiled.asm["ptx"], ttir_path[:-len(".ttir")] + ".ptx")
+
+
+def triton_report(kernel, signature, meta, num_warps, num_stages, out_dir):
+  """(registers, spill-store bytes) a thread of a native Triton kernel (`@triton.jit`),
+  built as jax_triton builds it for the H200 (triton_gpu.compile_for); signature and meta
+  as sorted (name, value) tuples."""
+  from pallas_kernels.kda.triton_gpu import compile_for
+  compiled = compile_for(kernel, signature, meta, num_warps, num_stages)
+  return _ptxas(compiled.asm["ptx"], os.path.join(out_dir, f"{kernel.__name__}.ptx"))
+
+
+def _ptxas(ptx, ptx_path):
+  import triton
   with open(ptx_path, "w") as f:
-    f.write(compiled.asm["ptx"])
+    f.write(ptx)
   ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
   log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx_path, "-o", os.devnull],
                        capture_output=True, text=True, check=True).stderr

@@ -4,8 +4,9 @@
 
 Stage 1 kernels (tiles, solve, wu forward; wu_bwd, tiles_bwd backward) each at every
 --warps, then at each --blocks column width rolled and unrolled; then stage 2 (the
-recurrence forward; chunk states + backward kernels); then, with --xla, the XLA stage 1
-and its VJP. Each number is the median of --iters runs after
+recurrence forward; chunk states + backward kernels), with each --triton setting of the
+native Triton forward (triton_gpu.py) beside it; then, with --xla, the XLA stage 1
+and its VJP. --stage2_only skips stage 1. Each number is the median of --iters runs after
 a warm-up. --knobs=NAME=VALUE,... sets pallas_gpu knobs for the whole run.
 """
 
@@ -25,6 +26,9 @@ _DIM = flags.DEFINE_integer("dim", 128, "K = V (long_context_1b's heads: 64).")
 _WARPS = flags.DEFINE_list("warps", ["1", "2", "4", "8"], "num_warps values to try per kernel.")
 _XLA = flags.DEFINE_bool("xla", False, "Also time the XLA stage 1 and its VJP.")
 _BLOCKS = flags.DEFINE_list("blocks", [], "BLOCK_K values to try, each rolled and unrolled.")
+_TRITON = flags.DEFINE_list("triton", [], "BLOCK_V/warps/stages settings of triton_gpu's "
+                            "recurrence to time beside the Pallas one, e.g. 32/4/2,64/8/3.")
+_STAGE2_ONLY = flags.DEFINE_bool("stage2_only", False, "Skip stage 1 and the prologue.")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
 _KNOBS = flags.FLAGS["knobs"]  # also bench_kda's: here, settings for the whole run
 
@@ -69,6 +73,75 @@ def prologue_time(q, k, g, inp, kw):
   return at
 
 
+def stage1(run, kernels, q, k, g, inp, kw):
+  """Each stage-1 kernel at every --warps and --blocks, then the prologue."""
+  default = dict(P.WARPS)
+  print(f"stage-1 kernels, ms at {_SHAPE.value}, K=V={q.shape[-1]}, bf16, C=64 (default "
+        f"warps {default}, BLOCK_K {P.BLOCK_K}, ROLLED {P.ROLLED}):")
+  for name in kernels:
+    row = {}
+    for w in map(int, _WARPS.value):
+      P.WARPS[name] = w
+      row[w] = run(name)
+    P.WARPS[name] = default[name]
+    ok = {w: float(t) for w, t in row.items() if not t.startswith("error")}
+    best = min(ok, key=ok.get) if ok else None
+    print(f"  {name:10s} " + " | ".join(f"warps {w}: {t}" for w, t in row.items())
+          + f"  -> best {best}", flush=True)
+  block_k, rolled = P.BLOCK_K, P.ROLLED
+  for bk in map(int, _BLOCKS.value):
+    for r in (True, False):
+      P.BLOCK_K, P.ROLLED = bk, r
+      print(f"  BLOCK_K {bk} ROLLED {r}: " + " | ".join(
+          f"{name} {run(name)}" for name in ("tiles", "wu", "wu_bwd", "tiles_bwd")), flush=True)
+  P.BLOCK_K, P.ROLLED = block_k, rolled
+  pro = prologue_time(q, k, g, inp, kw)
+  print("  prologue (gate, L2 norm, cumsum) fwd / bwd by warps: " + " | ".join(
+      f"{w}: {pro(w)}" for w in map(int, _WARPS.value)), flush=True)
+
+
+def stage2(st, B, H, D, Tp, kw):
+  """The recurrence forward (without and with chunk states) and the states + backward
+  kernels; each --triton setting of triton_gpu's forward beside Pallas's, with its largest
+  difference from Pallas's output."""
+  S0 = jnp.zeros((B, H, D, D), jnp.float32)
+  do = jnp.ones((B, Tp, H, D), jnp.float32)
+
+  def rec_bwd(st, S0, do):
+    _, _, states = P._recurrence_call(st, S0, with_states=True, **kw)
+    return P._recurrence_bwd_call(st, states, do, S0, **kw)
+
+  rec = lambda st, S0: P._recurrence_call(st, S0, with_states=False, **kw)
+  rec_st = lambda st, S0: P._recurrence_call(st, S0, with_states=True, **kw)
+  print(f"  recurrence {timed(rec, st, S0)} | with states {timed(rec_st, st, S0)} | "
+        f"recurrence states+bwd {timed(rec_bwd, st, S0, do)}", flush=True)
+  if not _TRITON.value:
+    return
+  from pallas_kernels.kda import triton_gpu as TG
+  ref = jax.jit(rec_st)(st, S0)
+  knobs = (TG.BLOCK_V, TG.WIDE_BLOCK_V, TG.WARPS, TG.STAGES)
+  for setting in _TRITON.value:
+    bv, TG.WARPS, TG.STAGES = map(int, setting.split("/"))
+    TG.BLOCK_V = TG.WIDE_BLOCK_V = bv
+    t_rec = timed(lambda st, S0: TG._recurrence_call(st, S0, with_states=False, **kw), st, S0)
+    t_st = timed(lambda st, S0: TG._recurrence_call(st, S0, with_states=True, **kw), st, S0)
+
+    def tg_bwd(st, S0, do):
+      _, _, states = TG._recurrence_call(st, S0, with_states=True, **kw)
+      return TG._recurrence_bwd_call(st, states, do, S0, **kw)
+
+    t_bwd = timed(tg_bwd, st, S0, do)
+    try:
+      out = jax.jit(lambda st, S0: TG._recurrence_call(st, S0, with_states=True, **kw))(st, S0)
+      err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                for a, b in zip(out, ref))
+    except Exception as e:   # noqa: BLE001 — a failed setting is a result
+      err = f"error {type(e).__name__}"
+    print(f"  triton BLOCK_V {bv} warps {TG.WARPS} stages {TG.STAGES}: recurrence {t_rec} | "
+          f"with states {t_st} | states+bwd {t_bwd} | max |Δ| vs Pallas {err}", flush=True)
+  TG.BLOCK_V, TG.WIDE_BLOCK_V, TG.WARPS, TG.STAGES = knobs
+
+
 def main(argv):
   del argv
   set_knobs(",".join(_KNOBS.value))   # e.g. --knobs=BLOCK_K=64
@@ -100,40 +173,11 @@ def main(argv):
                     (q, k, G, dA, d_st["Aqk"])),
   }
   run = lambda name: timed(kernels[name][0], *kernels[name][1])
-  default = dict(P.WARPS)
-  print(f"stage-1 kernels, ms at {_SHAPE.value}, K=V={D}, bf16, C=64 (default warps {default}, "
-        f"BLOCK_K {P.BLOCK_K}, ROLLED {P.ROLLED}):")
-  for name in kernels:
-    row = {}
-    for w in map(int, _WARPS.value):
-      P.WARPS[name] = w
-      row[w] = run(name)
-    P.WARPS[name] = default[name]
-    ok = {w: float(t) for w, t in row.items() if not t.startswith("error")}
-    best = min(ok, key=ok.get) if ok else None
-    print(f"  {name:10s} " + " | ".join(f"warps {w}: {t}" for w, t in row.items())
-          + f"  -> best {best}", flush=True)
-  block_k, rolled = P.BLOCK_K, P.ROLLED
-  for bk in map(int, _BLOCKS.value):
-    for r in (True, False):
-      P.BLOCK_K, P.ROLLED = bk, r
-      print(f"  BLOCK_K {bk} ROLLED {r}: " + " | ".join(
-          f"{name} {run(name)}" for name in ("tiles", "wu", "wu_bwd", "tiles_bwd")), flush=True)
-  P.BLOCK_K, P.ROLLED = block_k, rolled
-  pro = prologue_time(q, k, g, inp, kw)
-  print("  prologue (gate, L2 norm, cumsum) fwd / bwd by warps: " + " | ".join(
-      f"{w}: {pro(w)}" for w in map(int, _WARPS.value)), flush=True)
-
-  S0 = jnp.zeros((B, H, D, D), jnp.float32)
-  do = jnp.ones((B, q.shape[1], H, D), jnp.float32)
-
-  def rec_bwd(st, S0, do):
-    _, _, states = P._recurrence_call(st, S0, with_states=True, **kw)
-    return P._recurrence_bwd_call(st, states, do, S0, **kw)
-
-  rec = lambda st, S0: P._recurrence_call(st, S0, with_states=False, **kw)
-  print(f"  recurrence {timed(rec, st, S0)} | recurrence states+bwd {timed(rec_bwd, st, S0, do)}",
-        flush=True)
+  if not _STAGE2_ONLY.value:
+    stage1(run, kernels, q, k, g, inp, kw)
+  stage2(st, B, H, D, q.shape[1], kw)
+  if _STAGE2_ONLY.value:
+    return
   intra = lambda *a: P.intra_pallas(*a, seg, scale=scale, **kw)[0]
 
   def intra_bwd(q, k, v, G, beta, d_st):

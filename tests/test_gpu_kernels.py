@@ -29,8 +29,8 @@ pytestmark = pytest.mark.gpu
 GRADS = ["q", "k", "v", "g", "beta", "initial_state"]
 
 
-def _check_kda(args, S0, lower_bound, bound, seed, g_bound=None):
-  """Outputs and all six gradients of pallas_gpu vs the float64 spec; all finite. g_bound:
+def _check_kda(args, S0, lower_bound, bound, seed, g_bound=None, impl="pallas_gpu"):
+  """Outputs and all six gradients of `impl` vs the float64 spec; all finite. g_bound:
   the bound for the gate's gradient where it differs."""
   spec_args = tuple(a.astype(jnp.float64) for a in args)
   rng = np.random.default_rng(seed)
@@ -39,7 +39,7 @@ def _check_kda(args, S0, lower_bound, bound, seed, g_bound=None):
   w_o, w_S = rng.normal(size=(B, T, H, V)), rng.normal(size=S0.shape)
   _, ref_grads = _loss_and_grads(_spec, spec_args, S0.astype(jnp.float64), w_o, w_S)
   o_ref, S_ref = _spec(*spec_args, S0.astype(jnp.float64))
-  fn = _impl("pallas_gpu", 64, lower_bound=lower_bound)
+  fn = _impl(impl, 64, lower_bound=lower_bound)
   o, S = fn(*args, S0)
   _, grads = _loss_and_grads(fn, args, S0, w_o, w_S)
   for name, a, b in [("o", o, o_ref), ("S", S, S_ref), *zip(GRADS, grads, ref_grads)]:

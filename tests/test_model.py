@@ -161,11 +161,12 @@ def test_remat_residuals_policy_runs_each_kernel_forward_once(small_config):
   assert before["kda_intra_wu_bwd"] == after["kda_intra_wu_bwd"] > 0
 
 
-def test_kda_gate_in_kernel_gives_the_same_loss_and_gradients(small_config):
+@pytest.mark.parametrize("impl", ["pallas_gpu", "triton"])
+def test_kda_gate_in_kernel_gives_the_same_loss_and_gradients(small_config, impl):
   """model.kda_gate_in_kernel (q/k L2 norm and gate inside the KDA op: pallas_gpu's
   prologue kernel, interpret mode on CPU) against the same model with that glue in XLA,
-  packed documents. (The op's other implementations: test_kda.py.)"""
-  impl = "pallas_gpu"
+  packed documents; also with stage 2 in native Triton (its interpreter on CPU). (The
+  op's other implementations: test_kda.py.)"""
   seg = np.concatenate([np.ones((2, 20)), np.full((2, 30), 2), np.zeros((2, 14))], axis=1)
   batch = _batch(np.arange(128).reshape(2, 64) % 259, seg)
   kw = dict(dtype="float32", layer_pattern="KA", n_layers=2, kda_implementation=impl)

@@ -7,7 +7,8 @@ from pallas_kernels import platform
 from pallas_kernels.kda import pallas_gpu, pallas_tpu, reference
 from pallas_kernels.kda.gate import check_lower_bound, kda_gate
 
-IMPLEMENTATIONS = ("xla", "recurrent", "pallas_gpu", "pallas_tpu")
+IMPLEMENTATIONS = ("xla", "recurrent", "pallas_gpu", "triton", "pallas_tpu")
+GPU_KERNELS = ("pallas_gpu", "triton")   # prologue, gate and L2 norm inside the op
 CHUNK_SIZES = (16, 32, 64, 128)  # multiples of the 16-row sub-chunk
 
 
@@ -89,21 +90,21 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   A_log [H] and dt_bias [H*K]: the gate inside the op (fla's use_gate_in_kernel): g is
   then kda_gate's input x and the op computes kda_gate(x, A_log, dt_bias, lower_bound).
   qk_l2norm: q and k are L2-normalised inside the op (fla's use_qk_l2norm_in_kernel).
-  pallas_gpu does both in its prologue kernel; the other implementations in JAX first.
+  pallas_gpu and triton do both in their prologue kernel; the others in JAX first.
   """
   _validate(q, k, v, g, beta, initial_state, segment_ids, chunk_size, lower_bound, A_log,
             dt_bias)
   K, V = q.shape[-1], v.shape[-1]
   impl = default_implementation(K, V) if implementation is None else implementation
-  if impl == "pallas_gpu" and not pallas_gpu_fits(K, V):
-    raise ValueError(f"implementation='pallas_gpu' needs K and V to be powers of two >= 16, "
+  if impl in GPU_KERNELS and not pallas_gpu_fits(K, V):
+    raise ValueError(f"implementation='{impl}' needs K and V to be powers of two >= 16, "
                      f"got K={K}, V={V}; use implementation='xla'")
   if impl == "pallas_tpu" and not pallas_tpu.fits(K, V):
     raise ValueError(f"implementation='pallas_tpu' needs K and V to be multiples of 8 up to "
                      f"{pallas_tpu.MAX_HEAD_DIM}, got K={K}, V={V}; use implementation='xla'")
   kw = dict(scale=scale, initial_state=initial_state, segment_ids=segment_ids)
   bounded = lower_bound is not None
-  if impl != "pallas_gpu":
+  if impl not in GPU_KERNELS:
     if A_log is not None:
       g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
     if qk_l2norm:
@@ -116,6 +117,11 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     o, S = pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, chunk_size=chunk_size,
                                      lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
                                      qk_l2norm=qk_l2norm, **kw)
+  elif impl == "triton":     # pallas_gpu with stage 2's forward in native Triton
+    from pallas_kernels.kda import triton_gpu   # needs the triton package
+    o, S = triton_gpu.kda_triton(q, k, v, g, beta, chunk_size=chunk_size,
+                                 lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
+                                 qk_l2norm=qk_l2norm, **kw)
   elif impl == "pallas_tpu":
     o, S = pallas_tpu.kda_pallas_tpu(q, k, v, g, beta, chunk_size=chunk_size, bounded=bounded,
                                      **kw)

@@ -583,6 +583,15 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
       interpret=interpret, name="kda_recurrence_bwd",
       compiler_params=_params(RECURRENCE_WARPS, 2, interpret),
   )(st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO, dSN)
+  return _recurrence_grads_call(states, dstates, dO, U, dU0, dS0, chunk_size=C,
+                                interpret=interpret)
+
+
+def _recurrence_grads_call(states, dstates, dO, U, dU0, dS0, *, chunk_size, interpret):
+  """The per-chunk cotangents (grid (B, H, N)) from the sequential kernel's outputs: the
+  stage-2 backward's return value (d_st, dS0)."""
+  B, H, N, K, V = states.shape
+  Tp, C, dt = U.shape[1], chunk_size, U.dtype
   chunk = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
   one_state = pl.BlockSpec((None, None, None, K, V), lambda b, h, n: (b, h, n, 0, 0))
   rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
@@ -636,17 +645,19 @@ intra.defvjp(_intra_fwd, _intra_bwd)
 
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                    chunk_size=64, lower_bound=-5.0, A_log=None, dt_bias=None, qk_l2norm=False,
-                   interpret=None):
+                   interpret=None, stage2=None):
   """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take the safe
   XLA stage 1. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
-  dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there."""
+  dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there.
+  stage2: another stage 2 with this module's `recurrence` contract (triton_gpu's)."""
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   gate = "none" if A_log is None else ("bounded" if lower_bound is not None else "unbounded")
   return _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, scale=scale,
                   chunk_size=chunk_size, lower_bound=lower_bound, gate=gate,
-                  qk_l2norm=qk_l2norm, interpret=interpret)
+                  qk_l2norm=qk_l2norm, interpret=interpret,
+                  stage2=recurrence if stage2 is None else stage2)
 
 
 def _gate_params(A_log, dt_bias, H, K):
@@ -661,9 +672,9 @@ def _gate_params(A_log, dt_bias, H, K):
 # kernels (forward, backward, recomputation): the step's trace + lower time stops growing
 # with the number of KDA layers.
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "lower_bound", "gate",
-                                             "qk_l2norm", "interpret"))
+                                             "qk_l2norm", "interpret", "stage2"))
 def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, scale,
-             chunk_size, lower_bound, gate, qk_l2norm, interpret):
+             chunk_size, lower_bound, gate, qk_l2norm, interpret, stage2):
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -686,5 +697,5 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
   else:  # unbounded gates: diagonal tiles elementwise in fp32 (the safe path)
     st = _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=False)
   S0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
-  O, S = recurrence(st, S0, chunk_size, interpret)
+  O, S = stage2(st, S0, chunk_size, interpret)
   return O[:, :T], S

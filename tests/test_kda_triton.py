@@ -1,0 +1,165 @@
+"""KDA with stage 2's sequential kernels in native Triton (implementation="triton",
+triton_gpu.py): on CPU Triton's interpreter runs it, against the float64 spec (outputs and
+all six gradients) and against the Pallas kernel chunk by chunk; it is compiled for sm_90a
+(ptxas) at the shipped launch knobs; on the GPU jax_triton runs it at realistic sizes."""
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import kda, pallas_gpu, triton_gpu
+from scripts.kernel_registers import triton_report
+from tests.conftest import rel_err
+from tests.test_gpu_kernels import _check_kda
+from tests.test_kda import LB, _impl, _inputs, _loss_and_grads, _spec, check_gate_inside_the_op
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("case", [(1, 130, 2, 32, 64, 64), (2, 17, 1, 64, 32, 16)],
+                         ids=lambda c: "B{}T{}H{}K{}V{}C{}".format(*c))
+def test_fp32_matches_fp64_spec_with_gradients(case):
+  """Three chunks and a remainder with two V blocks (V 64 at BLOCK_V 32, K ≠ V); T < 2
+  chunks at chunk 16 with B = 2."""
+  B, T, H, K, V, chunk = case
+  (q, k, v, g, beta), S0 = _inputs(B, T, H, K, V, seed=T)
+  rng = np.random.default_rng(1)
+  w_o, w_S = rng.normal(size=(B, T, H, V)), rng.normal(size=(B, H, K, V))
+  _, ref_grads = _loss_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
+  o_ref, S_ref = _spec(q, k, v, g, beta, S0)
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+  o, S = _impl("triton", chunk)(*f32, S0.astype(jnp.float32))
+  assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V) and o.dtype == jnp.float32
+  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+  _, grads = _loss_and_grads(_impl("triton", chunk), f32, S0.astype(jnp.float32), w_o, w_S)
+  for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
+    assert np.isfinite(np.asarray(a)).all(), name
+    assert rel_err(a, b) <= 1e-4, name
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_recurrence_equals_the_pallas_kernel(dtype):
+  """Output, final state and every chunk-start state of the Triton forward, and every
+  cotangent of its backward, against pallas_gpu's kernels on the same stage-1 inputs: the
+  same dots in the same order per chunk, so fp32 agrees to rounding and bf16 to one bf16
+  step."""
+  B, Tp, H, K, V, C = 1, 128, 2, 32, 64, 64
+  rng = np.random.default_rng(0)
+  arr = lambda D, s=0.3: jnp.asarray(rng.normal(size=(B, Tp, H, D)) * s, dtype)
+  st = {"W": arr(K), "U0": arr(V), "Qg": arr(K), "Kd": arr(K), "Aqk": arr(C),
+        "decay": jnp.asarray(rng.uniform(0.5, 1.0, size=(B, Tp // C, H, K)), jnp.float32)}
+  S0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
+  kw = dict(chunk_size=C, with_states=True, interpret=True)
+  ours = triton_gpu._recurrence_call(st, S0, **kw)
+  ref = pallas_gpu._recurrence_call(st, S0, **kw)
+  for name, a, b in zip(["O", "S", "states"], ours, ref):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    tol = 1e-6 if dtype == jnp.float32 or name != "O" else 2 ** -7
+    assert np.abs(a - b).max() <= tol * max(1.0, np.abs(b).max()), name
+  O, SN = triton_gpu._recurrence_call(st, S0, **{**kw, "with_states": False})
+  assert np.array_equal(np.asarray(O), np.asarray(ours[0])) and np.array_equal(SN, ours[1])
+  # The backward from the same chunk states: all six stage-1 cotangents and dS0.
+  dO = jnp.asarray(rng.normal(size=(B, Tp, H, V)), dtype)
+  dSN = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
+  kw = dict(chunk_size=C, interpret=True)
+  (d_ours, dS0), (d_ref, dS0_ref) = (m._recurrence_bwd_call(st, ref[2], dO, dSN, **kw)
+                                     for m in (triton_gpu, pallas_gpu))
+  for name, a, b in [*((n, d_ours[n], d_ref[n]) for n in st), ("S0", dS0, dS0_ref)]:
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 2 ** -7
+    assert np.abs(a - b).max() <= tol * max(1.0, np.abs(b).max()), name
+
+
+@pytest.mark.usefixtures("x64")
+def test_bf16_with_segments_gate_and_l2_norm_in_the_op():
+  """The training path: bf16 raw inputs, the gate and L2 norm inside the op, packed
+  segments and padding; outputs and gradients of q, k, v, x, β, A_log, dt_bias vs fp64."""
+  check_gate_inside_the_op("triton", 2, 100, 2, 32, 32, LB, jnp.bfloat16, 1e-2, 8, 32)
+
+
+def _stage2_arrays(B, Tp, H, D, C, dtype):
+  """The arrays each kernel takes (inputs, then outputs), as shapes and dtypes."""
+  rows = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), dtype)
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  decay, S, states = f32(B, Tp // C, H, D), f32(B, H, D, D), f32(B, H, Tp // C, D, D)
+  st = [rows(D), rows(D), rows(D), rows(D), rows(C), decay]
+  return {triton_gpu._kda_recurrence_triton: [*st, S, rows(D), S, states],
+          triton_gpu._kda_recurrence_bwd_triton: [*st, states, rows(D), S, rows(D), rows(D),
+                                                  states, S]}
+
+
+@pytest.mark.parametrize("D,dtype", [(64, jnp.bfloat16), (128, jnp.bfloat16),
+                                     (128, jnp.float32)])
+def test_compiles_for_h200_within_registers_and_shared_memory(D, dtype):
+  """Both kernels, built as jax_triton builds them for sm_90a (Triton 3.6, the GPU
+  machine's, and ptxas) at the shipped knobs and the pipeline depth _fitting_stages picks:
+  within the H200's 227 KB of shared memory (3 bf16 stages of the K = V = 128 backward
+  asked for 237 KB and failed to launch, as did the fp32 forward), and in bf16 no spills
+  (the state [K, BLOCK_V] would go through local memory every chunk) with at least 2
+  chunks in flight. fp32 (IEEE dots, not the training path) spills; it is only checked to
+  launch."""
+  B, Tp, H, C = 4, 8192, 16, 64
+  meta = dict(Tp=Tp, H=H, K=D, V=D, C=C, BV=min(triton_gpu.BLOCK_V, D),
+              PREC="tf32" if dtype == jnp.bfloat16 else "ieee")
+  for kernel, arrays in _stage2_arrays(B, Tp, H, D, C, dtype).items():
+    m = dict(meta, WITH_STATES=True) if kernel is triton_gpu._kda_recurrence_triton else meta
+    stages = triton_gpu._fitting_stages(kernel, arrays, m)
+    sig = tuple((n, triton_gpu._TRITON_TYPES[jnp.dtype(a.dtype)])
+                for n, a in zip(triton_gpu._pointer_names(kernel), arrays))
+    items = tuple(sorted({**m, "NUM_STAGES": stages}.items()))
+    shared = triton_gpu.compile_for(kernel, sig, items, triton_gpu.WARPS, stages).metadata.shared
+    assert shared <= triton_gpu.MAX_SHARED[90], (kernel.__name__, stages, shared)
+    if dtype == jnp.bfloat16:
+      regs, spilled = triton_report(kernel, sig, items, triton_gpu.WARPS, stages,
+                                    tempfile.mkdtemp())
+      assert 0 < regs <= 255 and spilled == 0 and stages >= 2, (kernel.__name__, stages,
+                                                                regs, spilled)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("dtype,bound", [("bfloat16", 1e-2), ("float32", 1e-4)])
+def test_gpu_matches_fp64_spec(dtype, bound):
+  """jax_triton on the GPU: 2 × 1000 × 16, K = V = 128, all six gradients."""
+  (q, k, v, g, beta), S0 = _inputs(2, 1000, 16, 128, 128, seed=0)
+  dt = jnp.dtype(dtype)
+  args = (q.astype(dt), k.astype(dt), v.astype(dt), g.astype(jnp.float32), beta.astype(dt))
+  _check_kda(args, S0.astype(jnp.float32), LB, bound, 0, impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize("gates", ["at_bound", "near_zero"])
+def test_gpu_extreme_gates(gates):
+  (q, k, v, _, beta), S0 = _inputs(2, 500, 4, 64, 64, seed=7)
+  g = jnp.full(q.shape, LB if gates == "at_bound" else -1e-6)
+  args = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), g, beta)
+  _check_kda(args, S0.astype(jnp.float32), LB, 1e-4, 3, impl="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("x64")
+def test_gpu_training_path():
+  check_gate_inside_the_op("triton", 2, 1000, 16, 128, 128, LB, jnp.bfloat16, 1e-2, 8, 64)
+
+
+@pytest.mark.gpu
+def test_gpu_same_output_as_pallas_at_4x8192x16():
+  """The benchmark shape: forward output and final state within bf16 rounding of pallas_gpu."""
+  B, T, H, D = 4, 8192, 16, 128
+  ks = jax.random.split(jax.random.key(0), 5)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = unit(jax.random.normal(ks[0], (B, T, H, D))), unit(jax.random.normal(ks[1], (B, T, H, D)))
+  v = jax.random.normal(ks[2], (B, T, H, D))
+  g = LB * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, D)))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+  args = [x.astype(jnp.bfloat16) for x in (q, k, v)] + [g, beta.astype(jnp.bfloat16)]
+  run = lambda impl: kda(*args, lower_bound=LB, output_final_state=True, implementation=impl)
+  (o, S), (o_ref, S_ref) = run("triton"), run("pallas_gpu")
+  assert np.isfinite(np.asarray(o, np.float32)).all()
+  assert rel_err(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= 1e-2
+  assert rel_err(S, S_ref) <= 1e-2
