@@ -4,7 +4,8 @@
 Triton: the same prologue and stage-1 kernels, and pallas_gpu's per-chunk gradient kernel.
 It answers one question on the H200 before more of the op is rewritten: does Triton
 written by hand, called through jax_triton, beat the same algorithm lowered by Pallas?
-(benchmarks/kda.md: yes, 1.3-1.8x for these kernels, with bit-identical outputs.)
+(benchmarks/kda.md: yes, 1.0-1.8x forward and 1.1-1.4x backward for these loops, with
+bit-identical outputs.)
 
   _kda_recurrence_triton      grid (V/BV, B·H): the state S [K, BV] stays in registers
                               across all chunks; per chunk U = U0 - W S, O = Qg S + Aqk U,
