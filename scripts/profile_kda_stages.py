@@ -4,8 +4,8 @@
 
 Stage 1 kernels (tiles, solve, wu forward; wu_bwd, tiles_bwd backward) each at every
 --warps, then at each --blocks column width rolled and unrolled; then stage 2 (the
-recurrence forward; chunk states + backward kernels), with each --triton setting of the
-native Triton forward (triton_gpu.py) beside it; then, with --xla, the XLA stage 1
+recurrence forward; chunk states + backward kernels), with each --triton setting of
+triton_gpu.py's kernels (the same three timings) beside it; then, with --xla, the XLA stage 1
 and its VJP. --stage2_only skips stage 1. Each number is the median of --iters runs after
 a warm-up. --knobs=NAME=VALUE,... sets pallas_gpu knobs for the whole run.
 """
@@ -27,7 +27,8 @@ _WARPS = flags.DEFINE_list("warps", ["1", "2", "4", "8"], "num_warps values to t
 _XLA = flags.DEFINE_bool("xla", False, "Also time the XLA stage 1 and its VJP.")
 _BLOCKS = flags.DEFINE_list("blocks", [], "BLOCK_K values to try, each rolled and unrolled.")
 _TRITON = flags.DEFINE_list("triton", [], "BLOCK_V/warps/stages settings of triton_gpu's "
-                            "recurrence to time beside the Pallas one, e.g. 32/4/2,64/8/3.")
+                            "stage 2 to time beside Pallas's, e.g. 32/4/2,64/8/3 (stages: "
+                            "the most tried; fewer where they do not fit in shared memory).")
 _STAGE2_ONLY = flags.DEFINE_bool("stage2_only", False, "Skip stage 1 and the prologue.")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
 _KNOBS = flags.FLAGS["knobs"]  # also bench_kda's: here, settings for the whole run
