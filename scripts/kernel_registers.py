@@ -69,13 +69,10 @@ def ptxas_report(ttir_path, num_warps):
   return _ptxas(compiled.asm["ptx"], ttir_path[:-len(".ttir")] + ".ptx")
 
 
-def triton_report(kernel, signature, meta, num_warps, num_stages, out_dir):
-  """(registers, spill-store bytes) a thread of a native Triton kernel (`@triton.jit`),
-  built as jax_triton builds it for the H200 (triton_gpu.compile_for); signature and meta
-  as sorted (name, value) tuples."""
-  from pallas_kernels.kda.triton_gpu import compile_for
-  compiled = compile_for(kernel, signature, meta, num_warps, num_stages)
-  return _ptxas(compiled.asm["ptx"], os.path.join(out_dir, f"{kernel.__name__}.ptx"))
+def triton_report(compiled, out_dir):
+  """(registers, spill-store bytes) a thread of a native Triton kernel compiled by the
+  triton package (triton_gpu.build / compile_for: as jax_triton builds it)."""
+  return _ptxas(compiled.asm["ptx"], os.path.join(out_dir, f"{compiled.name}.ptx"))
 
 
 def _ptxas(ptx, ptx_path):

@@ -120,10 +120,9 @@ def stage2(st, B, H, D, Tp, kw):
     return
   from pallas_kernels.kda import triton_gpu as TG
   ref = jax.jit(rec_st)(st, S0)
-  knobs = (TG.BLOCK_V, TG.WIDE_BLOCK_V, TG.WARPS, TG.STAGES)
+  knobs = (TG.BLOCK_V, TG.WARPS, TG.STAGES)
   for setting in _TRITON.value:
-    bv, TG.WARPS, TG.STAGES = map(int, setting.split("/"))
-    TG.BLOCK_V = TG.WIDE_BLOCK_V = bv
+    TG.BLOCK_V, TG.WARPS, TG.STAGES = map(int, setting.split("/"))
     t_rec = timed(lambda st, S0: TG._recurrence_call(st, S0, with_states=False, **kw), st, S0)
     t_st = timed(lambda st, S0: TG._recurrence_call(st, S0, with_states=True, **kw), st, S0)
 
@@ -138,9 +137,9 @@ def stage2(st, B, H, D, Tp, kw):
                 for a, b in zip(out, ref))
     except Exception as e:   # noqa: BLE001 — a failed setting is a result
       err = f"error {type(e).__name__}"
-    print(f"  triton BLOCK_V {bv} warps {TG.WARPS} stages {TG.STAGES}: recurrence {t_rec} | "
+    print(f"  triton BLOCK_V {TG.BLOCK_V} warps {TG.WARPS} stages {TG.STAGES}: recurrence {t_rec} | "
           f"with states {t_st} | states+bwd {t_bwd} | max |Δ| vs Pallas {err}", flush=True)
-  TG.BLOCK_V, TG.WIDE_BLOCK_V, TG.WARPS, TG.STAGES = knobs
+  TG.BLOCK_V, TG.WARPS, TG.STAGES = knobs
 
 
 def main(argv):

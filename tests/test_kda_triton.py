@@ -104,12 +104,9 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
   for kernel, arrays in _stage2_arrays(B, Tp, H, D, C, jnp.bfloat16).items():
     m = dict(meta, WITH_STATES=True) if kernel is triton_gpu._kda_recurrence_triton else meta
     stages = triton_gpu._fitting_stages(kernel, arrays, m)
-    sig = tuple((n, triton_gpu._TRITON_TYPES[jnp.dtype(a.dtype)])
-                for n, a in zip(triton_gpu._pointer_names(kernel), arrays))
-    items = tuple(sorted({**m, "NUM_STAGES": stages}.items()))
-    shared = triton_gpu.compile_for(kernel, sig, items, triton_gpu.WARPS, stages).metadata.shared
-    regs, spilled = triton_report(kernel, sig, items, triton_gpu.WARPS, stages,
-                                  tempfile.mkdtemp())
+    compiled = triton_gpu.build(kernel, arrays, m, stages)
+    shared = compiled.metadata.shared
+    regs, spilled = triton_report(compiled, tempfile.mkdtemp())
     assert shared <= triton_gpu.MAX_SHARED[90] and stages >= 2, (kernel.__name__, stages,
                                                                  shared)
     assert 0 < regs <= 255 and spilled == 0, (kernel.__name__, stages, regs, spilled)

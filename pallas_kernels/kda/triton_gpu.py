@@ -35,8 +35,7 @@ from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 F32 = jnp.float32
 
 # Launch knobs (chosen on the H200 by scripts/profile_kda_stages.py --triton; kda.md).
-BLOCK_V = 32
-WIDE_BLOCK_V = 32    # forward-only calls whose B·H·V/BLOCK_V programs exceed one wave
+BLOCK_V = 32         # V columns per program (64 was not faster once pipelined)
 WARPS = 4
 STAGES = 3           # chunks in flight in the recurrence loop, fewer where they do not fit
 # Shared memory a block may use (opt-in maximum) by compute capability; the default is the
@@ -260,24 +259,25 @@ def _capability():
   return int(major) * 10 + int(minor)
 
 
+def build(kernel, arrays, meta, stages, capability=90):
+  """compile_for with these arrays (inputs, then outputs: anything with a dtype) as the
+  kernel's pointer arguments, at this pipeline depth and the shipped WARPS."""
+  pointers = [n for n, p in zip(kernel.arg_names, kernel.params) if not p.is_constexpr]
+  signature = tuple((n, _TRITON_TYPES[jnp.dtype(a.dtype)]) for n, a in zip(pointers, arrays))
+  items = tuple(sorted({**meta, "NUM_STAGES": stages}.items()))
+  return compile_for(kernel, signature, items, WARPS, stages, capability)
+
+
 def _fitting_stages(kernel, arrays, meta):
   """The most chunks in flight (≤ STAGES) whose buffers fit in shared memory: each stage
   holds a chunk's rows of every loaded array, so wide heads and fp32 take fewer (H200,
   K = V = 128: the bf16 backward and the fp32 forward exceed 227 KB at 3 stages)."""
   cc = _capability()
   limit = MAX_SHARED.get(cc, min(MAX_SHARED.values()))
-  signature = tuple((n, _TRITON_TYPES[jnp.dtype(a.dtype)])
-                    for n, a in zip(_pointer_names(kernel), arrays))
   for stages in range(STAGES, 1, -1):
-    items = tuple(sorted({**meta, "NUM_STAGES": stages}.items()))
-    if compile_for(kernel, signature, items, WARPS, stages, cc).metadata.shared <= limit:
+    if build(kernel, arrays, meta, stages, cc).metadata.shared <= limit:
       return stages
   return 1
-
-
-def _pointer_names(kernel):
-  """The kernel's array parameters (inputs, then outputs), in order."""
-  return [n for n, p in zip(kernel.arg_names, kernel.params) if not p.is_constexpr]
 
 
 @functools.cache
@@ -302,13 +302,6 @@ def _launch(kernel, grid, args, out_type, meta, *, name, interpret):
                                 **meta)
 
 
-def _block_v(B, H, V, with_states):
-  """As pallas_gpu._block_v: wider V blocks for a forward-only call past one wave."""
-  if not with_states and B * H * (V // min(V, BLOCK_V)) > pallas_gpu._num_sms():
-    return min(V, WIDE_BLOCK_V)
-  return min(V, BLOCK_V)
-
-
 def _fp32_dots():
   """Triton's input_precision for fp32 dots, as Pallas's lowering picks it: IEEE under
   jax_default_matmul_precision "highest" / "float32", else TF32."""
@@ -319,14 +312,14 @@ def _fp32_dots():
 def _recurrence_call(st, S0, *, chunk_size, with_states, interpret):
   B, Tp, H, K = st["W"].shape
   V = st["U0"].shape[-1]
-  C, N, BV = chunk_size, Tp // chunk_size, _block_v(B, H, V, with_states)
+  C, N, BV = chunk_size, Tp // chunk_size, min(V, BLOCK_V)
   out_type = [jax.ShapeDtypeStruct((B, Tp, H, V), st["U0"].dtype),
               jax.ShapeDtypeStruct((B, H, K, V), F32),
               # unwritten without states: the kernel's pointer needs an argument
               jax.ShapeDtypeStruct((B, H, N, K, V) if with_states else (1,), F32)]
   prec = _fp32_dots() if st["W"].dtype == F32 else "tf32"   # (ignored for bf16)
   meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BV=BV, WITH_STATES=with_states, PREC=prec)
-  args = (st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], S0.astype(F32))
+  args = (st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], S0)
   O, SN, states = _launch(_kda_recurrence_triton, (V // BV, B * H), args, out_type, meta,
                           name="kda_recurrence_triton", interpret=interpret)
   return (O, SN, states) if with_states else (O, SN)
@@ -342,8 +335,7 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
               jax.ShapeDtypeStruct((B, H, N, K, V), F32),     # dS at each chunk's end
               jax.ShapeDtypeStruct((B, H, K, V), F32)]        # dS0
   meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BV=BV, PREC=_fp32_dots() if dt == F32 else "tf32")
-  args = (st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO,
-          dSN.astype(F32))
+  args = (st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO, dSN)
   dU0, U, dstates, dS0 = _launch(_kda_recurrence_bwd_triton, (V // BV, B * H), args, out_type,
                                  meta, name="kda_recurrence_bwd_triton", interpret=interpret)
   return pallas_gpu._recurrence_grads_call(states, dstates, dO, U, dU0, dS0, chunk_size=C,
