@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import kda, pallas_gpu, triton_gpu
+from pallas_kernels.kda import kda, pallas_gpu, reference, triton_gpu
 from scripts.kernel_registers import triton_report
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
@@ -80,35 +80,98 @@ def test_bf16_with_segments_gate_and_l2_norm_in_the_op():
   check_gate_inside_the_op("triton", 2, 100, 2, 32, 32, LB, jnp.bfloat16, 1e-2, 8, 32)
 
 
-def _stage2_arrays(B, Tp, H, D, C, dtype):
-  """The arrays each kernel takes (inputs, then outputs), as shapes and dtypes."""
-  rows = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), dtype)
+def _tiles_bwd_inputs(B, Tp, H, K, C, dtype, rng):
+  """The tiles backward's inputs: q, k, a decreasing chunk cumsum G, segments with resets
+  inside chunks, dA masked to A's support (as wu_bwd emits it), raw dAqk, wu_bwd's parts."""
+  arr = lambda D, dt=jnp.float32, s=1.0: jnp.asarray(rng.normal(size=(B, Tp, H, D)) * s, dt)
+  g = LB * jax.nn.sigmoid(arr(K))
+  G = jnp.cumsum(g.reshape(B, Tp // C, C, H, K), axis=2).reshape(B, Tp, H, K)
+  reset = np.zeros((B, Tp), bool)
+  reset[:, [C // 2 + 3, Tp - 5]] = True
+  seg = np.asarray(reference.chunk_segments(jnp.asarray(reset), C)).reshape(B, Tp // C, C)
+  i, j = np.arange(C)[:, None], np.arange(C)[None, :]
+  support = (seg[..., :, None] == seg[..., None, :]) & (i > j)          # [B, N, C, C]
+  dA = arr(C) * jnp.asarray(support.reshape(B, Tp, 1, C))
+  return (arr(K, dtype, 0.3), arr(K, dtype, 0.3), G, jnp.asarray(seg.reshape(B, Tp)), dA,
+          arr(C, dtype), arr(K), arr(K), arr(K))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_stage1_backward_equals_the_pallas_kernels(dtype):
+  """The Triton W/U backward against pallas_gpu's (every output), and the Triton tiles
+  backward (a program per 16-row sub-chunk, the W/U parts added in) against pallas_gpu's
+  plus those parts: fp32 to rounding, bf16 dq and dk to one rounding of the fp32 sum.
+  Segments reset inside chunks; K ≠ V, two column blocks."""
+  B, Tp, H, K, V, C = 1, 128, 2, 64, 32, 64
+  rng = np.random.default_rng(0)
+  q, k, G, seg, dA, dAqk, dq0, dk0, dG0 = _tiles_bwd_inputs(B, Tp, H, K, C, dtype, rng)
+  kw = dict(scale=K ** -0.5, chunk_size=C, interpret=True)
+  v = jnp.asarray(rng.normal(size=(B, Tp, H, V)) * 0.3, dtype)
+  beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
+  st, A, T = pallas_gpu.intra_pallas(q, k, v, G, beta, seg, **kw)
+  d_st = {n: jnp.asarray(rng.normal(size=x.shape), x.dtype) for n, x in st.items()}
+  ours = triton_gpu.wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, **kw)
+  ref = pallas_gpu.wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, **kw)
+  for name, a, b in zip(["dA", "dq0", "dk0", "dv", "dbeta", "dG0"], ours, ref):
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max(), name
+  ours = triton_gpu.tiles_bwd_call(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, **kw)
+  ref = [a + b for a, b in zip(pallas_gpu.tiles_bwd_call(q, k, G, seg, dA, dAqk, **kw),
+                               (dq0, dk0, dG0))]
+  for name, a, b, dt in zip(["dq", "dk", "dG"], ours, ref, [q.dtype, k.dtype, jnp.float32]):
+    assert a.shape == b.shape and a.dtype == dt, name
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    tol = 2 ** -8 if dt == jnp.bfloat16 else 1e-6
+    assert np.abs(a - b).max() <= tol * np.abs(b).max(), name
+
+
+def _kernel_arrays(B, Tp, H, D, C, dtype):
+  """Each kernel's arrays (inputs, then outputs) as shapes and dtypes, and its meta."""
+  rows = lambda d, dt=dtype: jax.ShapeDtypeStruct((B, Tp, H, d), dt)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   decay, S, states = f32(B, Tp // C, H, D), f32(B, H, D, D), f32(B, H, Tp // C, D, D)
   st = [rows(D), rows(D), rows(D), rows(D), rows(C), decay]
-  return {triton_gpu._kda_recurrence_triton: [*st, S, rows(D), S, states],
-          triton_gpu._kda_recurrence_bwd_triton: [*st, states, rows(D), S, rows(D), rows(D),
-                                                  states, S]}
+  meta = dict(Tp=Tp, H=H, K=D, V=D, C=C, BV=min(triton_gpu.BLOCK_V, D), PREC="tf32")
+  fp32 = rows(D, jnp.float32)
+  tiles = [rows(D), rows(D), fp32, jax.ShapeDtypeStruct((B, Tp), jnp.int32),
+           rows(C, jnp.float32), rows(C), fp32, fp32, fp32, rows(D), rows(D), fp32]
+  tiles_meta = dict(Tp=Tp, H=H, K=D, C=C, BK=min(D, triton_gpu.TILES_BWD_BLOCK_K),
+                    SCALE=D ** -0.5, PREC="tf32")
+  wu = [rows(C, jnp.float32), rows(C, jnp.float32), rows(D), rows(D), rows(D), fp32,
+        jax.ShapeDtypeStruct((B, Tp, H), jnp.float32), tiles[3], rows(D), rows(D), rows(D),
+        rows(D), decay, rows(C, jnp.float32), fp32, fp32, rows(D),
+        jax.ShapeDtypeStruct((B, Tp, H), jnp.float32), fp32]
+  wu_meta = dict(Tp=Tp, H=H, K=D, V=D, C=C, BK=min(D, triton_gpu.WU_BWD_BLOCK),
+                 SCALE=D ** -0.5, PREC="tf32")
+  return {triton_gpu._kda_recurrence_triton: ([*st, S, rows(D), S, states],
+                                              dict(meta, WITH_STATES=True), triton_gpu.WARPS),
+          triton_gpu._kda_recurrence_bwd_triton: ([*st, states, rows(D), S, rows(D), rows(D),
+                                                   states, S], meta, triton_gpu.WARPS),
+          triton_gpu._kda_tiles_bwd_triton: (tiles, tiles_meta, triton_gpu.TILES_BWD_WARPS),
+          triton_gpu._kda_wu_bwd_triton: (wu, wu_meta, triton_gpu.WU_BWD_WARPS)}
 
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiles_for_h200_within_registers_and_shared_memory(D):
-  """Both kernels in bf16, built as jax_triton builds them for sm_90a (Triton 3.6, the GPU
+  """The kernels in bf16, built as jax_triton builds them for sm_90a (Triton 3.6, the GPU
   machine's, and ptxas) at the shipped knobs and the pipeline depth _fitting_stages picks:
   within the H200's 227 KB of shared memory (3 stages of the K = V = 128 backward asked
   for 237 KB and failed to launch), no spills (the state [K, BLOCK_V] would go through
-  local memory every chunk) and at least 2 chunks in flight. (fp32, IEEE dots off the
-  training path, spills and gets 1 stage at K = 128; its builds take 35 s, so not here.)"""
-  B, Tp, H, C = 4, 8192, 16, 64
-  meta = dict(Tp=Tp, H=H, K=D, V=D, C=C, BV=min(triton_gpu.BLOCK_V, D), PREC="tf32")
-  for kernel, arrays in _stage2_arrays(B, Tp, H, D, C, jnp.bfloat16).items():
-    m = dict(meta, WITH_STATES=True) if kernel is triton_gpu._kda_recurrence_triton else meta
-    stages = triton_gpu._fitting_stages(kernel, arrays, m)
-    compiled = triton_gpu.build(kernel, arrays, m, stages)
+  local memory every chunk) and, for the recurrences, at least 2 chunks in flight. (fp32,
+  IEEE dots off the training path, spills and gets 1 stage at K = 128; its builds take
+  35 s, so not here.)"""
+  for kernel, (arrays, meta, warps) in _kernel_arrays(4, 8192, 16, D, 64,
+                                                      jnp.bfloat16).items():
+    most = {triton_gpu._kda_tiles_bwd_triton: triton_gpu.TILES_BWD_STAGES,
+            triton_gpu._kda_wu_bwd_triton: triton_gpu.WU_BWD_STAGES}.get(kernel,
+                                                                          triton_gpu.STAGES)
+    stages = triton_gpu._fitting_stages(kernel, arrays, meta, warps, most)
+    compiled = triton_gpu.build(kernel, arrays, meta, stages, warps=warps)
     shared = compiled.metadata.shared
     regs, spilled = triton_report(compiled, tempfile.mkdtemp())
-    assert shared <= triton_gpu.MAX_SHARED[90] and stages >= 2, (kernel.__name__, stages,
-                                                                 shared)
+    assert shared <= triton_gpu.MAX_SHARED[90], (kernel.__name__, stages, shared)
+    assert stages >= 2, (kernel.__name__, stages)
     assert 0 < regs <= 255 and spilled == 0, (kernel.__name__, stages, regs, spilled)
 
 

@@ -612,13 +612,6 @@ def _recurrence_grads_call(states, dstates, dO, U, dU0, dS0, *, chunk_size, inte
 recurrence = recurrence_with_vjp(_recurrence_call, _recurrence_bwd_call)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def intra(q, k, v, G, beta, seg, scale, chunk_size, interpret):
-  """Stage 1 (bounded gates): Pallas forward and backward; A and T are the residuals."""
-  return intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
-                      interpret=interpret)[0]
-
-
 def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
   """reference.chunk_intra in fp32, outputs stored like the kernel's (input dtype): the
   stage 1 of unbounded gates, and the XLA baseline in scripts/profile_kda_stages.py."""
@@ -627,29 +620,43 @@ def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
   return {n: x.astype(q.dtype) if n != "decay" else x for n, x in out.items()}
 
 
-def _intra_fwd(q, k, v, G, beta, seg, scale, chunk_size, interpret):
-  st, A, T = intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
-                          interpret=interpret)
-  return st, residuals.tag((q, k, v, G, beta, seg, A, T))
+def intra_with_vjp(bwd_call):
+  """Stage 1 (bounded gates) as a custom VJP: intra_pallas forward, A and T the residuals;
+  bwd_call(q, k, v, G, beta, seg, A, T, d_st, scale=, chunk_size=, interpret=) -> (dq, dk,
+  dv, dG, dβ), cast here to the inputs' dtypes."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+  def intra(q, k, v, G, beta, seg, scale, chunk_size, interpret):
+    return intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
+                        interpret=interpret)[0]
+
+  def fwd(q, k, v, G, beta, seg, scale, chunk_size, interpret):
+    st, A, T = intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
+                            interpret=interpret)
+    return st, residuals.tag((q, k, v, G, beta, seg, A, T))
+
+  def bwd(scale, chunk_size, interpret, res, d_st):
+    q, k, v, G, beta, seg, A, T = res
+    grads = bwd_call(q, k, v, G, beta, seg, A, T, d_st, scale=scale, chunk_size=chunk_size,
+                     interpret=interpret)
+    return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, G, beta))), None)
+
+  intra.defvjp(fwd, bwd)
+  return intra
 
 
-def _intra_bwd(scale, chunk_size, interpret, res, d_st):
-  q, k, v, G, beta, seg, A, T = res
-  grads = intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, scale=scale,
-                           chunk_size=chunk_size, interpret=interpret)
-  return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, G, beta))), None)
-
-
-intra.defvjp(_intra_fwd, _intra_bwd)
+# Stage 1 with the Pallas backward.
+intra = intra_with_vjp(intra_bwd_pallas)
 
 
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                    chunk_size=64, lower_bound=-5.0, A_log=None, dt_bias=None, qk_l2norm=False,
-                   interpret=None, stage2=None):
+                   interpret=None, stage1=None, stage2=None):
   """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take the safe
   XLA stage 1. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
   dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there.
-  stage2: another stage 2 with this module's `recurrence` contract (triton_gpu's)."""
+  stage1 / stage2: another stage 1 (bounded gates) / stage 2 with this module's `intra` /
+  `recurrence` contract (triton_gpu's)."""
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -657,6 +664,7 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
   return _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, scale=scale,
                   chunk_size=chunk_size, lower_bound=lower_bound, gate=gate,
                   qk_l2norm=qk_l2norm, interpret=interpret,
+                  stage1=intra if stage1 is None else stage1,
                   stage2=recurrence if stage2 is None else stage2)
 
 
@@ -672,9 +680,10 @@ def _gate_params(A_log, dt_bias, H, K):
 # kernels (forward, backward, recomputation): the step's trace + lower time stops growing
 # with the number of KDA layers.
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "lower_bound", "gate",
-                                             "qk_l2norm", "interpret", "stage2"))
+                                             "qk_l2norm", "interpret", "stage1",
+                                             "stage2"))
 def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, scale,
-             chunk_size, lower_bound, gate, qk_l2norm, interpret, stage2):
+             chunk_size, lower_bound, gate, qk_l2norm, interpret, stage1, stage2):
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -693,7 +702,7 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
                                   qk_l2norm, C, interpret)
   seg = reference.chunk_segments(reset_BxT, C)
   if lower_bound is not None:
-    st = intra(q, k, v, G, beta, seg, scale, chunk_size, interpret)
+    st = stage1(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   else:  # unbounded gates: diagonal tiles elementwise in fp32 (the safe path)
     st = _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=False)
   S0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)

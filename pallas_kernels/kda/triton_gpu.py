@@ -38,11 +38,21 @@ F32 = jnp.float32
 BLOCK_V = 32         # V columns per program (64 was not faster once pipelined)
 WARPS = 4
 STAGES = 3           # chunks in flight in the recurrence loop, fewer where they do not fit
+# Stage 1's backward (4×8192×16 on the H200, benchmarks/kda.md, 2026-12-03): the tiles
+# backward at 64 columns / 4 warps / 2 stages ran 1.06 (K = 64) and 2.03 ms (K = 128)
+# against 1.37-1.79 and 2.34-3.21 for the other settings; the W/U backward at 32 / 4 / 2
+# ran 1.11 and 1.89 ms (8 warps: 1.34-1.63 and 2.04-2.50).
+TILES_BWD_BLOCK_K = 64   # K columns per program of the tiles backward
+TILES_BWD_WARPS = 4
+TILES_BWD_STAGES = 2     # (its loops run ≤ 4 sub-chunks: little to pipeline)
+WU_BWD_BLOCK = 32        # K / V columns per step of the W/U backward
+WU_BWD_WARPS = 4
+WU_BWD_STAGES = 2
 # Shared memory a block may use (opt-in maximum) by compute capability; the default is the
 # smallest of these.
 MAX_SHARED = {80: 166912, 87: 166912, 90: 232448, 100: 232448}
 _TRITON_TYPES = {jnp.dtype(jnp.bfloat16): "*bf16", jnp.dtype(jnp.float16): "*fp16",
-                 jnp.dtype(jnp.float32): "*fp32"}
+                 jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.int32): "*i32"}
 
 
 @triton.jit
@@ -136,6 +146,168 @@ def _kda_recurrence_bwd_triton(W, U0, Qg, Kd, Aqk, decay, states, dO, dSN,
   tl.store(_state(dS0, bh, iv, K, V, BV), dS_KV)
 
 
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+  """tl.sum of fp32 (its own reduction): tl.sum is a @triton.jit library function, which
+  Triton's interpreter runs only in a process started with TRITON_INTERPRET=1, where
+  nothing could be compiled for the GPU; this reduction it runs with numpy."""
+  return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp: tl.constexpr, H: tl.constexpr,
+                 K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+  """pallas_gpu._chunk_gates on columns col … col + BK of chunk n: Γ = e^G [C, BK] on rows
+  S0 reaches, e^{G_end - G} on rows that reach the chunk's end, decay = Γ_end [BK]."""
+  G_CK = tl.load(_chunk_rows(G, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+  G_end_K = tl.load(G + (row0 + (n * C + C - 1) * H) * K + col + tl.arange(0, BK))
+  gamma_CK = tl.where((seg_C == 0)[:, None], tl.exp(G_CK), 0.0)
+  to_end_CK = tl.where((seg_C == seg_end)[:, None], tl.exp(G_end_K[None, :] - G_CK), 0.0)
+  decay_K = tl.where(seg_end == 0, tl.exp(G_end_K), 0.0)
+  return gamma_CK, to_end_CK, decay_K
+
+
+@triton.jit
+def _kda_wu_bwd_triton(T, A, q, k, v, G, beta, seg, dW, dU0, dQg, dKd, ddecay,
+                       dA, dq0, dk0, dv, dbeta, dG0,
+                       Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                       V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                       SCALE: tl.constexpr, PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """pallas_gpu._wu_bwd_kernel for one chunk: dT = dW Xᵀ + dU0 Yᵀ (X = β K⊙Γ, Y = β V) over
+  BK-wide column blocks, d(βA) = -Tᵀ dT Tᵀ on A's support (dA, for the tiles backward),
+  then per block dX = Tᵀ dW, dY = Tᵀ dU0 and the elementwise Qg / Kd / decay terms.
+  T, A, dA [B, Tp, H, C] fp32; beta, dbeta [B, Tp, H]; decay rows [B, N, H, K]."""
+  n = tl.program_id(0)
+  bh = tl.program_id(1).to(tl.int64)
+  b, h = bh // H, bh % H
+  N: tl.constexpr = Tp // C
+  row0 = b * Tp * H + h
+  i_C = tl.arange(0, C)
+  T_CC = tl.load(_chunk_rows(T, row0, n, 0, Tp, H, C, C, C))
+  beta_C = tl.load(beta + (b * Tp + n * C + i_C) * H + h).to(tl.float32)
+  seg_C = tl.load(seg + b * Tp + n * C + i_C)
+  seg_end = tl.load(seg + b * Tp + n * C + C - 1)
+  dT_CC = tl.full((C, C), 0.0, tl.float32)
+  for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
+    gamma_CK, _, _ = _chunk_gates(G, seg_C, seg_end, row0, n, ik * BK, Tp, H, K, C, BK)
+    k_CK = tl.load(_chunk_rows(k, row0, n, ik * BK, Tp, H, K, C, BK)).to(tl.float32)
+    dW_CK = tl.load(_chunk_rows(dW, row0, n, ik * BK, Tp, H, K, C, BK)).to(tl.float32)
+    X_CK = beta_C[:, None] * k_CK * gamma_CK
+    dT_CC = tl.dot(dW_CK, tl.trans(X_CK), acc=dT_CC, input_precision=PREC)
+  for iv in tl.range(0, V // BK, num_stages=NUM_STAGES):
+    v_CV = tl.load(_chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    dU0_CV = tl.load(_chunk_rows(dU0, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    dT_CC = tl.dot(dU0_CV, tl.trans(beta_C[:, None] * v_CV), acc=dT_CC, input_precision=PREC)
+  # cotangent of L = I + Diag(β)A
+  dL_CC = -tl.dot(tl.trans(T_CC), tl.dot(dT_CC, tl.trans(T_CC), input_precision=PREC),
+                  input_precision=PREC)
+  support = (seg_C[:, None] == seg_C[None, :]) & (i_C[:, None] > i_C[None, :])
+  tl.store(_chunk_rows(dA, row0, n, 0, Tp, H, C, C, C),
+           tl.where(support, beta_C[:, None] * dL_CC, 0.0))
+  dbeta_C = _sum(dL_CC * tl.load(_chunk_rows(A, row0, n, 0, Tp, H, C, C, C)), 1)
+  last_C = i_C == C - 1
+  for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
+    col = ik * BK
+    gamma_CK, to_end_CK, decay_K = _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp, H, K,
+                                                C, BK)
+    q_CK = tl.load(_chunk_rows(q, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    k_CK = tl.load(_chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    dQg_CK = tl.load(_chunk_rows(dQg, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    dKd_CK = tl.load(_chunk_rows(dKd, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    dW_CK = tl.load(_chunk_rows(dW, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    dX_CK = tl.dot(tl.trans(T_CC), dW_CK, input_precision=PREC)
+    tl.store(_chunk_rows(dq0, row0, n, col, Tp, H, K, C, BK), dQg_CK * SCALE * gamma_CK)
+    tl.store(_chunk_rows(dk0, row0, n, col, Tp, H, K, C, BK),
+             dX_CK * beta_C[:, None] * gamma_CK + dKd_CK * to_end_CK)
+    P_CK = dKd_CK * k_CK * to_end_CK                    # d/dG of Kd = k e^{G_end - G}
+    ddecay_K = tl.load(ddecay + ((b * N + n) * H + h) * K + col + tl.arange(0, BK))
+    dG_end_K = _sum(P_CK, 0) + ddecay_K * decay_K
+    dG_CK = ((dX_CK * beta_C[:, None] * k_CK + dQg_CK * SCALE * q_CK) * gamma_CK - P_CK
+             + tl.where(last_C[:, None], dG_end_K[None, :], 0.0))
+    tl.store(_chunk_rows(dG0, row0, n, col, Tp, H, K, C, BK), dG_CK)
+    dbeta_C += _sum(dX_CK * k_CK * gamma_CK, 1)
+  for iv in tl.range(0, V // BK, num_stages=NUM_STAGES):
+    v_CV = tl.load(_chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    dU0_CV = tl.load(_chunk_rows(dU0, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    dY_CV = tl.dot(tl.trans(T_CC), dU0_CV, input_precision=PREC)
+    tl.store(_chunk_rows(dv, row0, n, iv * BK, Tp, H, V, C, BK),
+             (beta_C[:, None] * dY_CV).to(dv.dtype.element_ty))
+    dbeta_C += _sum(dY_CV * v_CV, 1)
+  tl.store(dbeta + (b * Tp + n * C + i_C) * H + h, dbeta_C)
+
+
+@triton.jit
+def _kda_tiles_bwd_triton(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, dq, dk, dG,
+                          Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                          C: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
+                          PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """Stage 1's tiles backward (pallas_gpu._tiles_bwd_kernel) for one 16-row sub-chunk a and
+  BK columns, added to wu_bwd's parts dq0, dk0, dG0 and stored in the outputs' dtypes.
+  q, k, G, dq0, dk0, dG0 [B, Tp, H, K]; seg [B, Tp]; dA (masked), dAqk (raw) [B, Tp, H, C].
+  Sub-chunk a is the row block of the tiles (a, j ≤ a) and the column block of the tiles
+  (c ≥ a, a): one program owns all of a's cotangent rows, so nothing is added across
+  programs, and it holds [16, BK] tiles only (the Pallas kernel, a chunk a program, held
+  ten tiles and spilled). Anchors are pallas_gpu._anchor_row's: both factors ≤ 1 off the
+  diagonal, ≤ e^40 on it."""
+  L: tl.constexpr = 16
+  S: tl.constexpr = C // L
+  ik = tl.program_id(0)
+  r = tl.program_id(1)                     # sub-chunk a of chunk n: r = n·S + a
+  bh = tl.program_id(2).to(tl.int64)
+  b, h = bh // H, bh % H
+  n0 = (r // S) * S                        # the chunk's first sub-chunk
+  row0 = b * Tp * H + h
+  col = ik * BK
+  c_BK = col + tl.arange(0, BK)
+  i_L = tl.arange(0, L)
+  q_LK = tl.load(_chunk_rows(q, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  k_LK = tl.load(_chunk_rows(k, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  G_LK = tl.load(_chunk_rows(G, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  seg_L = tl.load(seg + b * Tp + r * L + i_L)
+  dq_LK = tl.load(_chunk_rows(dq0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  dk_LK = tl.load(_chunk_rows(dk0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  dG_LK = tl.load(_chunk_rows(dG0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  # a as the row block: d(k_a·left) = dA_aj (k_j·right), likewise q_a with dAqk.
+  for j in tl.range(n0, r + 1, num_stages=NUM_STAGES):
+    t = tl.where(j == r, r * L + L // 2, j * L + L - 1)
+    anchor_K = tl.load(G + (row0 + t * H) * K + c_BK).to(tl.float32)
+    Gj_LK = tl.load(_chunk_rows(G, row0, j, col, Tp, H, K, L, BK)).to(tl.float32)
+    kj_LK = tl.load(_chunk_rows(k, row0, j, col, Tp, H, K, L, BK)).to(tl.float32)
+    kr_LK = kj_LK * tl.exp(anchor_K[None, :] - Gj_LK)
+    dA_LL = tl.load(_chunk_rows(dA, row0, r, (j - n0) * L, Tp, H, C, L, L)).to(tl.float32)
+    dAqk_LL = tl.load(_chunk_rows(dAqk, row0, r, (j - n0) * L, Tp, H, C, L, L)).to(tl.float32)
+    seg_j = tl.load(seg + b * Tp + j * L + i_L)
+    keep = (seg_L[:, None] == seg_j[None, :]) & ((j < r) | (i_L[:, None] >= i_L[None, :]))
+    dAqk_LL = tl.where(keep, dAqk_LL, 0.0) * SCALE
+    left_LK = tl.exp(G_LK - anchor_K[None, :])
+    dkl_LK = tl.dot(dA_LL, kr_LK, input_precision=PREC)
+    dql_LK = tl.dot(dAqk_LL, kr_LK, input_precision=PREC)
+    dk_LK += dkl_LK * left_LK
+    dq_LK += dql_LK * left_LK
+    dG_LK += (dkl_LK * k_LK + dql_LK * q_LK) * left_LK
+  # a as the column block: d(k_a·right) = dA_caᵀ (k_c·left) + dAqk_caᵀ (q_c·left).
+  for c in tl.range(r, n0 + S, num_stages=NUM_STAGES):
+    t = tl.where(c == r, r * L + L // 2, r * L + L - 1)
+    anchor_K = tl.load(G + (row0 + t * H) * K + c_BK).to(tl.float32)
+    Gc_LK = tl.load(_chunk_rows(G, row0, c, col, Tp, H, K, L, BK)).to(tl.float32)
+    left_LK = tl.exp(Gc_LK - anchor_K[None, :])
+    kl_LK = tl.load(_chunk_rows(k, row0, c, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
+    ql_LK = tl.load(_chunk_rows(q, row0, c, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
+    dA_LL = tl.load(_chunk_rows(dA, row0, c, (r - n0) * L, Tp, H, C, L, L)).to(tl.float32)
+    dAqk_LL = tl.load(_chunk_rows(dAqk, row0, c, (r - n0) * L, Tp, H, C, L, L)).to(tl.float32)
+    seg_c = tl.load(seg + b * Tp + c * L + i_L)
+    keep = (seg_c[:, None] == seg_L[None, :]) & ((c > r) | (i_L[:, None] >= i_L[None, :]))
+    dAqk_LL = tl.where(keep, dAqk_LL, 0.0) * SCALE
+    dkr_LK = tl.dot(tl.trans(dA_LL), kl_LK, input_precision=PREC)
+    dkr_LK = tl.dot(tl.trans(dAqk_LL), ql_LK, acc=dkr_LK, input_precision=PREC)
+    right_LK = tl.exp(anchor_K[None, :] - G_LK)
+    dk_LK += dkr_LK * right_LK
+    dG_LK -= dkr_LK * k_LK * right_LK
+  tl.store(_chunk_rows(dq, row0, r, col, Tp, H, K, L, BK), dq_LK.to(dq.dtype.element_ty))
+  tl.store(_chunk_rows(dk, row0, r, col, Tp, H, K, L, BK), dk_LK.to(dk.dtype.element_ty))
+  tl.store(_chunk_rows(dG, row0, r, col, Tp, H, K, L, BK), dG_LK.to(dG.dtype.element_ty))
+
+
 class _HostArray:
   """A numpy array dressed as the torch tensor Triton's interpreter reads and writes in
   place (data_ptr, dtype, storage): host and "device" are the same memory here."""
@@ -186,7 +358,9 @@ def _interpreter():
   """Triton's InterpretedFunction, with its bf16 arithmetic made the GPU's. Triton 3.6's
   interpreter holds bf16 as uint16 bits and (1) multiplies those integers in tl.dot: here
   they are widened to fp32 first, the exact products a bf16 tensor-core dot accumulates in
-  fp32; (2) rounds fp32 to bf16 toward zero: here to nearest even, as the GPU's cvt.rn."""
+  fp32; (2) rounds fp32 to bf16 toward zero: here to nearest even, as the GPU's cvt.rn.
+  (3) It holds scalars as 1-element arrays, which NumPy 2.x refuses to turn into an int, so
+  a loop bound computed from program_id failed; they are read with .item() here."""
   import ml_dtypes
   from triton.runtime import interpreter
 
@@ -205,8 +379,15 @@ def _interpreter():
       return interpreter.TensorHandle(bits, tl.bfloat16)
     return cast_impl(self, src, dst_type)
 
+  patch_tensor = interpreter._patch_lang_tensor
+
+  def patch_with_index(tensor, scope):
+    patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
   builder.create_dot = lambda self, a, b, *rest: create_dot(self, to_f32(a), to_f32(b), *rest)
   builder.cast_impl = cast
+  interpreter._patch_lang_tensor = patch_with_index
   return interpreter.InterpretedFunction
 
 
@@ -259,23 +440,23 @@ def _capability():
   return int(major) * 10 + int(minor)
 
 
-def build(kernel, arrays, meta, stages, capability=90):
+def build(kernel, arrays, meta, stages, capability=90, warps=WARPS):
   """compile_for with these arrays (inputs, then outputs: anything with a dtype) as the
-  kernel's pointer arguments, at this pipeline depth and the shipped WARPS."""
+  kernel's pointer arguments, at this pipeline depth and launch width."""
   pointers = [n for n, p in zip(kernel.arg_names, kernel.params) if not p.is_constexpr]
   signature = tuple((n, _TRITON_TYPES[jnp.dtype(a.dtype)]) for n, a in zip(pointers, arrays))
   items = tuple(sorted({**meta, "NUM_STAGES": stages}.items()))
-  return compile_for(kernel, signature, items, WARPS, stages, capability)
+  return compile_for(kernel, signature, items, warps, stages, capability)
 
 
-def _fitting_stages(kernel, arrays, meta):
-  """The most chunks in flight (≤ STAGES) whose buffers fit in shared memory: each stage
+def _fitting_stages(kernel, arrays, meta, warps, most=STAGES):
+  """The most chunks in flight (≤ most) whose buffers fit in shared memory: each stage
   holds a chunk's rows of every loaded array, so wide heads and fp32 take fewer (H200,
   K = V = 128: the bf16 backward and the fp32 forward exceed 227 KB at 3 stages)."""
   cc = _capability()
   limit = MAX_SHARED.get(cc, min(MAX_SHARED.values()))
-  for stages in range(STAGES, 1, -1):
-    if build(kernel, arrays, meta, stages, cc).metadata.shared <= limit:
+  for stages in range(most, 1, -1):
+    if build(kernel, arrays, meta, stages, cc, warps).metadata.shared <= limit:
       return stages
   return 1
 
@@ -293,12 +474,16 @@ def _jax_triton():
   return jax_triton
 
 
-def _launch(kernel, grid, args, out_type, meta, *, name, interpret):
+def _launch(kernel, grid, args, out_type, meta, *, name, interpret, warps=None, stages=None):
+  """jax_triton's call at `warps` (WARPS) and the deepest pipeline up to `stages` (STAGES)
+  that fits; on CPU Triton's interpreter."""
   if interpret:
     return _interpret(kernel, grid, args, out_type, {**meta, "NUM_STAGES": STAGES})
-  stages = _fitting_stages(kernel, [*args, *out_type], meta)
+  warps = WARPS if warps is None else warps
+  stages = _fitting_stages(kernel, [*args, *out_type], meta, warps,
+                           STAGES if stages is None else stages)
   return _jax_triton().triton_call(*args, kernel=kernel, out_type=out_type, grid=grid, name=name,
-                                num_warps=WARPS, num_stages=stages, NUM_STAGES=stages,
+                                num_warps=warps, num_stages=stages, NUM_STAGES=stages,
                                 **meta)
 
 
@@ -347,6 +532,52 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
 recurrence = recurrence_with_vjp(_recurrence_call, _recurrence_bwd_call)
 
 
+def tiles_bwd_call(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, *, scale, chunk_size, interpret):
+  """pallas_gpu.tiles_bwd_call's tile cotangents added to wu_bwd's parts (dq0, dk0, dG0,
+  fp32): (dq, dk) in q's and k's dtype, dG fp32. Grid (K/BK, Tp/16, B·H)."""
+  B, Tp, H, K = q.shape
+  BK = min(K, TILES_BWD_BLOCK_K)
+  out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+              jax.ShapeDtypeStruct(G.shape, F32)]
+  meta = dict(Tp=Tp, H=H, K=K, C=chunk_size, BK=BK, SCALE=float(scale), PREC=_fp32_dots())
+  args = (q, k, G, seg.astype(jnp.int32), dA, dAqk, dq0, dk0, dG0)
+  return _launch(_kda_tiles_bwd_triton, (K // BK, Tp // pallas_gpu.SUB, B * H), args,
+                 out_type, meta, name="kda_tiles_bwd_triton", interpret=interpret,
+                 warps=TILES_BWD_WARPS, stages=TILES_BWD_STAGES)
+
+
+def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpret):
+  """pallas_gpu.wu_bwd_call's outputs and contract: (dA, the W/U0/Qg/Kd/decay parts of dq,
+  dk, dG, fp32; dv in v's dtype, dβ fp32). Grid (N, B·H)."""
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  rows = lambda D, dt=F32: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
+  out_type = [rows(C), rows(K), rows(K), rows(V, v.dtype), jax.ShapeDtypeStruct((B, Tp, H), F32),
+              rows(K)]
+  meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=min(K, V, WU_BWD_BLOCK), SCALE=float(scale),
+              PREC=_fp32_dots())
+  args = (T, A, q, k, v, G, beta, seg.astype(jnp.int32), d_st["W"], d_st["U0"], d_st["Qg"],
+          d_st["Kd"], d_st["decay"])
+  return _launch(_kda_wu_bwd_triton, (Tp // C, B * H), args, out_type, meta,
+                 name="kda_wu_bwd_triton", interpret=interpret, warps=WU_BWD_WARPS,
+                 stages=WU_BWD_STAGES)
+
+
+def intra_bwd_triton(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
+  """Stage 1's backward: the W/U backward, then the tiles backward, which adds the W/U
+  parts and writes dq and dk in their final dtypes (no XLA add and cast)."""
+  dA, dq0, dk0, dv, dbeta, dG0 = wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, scale=scale,
+                                             chunk_size=chunk_size, interpret=interpret)
+  dq, dk, dG = tiles_bwd_call(q, k, G, seg, dA, d_st["Aqk"], dq0, dk0, dG0, scale=scale,
+                              chunk_size=chunk_size, interpret=interpret)
+  return dq, dk, dv, dG, dbeta
+
+
+# Stage 1: pallas_gpu's forward, the backward above.
+intra = pallas_gpu.intra_with_vjp(intra_bwd_triton)
+
+
 def kda_triton(q, k, v, g, beta, **kw):
-  """kda_pallas_gpu's contract and arguments, stage 2's forward in native Triton."""
-  return pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, stage2=recurrence, **kw)
+  """kda_pallas_gpu's contract and arguments, with the Triton kernels above."""
+  return pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, stage1=intra, stage2=recurrence, **kw)
