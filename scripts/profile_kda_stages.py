@@ -6,9 +6,8 @@ Stage 1 kernels (tiles, solve, wu forward; wu_bwd, tiles_bwd backward) each at e
 --warps, then at each --blocks column width rolled and unrolled; then stage 2 (the
 recurrence forward; chunk states + backward kernels), with each --triton setting of
 triton_gpu.py's kernels (the same three timings) beside it; then, with --xla, the XLA stage 1
-and its VJP. --triton_tiles times triton_gpu's tiles backward (with wu_bwd's parts added in)
-at each BLOCK_K/warps/stages beside Pallas's tiles backward plus XLA's add and cast, and
---triton_wu its W/U backward beside Pallas's.
+and its VJP. --triton_stage1 times triton_gpu's stage-1 kernels at the given
+BLOCK/warps/stages beside pallas_gpu's (first, before the rest).
 --stage2_only skips stage 1's Pallas sweeps. Each number is the median of --iters runs after
 a warm-up. --knobs=NAME=VALUE,... sets pallas_gpu knobs for the whole run.
 """
@@ -32,10 +31,10 @@ _BLOCKS = flags.DEFINE_list("blocks", [], "BLOCK_K values to try, each rolled an
 _TRITON = flags.DEFINE_list("triton", [], "BLOCK_V/warps/stages settings of triton_gpu's "
                             "stage 2 to time beside Pallas's, e.g. 32/4/2,64/8/3 (stages: "
                             "the most tried; fewer where they do not fit in shared memory).")
-_TRITON_TILES = flags.DEFINE_list("triton_tiles", [], "BLOCK_K/warps/stages settings of "
-                                  "triton_gpu's tiles backward, e.g. 32/4/2,64/4/1.")
-_TRITON_WU = flags.DEFINE_list("triton_wu", [], "BLOCK/warps/stages settings of triton_gpu's "
-                                "W/U backward, timed beside pallas_gpu's.")
+_TRITON_STAGE1 = flags.DEFINE_list("triton_stage1", [], "KERNEL:BLOCK/warps/stages settings "
+                                   "of triton_gpu's stage-1 kernels (tiles, wu, wu_bwd, "
+                                   "tiles_bwd) to time beside pallas_gpu's, e.g. "
+                                   "tiles_bwd:64/4/2,wu:32/4/2.")
 _STAGE2_ONLY = flags.DEFINE_bool("stage2_only", False, "Skip stage 1's Pallas sweeps and the "
                                  "prologue.")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
@@ -150,56 +149,56 @@ def stage2(st, B, H, D, Tp, kw):
   TG.BLOCK_V, TG.WARPS, TG.STAGES = knobs
 
 
-def tiles_bwd_triton(q, k, G, seg, dA, dAqk, scale, kw):
-  """Pallas's tiles backward + XLA adding wu_bwd's parts and casting dq, dk (what
-  intra_bwd_pallas and the custom VJP do) against triton_gpu's one kernel, per setting."""
+# triton_gpu's stage-1 kernels: --triton_stage1 name -> their knobs (BLOCK, warps, stages).
+TRITON_KNOBS = {"tiles": ("TILES_BLOCK_K", "TILES_WARPS", "TILES_STAGES"),
+                "wu": ("WU_BLOCK", "WU_WARPS", "WU_STAGES"),
+                "wu_bwd": ("WU_BWD_BLOCK", "WU_BWD_WARPS", "WU_BWD_STAGES"),
+                "tiles_bwd": ("TILES_BWD_BLOCK_K", "TILES_BWD_WARPS", "TILES_BWD_STAGES")}
+
+
+def triton_stage1(kernels, seg, scale, kw):
+  """Each --triton_stage1 setting of triton_gpu's stage-1 kernel beside pallas_gpu's, with
+  its largest difference from Pallas's outputs. The tiles backward adds wu_bwd's parts and
+  casts dq, dk in the kernel: its Pallas row includes XLA's add and cast."""
   from pallas_kernels.kda import triton_gpu as TG
+  tiles_bwd, tiles_bwd_args = kernels["tiles_bwd"]
   rng = np.random.default_rng(1)
-  parts = [jnp.asarray(rng.normal(size=q.shape), jnp.float32) for _ in range(3)]
+  parts = tuple(jnp.asarray(rng.normal(size=tiles_bwd_args[0].shape), jnp.float32)
+                for _ in range(3))
 
-  def pallas(q, k, G, dA, dAqk, dq0, dk0, dG0):
-    d = P.tiles_bwd_call(q, k, G, seg, dA, dAqk, scale=scale, **kw)
-    return ((d[0] + dq0).astype(q.dtype), (d[1] + dk0).astype(k.dtype), d[2] + dG0)
+  def pallas_tiles_bwd(q, k, G, dA, dAqk, *p):
+    d = tiles_bwd(q, k, G, dA, dAqk)
+    return ((d[0] + p[0]).astype(q.dtype), (d[1] + p[1]).astype(k.dtype), d[2] + p[2])
 
-  args = (q, k, G, dA, dAqk, *parts)
-  ref = jax.jit(pallas)(*args)
-  print(f"  tiles_bwd + parts, Pallas + XLA add/cast: {timed(pallas, *args)}", flush=True)
-  knobs = (TG.TILES_BWD_BLOCK_K, TG.TILES_BWD_WARPS, TG.TILES_BWD_STAGES)
-  for setting in _TRITON_TILES.value:
-    TG.TILES_BWD_BLOCK_K, TG.TILES_BWD_WARPS, TG.TILES_BWD_STAGES = map(int, setting.split("/"))
-    call = lambda q, k, G, dA, dAqk, *p: TG.tiles_bwd_call(q, k, G, seg, dA, dAqk, *p,
-                                                          scale=scale, **kw)
-    t = timed(call, *args)
-    try:
-      out = jax.jit(call)(*args)
-      err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                for a, b in zip(out, ref))
-    except Exception as e:   # noqa: BLE001 — a failed setting is a result
-      err = f"error {type(e).__name__}"
-    print(f"  triton tiles_bwd BLOCK_K {setting}: {t} | max |Δ| vs Pallas {err}", flush=True)
-  TG.TILES_BWD_BLOCK_K, TG.TILES_BWD_WARPS, TG.TILES_BWD_STAGES = knobs
-
-
-def wu_bwd_triton(Tinv, A, q, k, v, G, beta, seg, d_st, scale, kw):
-  """pallas_gpu's W/U backward against triton_gpu's at each --triton_wu setting."""
-  from pallas_kernels.kda import triton_gpu as TG
-  args = (Tinv, A, q, k, v, G, beta, d_st)
-  pallas = lambda *a: P.wu_bwd_call(*a[:-1], seg, a[-1], scale=scale, **kw)
-  ref = jax.jit(pallas)(*args)
-  print(f"  wu_bwd, Pallas: {timed(pallas, *args)}", flush=True)
-  knobs = (TG.WU_BWD_BLOCK, TG.WU_BWD_WARPS, TG.WU_BWD_STAGES)
-  for setting in _TRITON_WU.value:
-    TG.WU_BWD_BLOCK, TG.WU_BWD_WARPS, TG.WU_BWD_STAGES = map(int, setting.split("/"))
-    call = lambda *a: TG.wu_bwd_call(*a[:-1], seg, a[-1], scale=scale, **kw)
-    t = timed(call, *args)
-    try:
-      out = jax.jit(call)(*args)
-      err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                for a, b in zip(out, ref))
-    except Exception as e:   # noqa: BLE001 — a failed setting is a result
-      err = f"error {type(e).__name__}"
-    print(f"  triton wu_bwd BLOCK {setting}: {t} | max |Δ| vs Pallas {err}", flush=True)
-  TG.WU_BWD_BLOCK, TG.WU_BWD_WARPS, TG.WU_BWD_STAGES = knobs
+  ours = {"tiles": (lambda q, k, G: TG.tiles_call(q, k, G, seg, scale=scale, **kw)),
+          "wu": (lambda *a: TG.wu_call(*a, seg, scale=scale, **kw)),
+          "wu_bwd": (lambda *a: TG.wu_bwd_call(*a[:-1], seg, a[-1], scale=scale, **kw)),
+          "tiles_bwd": (lambda q, k, G, dA, dAqk, *p: TG.tiles_bwd_call(
+              q, k, G, seg, dA, dAqk, *p, scale=scale, **kw))}
+  theirs = {n: kernels[n] for n in ours}
+  theirs["tiles_bwd"] = (pallas_tiles_bwd, (*tiles_bwd_args, *parts))
+  by_name = {}
+  for setting in _TRITON_STAGE1.value:
+    name, knobs = setting.split(":")
+    by_name.setdefault(name, []).append(knobs)
+  for name, settings in by_name.items():
+    fn, args = theirs[name]
+    ref = jax.jit(fn)(*args)
+    print(f"  {name}, Pallas: {timed(fn, *args)}", flush=True)
+    default = [getattr(TG, k) for k in TRITON_KNOBS[name]]
+    for knobs in settings:
+      for k, value in zip(TRITON_KNOBS[name], knobs.split("/")):
+        setattr(TG, k, int(value))
+      t = timed(ours[name], *args)
+      try:
+        out = jax.jit(ours[name])(*args)
+        err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+      except Exception as e:   # noqa: BLE001 — a failed setting is a result
+        err = f"error {type(e).__name__}"
+      print(f"  triton {name} {knobs}: {t} | max |Δ| vs Pallas {err}", flush=True)
+    for k, value in zip(TRITON_KNOBS[name], default):
+      setattr(TG, k, value)
 
 
 def main(argv):
@@ -233,10 +232,8 @@ def main(argv):
                     (q, k, G, dA, d_st["Aqk"])),
   }
   run = lambda name: timed(kernels[name][0], *kernels[name][1])
-  if _TRITON_TILES.value:
-    tiles_bwd_triton(q, k, G, seg, dA, d_st["Aqk"], scale, kw)
-  if _TRITON_WU.value:
-    wu_bwd_triton(Tinv, A, q, k, v, G, beta, seg, d_st, scale, kw)
+  if _TRITON_STAGE1.value:
+    triton_stage1(kernels, seg, scale, kw)
   if not _STAGE2_ONLY.value:
     stage1(run, kernels, q, k, g, inp, kw)
   stage2(st, B, H, D, q.shape[1], kw)

@@ -620,19 +620,20 @@ def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
   return {n: x.astype(q.dtype) if n != "decay" else x for n, x in out.items()}
 
 
-def intra_with_vjp(bwd_call):
-  """Stage 1 (bounded gates) as a custom VJP: intra_pallas forward, A and T the residuals;
+def intra_with_vjp(fwd_call, bwd_call):
+  """Stage 1 (bounded gates) as a custom VJP. fwd_call(q, k, v, G, beta, seg, scale=,
+  chunk_size=, interpret=) -> (outputs, A, T) as intra_pallas; A and T are the residuals;
   bwd_call(q, k, v, G, beta, seg, A, T, d_st, scale=, chunk_size=, interpret=) -> (dq, dk,
   dv, dG, dβ), cast here to the inputs' dtypes."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
   def intra(q, k, v, G, beta, seg, scale, chunk_size, interpret):
-    return intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
-                        interpret=interpret)[0]
+    return fwd_call(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
+                    interpret=interpret)[0]
 
   def fwd(q, k, v, G, beta, seg, scale, chunk_size, interpret):
-    st, A, T = intra_pallas(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
-                            interpret=interpret)
+    st, A, T = fwd_call(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
+                        interpret=interpret)
     return st, residuals.tag((q, k, v, G, beta, seg, A, T))
 
   def bwd(scale, chunk_size, interpret, res, d_st):
@@ -645,8 +646,8 @@ def intra_with_vjp(bwd_call):
   return intra
 
 
-# Stage 1 with the Pallas backward.
-intra = intra_with_vjp(intra_bwd_pallas)
+# Stage 1 with the Pallas kernels forward and backward.
+intra = intra_with_vjp(intra_pallas, intra_bwd_pallas)
 
 
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,

@@ -1,12 +1,24 @@
-"""KDA's stage 2 (the chunk recurrence) as native Triton kernels: issue 22's route test.
+"""KDA's chunked kernels in native Triton: implementation="triton" (issue 22).
 
-`implementation="triton"` is pallas_gpu with stage 2's sequential kernels written in
-Triton: the same prologue and stage-1 kernels, and pallas_gpu's per-chunk gradient kernel.
-It answers one question on the H200 before more of the op is rewritten: does Triton
-written by hand, called through jax_triton, beat the same algorithm lowered by Pallas?
-(benchmarks/kda.md: yes, 1.0-1.8x forward and 1.1-1.4x backward for these loops, with
-bit-identical outputs.)
+pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its time written
+as @triton.jit kernels and called through jax_triton; the prologue (gate, L2 norm, chunk
+cumsum), stage 1's triangular solve and stage 2's per-chunk gradient kernel stay Pallas.
+On the H200 the op runs 1.1-1.3x as fast as pallas_gpu forward+backward on every
+benchmark shape (benchmarks/kda.md, 2026-12-03). Triton pipelines its loops' loads
+(cp.async, `tl.range(..., num_stages=)`); Pallas's lowering of a fori_loop does not.
 
+Stage 1 (bounded gates):
+  _kda_tiles_triton           grid (Tp/16, B·H): one 16-row sub-chunk's rows of A and Aqk,
+                              [16, C] dots against the chunk on decays anchored at the
+                              sub-chunk's middle row (pallas_gpu._tiles_kernel, a chunk a
+                              program there).
+  _kda_wu_triton              grid (N, B·H): W, U0, Qg, Kd and the decay from T.
+  _kda_wu_bwd_triton          grid (N, B·H): dT over column blocks, then dA (for the tiles
+                              backward), dβ and the W/U0/Qg/Kd/decay parts of dq, dk, dG.
+  _kda_tiles_bwd_triton       grid (K/BK, Tp/16, B·H): a sub-chunk's dq, dk, dG from the
+                              [16, 16] tiles it is the row or the column block of, added to
+                              the W/U parts and stored in the outputs' dtypes.
+Stage 2:
   _kda_recurrence_triton      grid (V/BV, B·H): the state S [K, BV] stays in registers
                               across all chunks; per chunk U = U0 - W S, O = Qg S + Aqk U,
                               S <- decay * S + Kdᵀ U. Emits O, the final state and, for
@@ -38,16 +50,25 @@ F32 = jnp.float32
 BLOCK_V = 32         # V columns per program (64 was not faster once pipelined)
 WARPS = 4
 STAGES = 3           # chunks in flight in the recurrence loop, fewer where they do not fit
-# Stage 1's backward (4×8192×16 on the H200, benchmarks/kda.md, 2026-12-03): the tiles
-# backward at 64 columns / 4 warps / 2 stages ran 1.06 (K = 64) and 2.03 ms (K = 128)
-# against 1.37-1.79 and 2.34-3.21 for the other settings; the W/U backward at 32 / 4 / 2
-# ran 1.11 and 1.89 ms (8 warps: 1.34-1.63 and 2.04-2.50).
+# Stage 1 (H200, 4×8192×16, scripts/profile_kda_stages.py --triton_stage1; benchmarks/kda.md,
+# 2026-12-03), ms at K = V = 64 / 128 against pallas_gpu's kernels:
+#   tiles      32 / 2 warps / 2 stages  0.466 / 0.757 (Pallas 0.524 / 0.775; 4 warps 0.56-1.20)
+#   wu         32 / 4 / 2               0.447 / 0.662 (Pallas 0.711 / 0.940)
+#   wu_bwd     32 / 4 / 3               0.984 / 1.684 (Pallas 1.40 / 2.19; 8 warps 1.3-2.5)
+#   tiles_bwd  64 / 4 / 2               1.13 / 1.96 (Pallas + XLA's add of the W/U parts
+#                                       1.70 / 2.95; 32 columns 1.37 / 2.67)
+TILES_BLOCK_K = 32       # K columns per step of the tiles forward (one program a sub-chunk)
+TILES_WARPS = 2
+TILES_STAGES = 2
+WU_BLOCK = 32            # K / V columns per step of the W/U forward (one program a chunk)
+WU_WARPS = 4
+WU_STAGES = 2
+WU_BWD_BLOCK = 32        # ... of the W/U backward
+WU_BWD_WARPS = 4
+WU_BWD_STAGES = 3
 TILES_BWD_BLOCK_K = 64   # K columns per program of the tiles backward
 TILES_BWD_WARPS = 4
 TILES_BWD_STAGES = 2     # (its loops run ≤ 4 sub-chunks: little to pipeline)
-WU_BWD_BLOCK = 32        # K / V columns per step of the W/U backward
-WU_BWD_WARPS = 4
-WU_BWD_STAGES = 2
 # Shared memory a block may use (opt-in maximum) by compute capability; the default is the
 # smallest of these.
 MAX_SHARED = {80: 166912, 87: 166912, 90: 232448, 100: 232448}
@@ -144,6 +165,87 @@ def _kda_recurrence_bwd_triton(W, U0, Qg, Kd, Aqk, decay, states, dO, dSN,
     dS_KV = tl.dot(tl.trans(Qg_CK), dO_d, acc=dS_KV * decay_K[:, None], input_precision=PREC)
     dS_KV = tl.dot(tl.trans(W_CK), (-dU_CV).to(dt), acc=dS_KV, input_precision=PREC)
   tl.store(_state(dS0, bh, iv, K, V, BV), dS_KV)
+
+
+@triton.jit
+def _kda_tiles_triton(q, k, G, seg, A, Aqk,
+                      Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                      BK: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+                      NUM_STAGES: tl.constexpr):
+  """Row block a (16 rows) of a chunk's A (strictly causal, fp32) and Aqk (causal, scaled,
+  q's dtype), pallas_gpu._tiles_kernel's [16, C] form for one sub-chunk a program:
+  A_a = (K_a ⊙ e^{G_a - m_a}) (K ⊙ e^{m_a - G})ᵀ with m_a a's middle row, rows after a
+  zeroed before the exponential; K contracted in BK-wide column blocks."""
+  L: tl.constexpr = 16
+  S: tl.constexpr = C // L
+  r = tl.program_id(0)                     # sub-chunk a of chunk n: r = n·S + a
+  bh = tl.program_id(1).to(tl.int64)
+  b, h = bh // H, bh % H
+  n, a = r // S, r % S
+  row0 = b * Tp * H + h
+  i_L, i_C = tl.arange(0, L), tl.arange(0, C)
+  seen_C = i_C < (a + 1) * L
+  t = r * L + L // 2
+  A_LC = tl.full((L, C), 0.0, tl.float32)
+  Aqk_LC = tl.full((L, C), 0.0, tl.float32)
+  for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
+    col = ik * BK
+    anchor_K = tl.load(G + (row0 + t * H) * K + col + tl.arange(0, BK)).to(tl.float32)
+    left_LK = tl.exp(tl.load(_chunk_rows(G, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+                     - anchor_K[None, :])
+    kl_LK = tl.load(_chunk_rows(k, row0, r, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
+    ql_LK = tl.load(_chunk_rows(q, row0, r, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
+    G_CK = tl.load(_chunk_rows(G, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    k_CK = tl.load(_chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    right_CK = tl.exp(tl.where(seen_C[:, None], anchor_K[None, :] - G_CK, 0.0))
+    kr_CK = tl.where(seen_C[:, None], k_CK * right_CK, 0.0)
+    A_LC = tl.dot(kl_LK, tl.trans(kr_CK), acc=A_LC, input_precision=PREC)
+    Aqk_LC = tl.dot(ql_LK, tl.trans(kr_CK), acc=Aqk_LC, input_precision=PREC)
+  seg_L = tl.load(seg + b * Tp + r * L + i_L)
+  seg_C = tl.load(seg + b * Tp + n * C + i_C)
+  same = seg_L[:, None] == seg_C[None, :]
+  i_LC = a * L + i_L[:, None]
+  tl.store(_chunk_rows(A, row0, r, 0, Tp, H, C, L, C),
+           tl.where(same & (i_LC > i_C[None, :]), A_LC, 0.0))
+  tl.store(_chunk_rows(Aqk, row0, r, 0, Tp, H, C, L, C),
+           tl.where(same & (i_LC >= i_C[None, :]), Aqk_LC * SCALE, 0.0)
+           .to(Aqk.dtype.element_ty))
+
+
+@triton.jit
+def _kda_wu_triton(T, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay,
+                   Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
+                   PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """pallas_gpu._wu_kernel for one chunk: W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the
+  decayed Qg, Kd and the chunk's decay, in BK-wide column blocks."""
+  n = tl.program_id(0)
+  bh = tl.program_id(1).to(tl.int64)
+  b, h = bh // H, bh % H
+  N: tl.constexpr = Tp // C
+  row0 = b * Tp * H + h
+  i_C = tl.arange(0, C)
+  T_CC = tl.load(_chunk_rows(T, row0, n, 0, Tp, H, C, C, C))
+  beta_C = tl.load(beta + (b * Tp + n * C + i_C) * H + h).to(tl.float32)
+  seg_C = tl.load(seg + b * Tp + n * C + i_C)
+  seg_end = tl.load(seg + b * Tp + n * C + C - 1)
+  for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
+    col = ik * BK
+    gamma_CK, to_end_CK, decay_K = _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp, H, K,
+                                                C, BK)
+    k_CK = tl.load(_chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    q_CK = tl.load(_chunk_rows(q, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    W_CK = tl.dot(T_CC, beta_C[:, None] * k_CK * gamma_CK, input_precision=PREC)
+    tl.store(_chunk_rows(W, row0, n, col, Tp, H, K, C, BK), W_CK.to(W.dtype.element_ty))
+    tl.store(_chunk_rows(Qg, row0, n, col, Tp, H, K, C, BK),
+             (q_CK * gamma_CK * SCALE).to(Qg.dtype.element_ty))
+    tl.store(_chunk_rows(Kd, row0, n, col, Tp, H, K, C, BK),
+             (k_CK * to_end_CK).to(Kd.dtype.element_ty))
+    tl.store(decay + ((b * N + n) * H + h) * K + col + tl.arange(0, BK), decay_K)
+  for iv in tl.range(0, V // BK, num_stages=NUM_STAGES):
+    v_CV = tl.load(_chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    U0_CV = tl.dot(T_CC, beta_C[:, None] * v_CV, input_precision=PREC)
+    tl.store(_chunk_rows(U0, row0, n, iv * BK, Tp, H, V, C, BK), U0_CV.to(U0.dtype.element_ty))
 
 
 @triton.jit
@@ -475,13 +577,17 @@ def _jax_triton():
 
 
 def _launch(kernel, grid, args, out_type, meta, *, name, interpret, warps=None, stages=None):
-  """jax_triton's call at `warps` (WARPS) and the deepest pipeline up to `stages` (STAGES)
-  that fits; on CPU Triton's interpreter."""
+  """jax_triton's call at `warps` (WARPS) and `stages` pipeline stages, or without them the
+  deepest pipeline up to STAGES that fits (the recurrences: a stage holds whole [C, K] and
+  [C, V] rows, so its size grows with the head dims; the stage-1 kernels' stages hold
+  fixed-width column blocks and fit at any K and V, which tests/test_kda_triton.py checks,
+  so they skip _fitting_stages's extra compile: seconds of every start). On CPU Triton's
+  interpreter."""
   if interpret:
     return _interpret(kernel, grid, args, out_type, {**meta, "NUM_STAGES": STAGES})
   warps = WARPS if warps is None else warps
-  stages = _fitting_stages(kernel, [*args, *out_type], meta, warps,
-                           STAGES if stages is None else stages)
+  if stages is None:
+    stages = _fitting_stages(kernel, [*args, *out_type], meta, warps)
   return _jax_triton().triton_call(*args, kernel=kernel, out_type=out_type, grid=grid, name=name,
                                 num_warps=warps, num_stages=stages, NUM_STAGES=stages,
                                 **meta)
@@ -546,6 +652,42 @@ def tiles_bwd_call(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, *, scale, chunk_size, 
                  warps=TILES_BWD_WARPS, stages=TILES_BWD_STAGES)
 
 
+def tiles_call(q, k, G, seg, *, scale, chunk_size, interpret):
+  """pallas_gpu.tiles_call's (A fp32, Aqk in q's dtype). Grid (Tp/16, B·H)."""
+  B, Tp, H, K = q.shape
+  C = chunk_size
+  out_type = [jax.ShapeDtypeStruct((B, Tp, H, C), F32), jax.ShapeDtypeStruct((B, Tp, H, C),
+                                                                            q.dtype)]
+  meta = dict(Tp=Tp, H=H, K=K, C=C, BK=min(K, TILES_BLOCK_K), SCALE=float(scale),
+              PREC=_fp32_dots())
+  return _launch(_kda_tiles_triton, (Tp // pallas_gpu.SUB, B * H),
+                 (q, k, G, seg.astype(jnp.int32)), out_type, meta, name="kda_tiles_triton",
+                 interpret=interpret, warps=TILES_WARPS, stages=TILES_STAGES)
+
+
+def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
+  """pallas_gpu.wu_call's (W, U0, Qg, Kd in q's dtype, decay fp32). Grid (N, B·H)."""
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  C, N, dt = chunk_size, Tp // chunk_size, q.dtype
+  rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
+  out_type = [rows(K), rows(V), rows(K), rows(K), jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=min(K, V, WU_BLOCK), SCALE=float(scale),
+              PREC=_fp32_dots())
+  return _launch(_kda_wu_triton, (N, B * H), (T, q, k, v, G, beta, seg.astype(jnp.int32)),
+                 out_type, meta, name="kda_wu_triton", interpret=interpret, warps=WU_WARPS,
+                 stages=WU_STAGES)
+
+
+def intra_triton(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
+  """Stage 1's forward: (stage-1 outputs, A, T) as pallas_gpu.intra_pallas returns them."""
+  A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=chunk_size, interpret=interpret)
+  T = pallas_gpu.solve_call(A, beta, chunk_size=chunk_size, interpret=interpret)
+  W, U0, Qg, Kd, decay = wu_call(T, q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
+                                 interpret=interpret)
+  return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
+
+
 def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpret):
   """pallas_gpu.wu_bwd_call's outputs and contract: (dA, the W/U0/Qg/Kd/decay parts of dq,
   dk, dG, fp32; dv in v's dtype, dβ fp32). Grid (N, B·H)."""
@@ -574,8 +716,8 @@ def intra_bwd_triton(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, in
   return dq, dk, dv, dG, dbeta
 
 
-# Stage 1: pallas_gpu's forward, the backward above.
-intra = pallas_gpu.intra_with_vjp(intra_bwd_triton)
+# Stage 1: Triton's tiles and W/U kernels around pallas_gpu's solve, forward and backward.
+intra = pallas_gpu.intra_with_vjp(intra_triton, intra_bwd_triton)
 
 
 def kda_triton(q, k, v, g, beta, **kw):
