@@ -1,7 +1,8 @@
-"""KDA with stage 2's sequential kernels in native Triton (implementation="triton",
-triton_gpu.py): on CPU Triton's interpreter runs it, against the float64 spec (outputs and
-all six gradients) and against the Pallas kernel chunk by chunk; it is compiled for sm_90a
-(ptxas) at the shipped launch knobs; on the GPU jax_triton runs it at realistic sizes."""
+"""KDA with its main kernels in native Triton (implementation="triton", triton_gpu.py: stage
+1's tiles and W/U kernels both ways, stage 2's loops): on CPU Triton's interpreter runs it,
+against the float64 spec (outputs and all six gradients) and against the Pallas kernels
+kernel by kernel; each kernel is compiled for sm_90a (ptxas) at the shipped launch knobs; on
+the GPU jax_triton runs it at realistic sizes."""
 
 import tempfile
 

@@ -117,7 +117,7 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
     o, S = pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, chunk_size=chunk_size,
                                      lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
                                      qk_l2norm=qk_l2norm, **kw)
-  elif impl == "triton":     # pallas_gpu with stage 2's sequential loops in native Triton
+  elif impl == "triton":     # pallas_gpu's algorithm, main kernels in Triton
     from pallas_kernels.kda import triton_gpu   # needs the triton package
     o, S = triton_gpu.kda_triton(q, k, v, g, beta, chunk_size=chunk_size,
                                  lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,

@@ -3,7 +3,7 @@
 pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its time written
 as @triton.jit kernels and called through jax_triton; the prologue (gate, L2 norm, chunk
 cumsum), stage 1's triangular solve and stage 2's per-chunk gradient kernel stay Pallas.
-On the H200 the op runs 1.1-1.3x as fast as pallas_gpu forward+backward on every
+On the H200 the op runs 1.25-1.32x as fast as pallas_gpu forward+backward on every
 benchmark shape (benchmarks/kda.md, 2026-12-03). Triton pipelines its loops' loads
 (cp.async, `tl.range(..., num_stages=)`); Pallas's lowering of a fori_loop does not.
 
@@ -56,7 +56,7 @@ STAGES = 3           # chunks in flight in the recurrence loop, fewer where they
 #   wu         32 / 4 / 2               0.447 / 0.662 (Pallas 0.711 / 0.940)
 #   wu_bwd     32 / 4 / 3               0.984 / 1.684 (Pallas 1.40 / 2.19; 8 warps 1.3-2.5)
 #   tiles_bwd  64 / 4 / 2               1.13 / 1.96 (Pallas + XLA's add of the W/U parts
-#                                       1.70 / 2.95; 32 columns 1.37 / 2.67)
+#                                       1.70 / 2.95; 32 columns 1.39 / 2.67)
 TILES_BLOCK_K = 32       # K columns per step of the tiles forward (one program a sub-chunk)
 TILES_WARPS = 2
 TILES_STAGES = 2
