@@ -213,22 +213,30 @@ def _kda_tiles_triton(q, k, G, seg, A, Aqk,
 
 
 @triton.jit
-def _kda_wu_triton(T, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay,
-                   Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   C: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
-                   PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
-  """pallas_gpu._wu_kernel for one chunk: W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the
-  decayed Qg, Kd and the chunk's decay, in BK-wide column blocks."""
+def _chunk_program(T, beta, seg, Tp: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
+  """What a one-chunk W/U program (grid (N, B·H)) reads first: its chunk n, b, h, row0,
+  T [C, C], β [C] in fp32, the chunk's segment ids [C] and its last row's."""
   n = tl.program_id(0)
   bh = tl.program_id(1).to(tl.int64)
   b, h = bh // H, bh % H
-  N: tl.constexpr = Tp // C
   row0 = b * Tp * H + h
   i_C = tl.arange(0, C)
   T_CC = tl.load(_chunk_rows(T, row0, n, 0, Tp, H, C, C, C))
   beta_C = tl.load(beta + (b * Tp + n * C + i_C) * H + h).to(tl.float32)
   seg_C = tl.load(seg + b * Tp + n * C + i_C)
   seg_end = tl.load(seg + b * Tp + n * C + C - 1)
+  return n, b, h, row0, T_CC, beta_C, seg_C, seg_end
+
+
+@triton.jit
+def _kda_wu_triton(T, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay,
+                   Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   C: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
+                   PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """pallas_gpu._wu_kernel for one chunk: W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the
+  decayed Qg, Kd and the chunk's decay, in BK-wide column blocks."""
+  N: tl.constexpr = Tp // C
+  n, b, h, row0, T_CC, beta_C, seg_C, seg_end = _chunk_program(T, beta, seg, Tp, H, C)
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     gamma_CK, to_end_CK, decay_K = _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp, H, K,
@@ -279,16 +287,9 @@ def _kda_wu_bwd_triton(T, A, q, k, v, G, beta, seg, dW, dU0, dQg, dKd, ddecay,
   BK-wide column blocks, d(βA) = -Tᵀ dT Tᵀ on A's support (dA, for the tiles backward),
   then per block dX = Tᵀ dW, dY = Tᵀ dU0 and the elementwise Qg / Kd / decay terms.
   T, A, dA [B, Tp, H, C] fp32; beta, dbeta [B, Tp, H]; decay rows [B, N, H, K]."""
-  n = tl.program_id(0)
-  bh = tl.program_id(1).to(tl.int64)
-  b, h = bh // H, bh % H
   N: tl.constexpr = Tp // C
-  row0 = b * Tp * H + h
+  n, b, h, row0, T_CC, beta_C, seg_C, seg_end = _chunk_program(T, beta, seg, Tp, H, C)
   i_C = tl.arange(0, C)
-  T_CC = tl.load(_chunk_rows(T, row0, n, 0, Tp, H, C, C, C))
-  beta_C = tl.load(beta + (b * Tp + n * C + i_C) * H + h).to(tl.float32)
-  seg_C = tl.load(seg + b * Tp + n * C + i_C)
-  seg_end = tl.load(seg + b * Tp + n * C + C - 1)
   dT_CC = tl.full((C, C), 0.0, tl.float32)
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     gamma_CK, _, _ = _chunk_gates(G, seg_C, seg_end, row0, n, ik * BK, Tp, H, K, C, BK)
@@ -551,13 +552,13 @@ def build(kernel, arrays, meta, stages, capability=90, warps=WARPS):
   return compile_for(kernel, signature, items, warps, stages, capability)
 
 
-def _fitting_stages(kernel, arrays, meta, warps, most=STAGES):
-  """The most chunks in flight (≤ most) whose buffers fit in shared memory: each stage
+def _fitting_stages(kernel, arrays, meta, warps):
+  """The most chunks in flight (≤ STAGES) whose buffers fit in shared memory: each stage
   holds a chunk's rows of every loaded array, so wide heads and fp32 take fewer (H200,
   K = V = 128: the bf16 backward and the fp32 forward exceed 227 KB at 3 stages)."""
   cc = _capability()
   limit = MAX_SHARED.get(cc, min(MAX_SHARED.values()))
-  for stages in range(most, 1, -1):
+  for stages in range(STAGES, 1, -1):
     if build(kernel, arrays, meta, stages, cc, warps).metadata.shared <= limit:
       return stages
   return 1
@@ -638,20 +639,6 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
 recurrence = recurrence_with_vjp(_recurrence_call, _recurrence_bwd_call)
 
 
-def tiles_bwd_call(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, *, scale, chunk_size, interpret):
-  """pallas_gpu.tiles_bwd_call's tile cotangents added to wu_bwd's parts (dq0, dk0, dG0,
-  fp32): (dq, dk) in q's and k's dtype, dG fp32. Grid (K/BK, Tp/16, B·H)."""
-  B, Tp, H, K = q.shape
-  BK = min(K, TILES_BWD_BLOCK_K)
-  out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-              jax.ShapeDtypeStruct(G.shape, F32)]
-  meta = dict(Tp=Tp, H=H, K=K, C=chunk_size, BK=BK, SCALE=float(scale), PREC=_fp32_dots())
-  args = (q, k, G, seg.astype(jnp.int32), dA, dAqk, dq0, dk0, dG0)
-  return _launch(_kda_tiles_bwd_triton, (K // BK, Tp // pallas_gpu.SUB, B * H), args,
-                 out_type, meta, name="kda_tiles_bwd_triton", interpret=interpret,
-                 warps=TILES_BWD_WARPS, stages=TILES_BWD_STAGES)
-
-
 def tiles_call(q, k, G, seg, *, scale, chunk_size, interpret):
   """pallas_gpu.tiles_call's (A fp32, Aqk in q's dtype). Grid (Tp/16, B·H)."""
   B, Tp, H, K = q.shape
@@ -704,6 +691,20 @@ def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpr
   return _launch(_kda_wu_bwd_triton, (Tp // C, B * H), args, out_type, meta,
                  name="kda_wu_bwd_triton", interpret=interpret, warps=WU_BWD_WARPS,
                  stages=WU_BWD_STAGES)
+
+
+def tiles_bwd_call(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, *, scale, chunk_size, interpret):
+  """pallas_gpu.tiles_bwd_call's tile cotangents added to wu_bwd's parts (dq0, dk0, dG0,
+  fp32): (dq, dk) in q's and k's dtype, dG fp32. Grid (K/BK, Tp/16, B·H)."""
+  B, Tp, H, K = q.shape
+  BK = min(K, TILES_BWD_BLOCK_K)
+  out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+              jax.ShapeDtypeStruct(G.shape, F32)]
+  meta = dict(Tp=Tp, H=H, K=K, C=chunk_size, BK=BK, SCALE=float(scale), PREC=_fp32_dots())
+  args = (q, k, G, seg.astype(jnp.int32), dA, dAqk, dq0, dk0, dG0)
+  return _launch(_kda_tiles_bwd_triton, (K // BK, Tp // pallas_gpu.SUB, B * H), args,
+                 out_type, meta, name="kda_tiles_bwd_triton", interpret=interpret,
+                 warps=TILES_BWD_WARPS, stages=TILES_BWD_STAGES)
 
 
 def intra_bwd_triton(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
