@@ -1,7 +1,7 @@
-"""Where KDA's time goes, kernel by kernel: pallas_gpu under the JAX profiler (xprof's
-per-op table) and fla's chunk_kda under the torch profiler, same shape and inputs.
+"""Where KDA's time goes, kernel by kernel: our implementations under the JAX profiler
+(xprof's per-op table) and fla's chunk_kda under the torch profiler, same shape and inputs.
 
-  python scripts/trace_kda.py --shape=4x8192x16 --out=$OUT
+  python scripts/trace_kda.py --shape=4x8192x16 --impls=triton,pallas_gpu --fla=false --out=$OUT
 
 Each side runs forward and forward+backward 5 times inside its trace; the tables list the
 ops/kernels by total device time (divide by 5 for one call).
@@ -18,22 +18,24 @@ from scripts.xprof_tables import hlo_op_table
 
 _SHAPE = flags.DEFINE_string("shape", "4x8192x16", "BxTxH (K=V=128).")
 _OUT = flags.FLAGS["out"]  # defined by bench_kda: here the folder for traces and tables
-_FLA = flags.DEFINE_bool("fla", True, "Also trace fla (its backward autotunes for minutes).")
+# bench_kda's flags: --impls (ours to trace, comma-separated), --fla (fla too; its backward
+# autotunes for minutes a shape).
+_IMPLS, _FLA = flags.FLAGS["impls"], flags.FLAGS["fla"]
 _REPS = 5
 
 
-def trace_ours(inp, folder):
+def trace_ours(inp, folder, impl):
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   args = [bf(inp["q"]), bf(inp["k"]), bf(inp["v"]), bf(inp["x"]), bf(inp["beta"]),
           jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
-  fwd, fwd_bwd = jax_fns("pallas_gpu")
+  fwd, fwd_bwd = jax_fns(impl)
   for name, fn, a in (("fwd", fwd, args), ("fwd_bwd", fwd_bwd, args + [bf(inp["do"])])):
     jax.block_until_ready(fn(*a))
-    d = os.path.join(folder, f"pallas_gpu_{name}")
+    d = os.path.join(folder, f"{impl}_{name}")
     with jax.profiler.trace(d):
       for _ in range(_REPS):
         jax.block_until_ready(fn(*a))
-    print(hlo_op_table(d, f"pallas_gpu {name}, {_REPS} calls"), flush=True)
+    print(hlo_op_table(d, f"{impl} {name}, {_REPS} calls"), flush=True)
 
 
 def trace_fla(inp):
@@ -57,7 +59,8 @@ def main(argv):
   del argv
   B, T, H = map(int, _SHAPE.value.split("x"))
   inp = inputs(B, T, H)
-  trace_ours(inp, _OUT.value or "/tmp/trace_kda")
+  for impl in _IMPLS.value.split(","):
+    trace_ours(inp, _OUT.value or "/tmp/trace_kda", impl)
   if _FLA.value:
     try:
       trace_fla(inp)

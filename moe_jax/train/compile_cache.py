@@ -114,6 +114,7 @@ def key(name: str, config, args, devices) -> str:
 # threefry). jax.export refuses targets it does not promise to keep stable across jax
 # versions; an entry is only read back by the jax version that wrote it (the key).
 _KERNEL_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton", "triton_kernel_call",
+                   "triton_kernel_call_ffi",   # jax_triton 0.4's (KDA implementation="triton")
                    "tpu_custom_call", "cu_threefry2x32", "cu_threefry2x32_ffi")
 
 
