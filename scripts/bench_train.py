@@ -69,8 +69,9 @@ ROWS = {
                                {**_1B, "model.remat_policy": "full"}, "gpu"),
     "1b_dropless_unscanned": ("configs/long_context_1b.py",
                               {**_1B, "model.scan_layers": False}, "gpu"),
-    "1b_dropless_kda_triton": ("configs/long_context_1b.py",
-                               {**_1B, "model.kda_implementation": "triton"}, "gpu"),
+    # KDA's fallback where jax_triton is not installed (the default is triton)
+    "1b_dropless_kda_pallas_gpu": ("configs/long_context_1b.py",
+                                   {**_1B, "model.kda_implementation": "pallas_gpu"}, "gpu"),
     "1b_dropless_dp2": ("configs/long_context_1b.py",
                         {**_1B, "data.batch_size": 8, "mesh.data": 2}, "gpu", 2),
     "1b_dropless_ep2": ("configs/long_context_1b.py",

@@ -34,7 +34,9 @@ _TRITON = flags.DEFINE_list("triton", [], "BLOCK_V/warps/stages settings of trit
 _TRITON_STAGE1 = flags.DEFINE_list("triton_stage1", [], "KERNEL:BLOCK/warps/stages settings "
                                    "of triton_gpu's stage-1 kernels (tiles, wu, wu_bwd, "
                                    "tiles_bwd) to time beside pallas_gpu's, e.g. "
-                                   "tiles_bwd:64/4/2,wu:32/4/2.")
+                                   "tiles_bwd:64/4/2,wu:32/4/2; tiles:tile/4/2 is the tile-by-tile "
+                                   "tiles kernel (TILES_BY_TILE), wu:32/4/2/low the W/U "
+                                   "forward's dots on bf16 operands (WU_LOW_DOTS).")
 _STAGE2_ONLY = flags.DEFINE_bool("stage2_only", False, "Skip stage 1's Pallas sweeps and the "
                                  "prologue.")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
@@ -186,9 +188,14 @@ def triton_stage1(kernels, seg, scale, kw):
     ref = jax.jit(fn)(*args)
     print(f"  {name}, Pallas: {timed(fn, *args)}", flush=True)
     default = [getattr(TG, k) for k in TRITON_KNOBS[name]]
+    by_tile, low = TG.TILES_BY_TILE, TG.WU_LOW_DOTS
     for knobs in settings:
-      for k, value in zip(TRITON_KNOBS[name], knobs.split("/")):
-        setattr(TG, k, int(value))
+      values = knobs.split("/")
+      TG.TILES_BY_TILE = values[0] == "tile"   # tiles:tile/w/s, the tile-by-tile kernel
+      TG.WU_LOW_DOTS = values[3:] == ["low"]   # wu:B/w/s/low, its dots on bf16 operands
+      for k, value in zip(TRITON_KNOBS[name], values[:3]):
+        if value != "tile":
+          setattr(TG, k, int(value))
       t = timed(ours[name], *args)
       try:
         out = jax.jit(ours[name])(*args)
@@ -199,6 +206,7 @@ def triton_stage1(kernels, seg, scale, kw):
       print(f"  triton {name} {knobs}: {t} | max |Δ| vs Pallas {err}", flush=True)
     for k, value in zip(TRITON_KNOBS[name], default):
       setattr(TG, k, value)
+    TG.TILES_BY_TILE, TG.WU_LOW_DOTS = by_tile, low
 
 
 def main(argv):

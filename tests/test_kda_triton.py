@@ -5,6 +5,7 @@ kernel by kernel; each kernel is compiled for sm_90a (ptxas) at the shipped laun
 the GPU jax_triton runs it at realistic sizes."""
 
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -118,10 +119,15 @@ def test_stage1_equals_the_pallas_kernels(dtype):
   v = jnp.asarray(rng.normal(size=(B, Tp, H, V)) * 0.3, dtype)
   beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
   st, A, T = pallas_gpu.intra_pallas(q, k, v, G, beta, seg, **kw)
-  ours, A_ours, T_ours = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
-  assert float(jnp.abs(st["decay"]).max()) > 0.01
-  for name, a, b in [("A", A_ours, A), ("T", T_ours, T), *((n, ours[n], st[n]) for n in st)]:
-    _close(a, b, 2 ** -8 if a.dtype == jnp.bfloat16 else 1e-6, name)
+  for by_tile in (False, True):     # both tiles kernels (the second, K >= 128's default)
+    with mock.patch.object(triton_gpu, "TILES_BY_TILE", by_tile):
+      ours, A_ours, T_ours = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
+    assert float(jnp.abs(st["decay"]).max()) > 0.01
+    for name, a, b in [("A", A_ours, A), ("T", T_ours, T),
+                       *((n, ours[n], st[n]) for n in st)]:
+      # bf16 W and U0 come from dots on bf16 operands (WU_LOW_DOTS), Pallas's from fp32
+      tol = (2 ** -6 if name in ("W", "U0") else 2 ** -8) if a.dtype == jnp.bfloat16 else 1e-6
+      _close(a, b, tol, name)
   d_st = {n: jnp.asarray(rng.normal(size=x.shape), x.dtype) for n, x in st.items()}
   ours = triton_gpu.wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, **kw)
   ref = pallas_gpu.wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, **kw)
@@ -160,10 +166,14 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
   fwd_tiles = ([rows(D), rows(D), fp32, tiles[3], rows(C, jnp.float32), rows(C)],
                dict(stage1, BK=min(D, triton_gpu.TILES_BLOCK_K)), triton_gpu.TILES_WARPS)
   fwd_wu = ([rows(C, jnp.float32), rows(D), rows(D), rows(D), fp32, beta, tiles[3], rows(D),
-             rows(D), rows(D), rows(D), decay], dict(stage1, BK=min(D, triton_gpu.WU_BLOCK)),
+             rows(D), rows(D), rows(D), decay], dict(stage1, BK=min(D, triton_gpu.WU_BLOCK),
+                                                       LOW_DOTS=triton_gpu.WU_LOW_DOTS),
             triton_gpu.WU_WARPS)
   fwd_tiles[1].pop("V")
+  by_tile = (fwd_tiles[0], {n: v for n, v in fwd_tiles[1].items() if n != "BK"},
+             triton_gpu.TILES_WARPS)
   return {triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
+          triton_gpu._kda_tiles_blocks_triton: by_tile,
           triton_gpu._kda_recurrence_triton: ([*st, S, rows(D), S, states],
                                               dict(meta, WITH_STATES=True), triton_gpu.WARPS),
           triton_gpu._kda_recurrence_bwd_triton: ([*st, states, rows(D), S, rows(D), rows(D),
@@ -177,7 +187,8 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
   """The kernels in bf16, built as jax_triton builds them for sm_90a (Triton 3.6, the GPU
   machine's, and ptxas) at the shipped knobs and pipeline depths (stage 1's fixed, the
   recurrences' as _fitting_stages picks them): within the H200's 227 KB of shared memory
-  (3 stages of the K = V = 128 backward asked for 237 KB and failed to launch), no spills
+  (3 stages of the K = V = 128 backward asked for 237 KB and failed to launch; shared_for,
+  which _fitting_stages asks, reads the same number), no spills
   (the state [K, BLOCK_V] would go through local memory every chunk) and at least 2 stages
   in flight. (fp32,
   IEEE dots off the training path, spills and gets 1 stage at K = 128; its builds take
@@ -187,10 +198,14 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
     fixed = {triton_gpu._kda_tiles_bwd_triton: triton_gpu.TILES_BWD_STAGES,
              triton_gpu._kda_wu_bwd_triton: triton_gpu.WU_BWD_STAGES,
              triton_gpu._kda_tiles_triton: triton_gpu.TILES_STAGES,
+             triton_gpu._kda_tiles_blocks_triton: triton_gpu.TILES_STAGES,
              triton_gpu._kda_wu_triton: triton_gpu.WU_STAGES}   # stage 1's, as launched
     stages = fixed.get(kernel) or triton_gpu._fitting_stages(kernel, arrays, meta, warps)
     compiled = triton_gpu.build(kernel, arrays, meta, stages, warps=warps)
     shared = compiled.metadata.shared
+    # _fitting_stages's lighter check (passes up to LLVM IR) reads the same bytes
+    signature = triton_gpu._signature(kernel, arrays, meta, stages)
+    assert triton_gpu.shared_for(kernel, *signature, warps, stages) == shared, kernel.__name__
     regs, spilled = triton_report(compiled, tempfile.mkdtemp())
     assert shared <= triton_gpu.MAX_SHARED[90], (kernel.__name__, stages, shared)
     assert stages >= 2, (kernel.__name__, stages)

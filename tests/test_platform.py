@@ -26,12 +26,17 @@ TARGETS = {  # target: (context, KDA at K=V=128 / K=V=24 / K=V=512, MLA, grouped
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_kernel_choices_resolve_for_the_target(target):
+def test_kernel_choices_resolve_for_the_target(target, monkeypatch):
   context, kda_impls, mla_impl, gmm, ring = TARGETS[target]
   cfg = frozen_model_config(make_small_config())
   with context():
     assert platform.target() == target
+    monkeypatch.setattr(ops, "triton_available", lambda: False)
     assert tuple(ops.default_implementation(d, d) for d in (128, 24, 512)) == kda_impls
+    # with jax_triton installed (the gpu extra), GPU's fitting head dims get triton
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    with_triton = tuple("triton" if i == "pallas_gpu" else i for i in kda_impls)
+    assert tuple(ops.default_implementation(d, d) for d in (128, 24, 512)) == with_triton
     assert mla_implementation(cfg) == mla_impl
     assert (experts.default_grouped_matmul(jnp.bfloat16),
             experts.default_grouped_matmul(jnp.float32)) == gmm

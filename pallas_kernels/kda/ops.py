@@ -1,5 +1,7 @@
 """Public KDA entry point: validates inputs and dispatches to an implementation."""
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 
@@ -65,13 +67,20 @@ def pallas_gpu_fits(K, V) -> bool:
   return all(d >= 16 and d & (d - 1) == 0 for d in (K, V))
 
 
+def triton_available() -> bool:
+  """Whether the triton implementation can run on a GPU here: the triton and jax_triton
+  packages (the `gpu` extra) are installed. Looked up, not imported."""
+  return all(importlib.util.find_spec(m) is not None for m in ("triton", "jax_triton"))
+
+
 def default_implementation(K=128, V=128) -> str:
-  """The target platform's Pallas kernels where the head dims fit them (pallas_gpu on GPU,
-  pallas_tpu on TPU, including a TPU program compiled on a CPU host); the XLA chunked form
-  elsewhere."""
+  """The target platform's kernels where the head dims fit them: on GPU triton (faster than
+  pallas_gpu on every shape of benchmarks/kda.md), or pallas_gpu where jax_triton is not
+  installed; pallas_tpu on TPU, including a TPU program compiled on a CPU host; the XLA
+  chunked form elsewhere."""
   target = platform.target()
   if target == "gpu" and pallas_gpu_fits(K, V):
-    return "pallas_gpu"
+    return "triton" if triton_available() else "pallas_gpu"
   if target == "tpu" and pallas_tpu.fits(K, V):
     return "pallas_tpu"
   return "xla"

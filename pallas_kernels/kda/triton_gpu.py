@@ -41,6 +41,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from pallas_kernels import triton_precompile
 from pallas_kernels.kda import pallas_gpu
 from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
@@ -60,9 +61,14 @@ STAGES = 3           # chunks in flight in the recurrence loop, fewer where they
 TILES_BLOCK_K = 32       # K columns per step of the tiles forward (one program a sub-chunk)
 TILES_WARPS = 2
 TILES_STAGES = 2
-WU_BLOCK = 32            # K / V columns per step of the W/U forward (one program a chunk)
-WU_WARPS = 4
+TILES_BY_TILE = None      # _kda_tiles_blocks_triton (only the tiles left of the diagonal,
+                          # each one dot over K): None = from K = 128 up, where it measured
+                          # faster (H200, 4×8192×16: 0.85 → 0.74 ms; 0.55 → 0.57 at K = 64)
+WU_BLOCK = 64            # K / V columns per step of the W/U forward (one program a chunk)
+WU_WARPS = 8
 WU_STAGES = 2
+WU_LOW_DOTS = True       # its dots on bf16 operands for bf16 inputs (T rounded), as fla's
+                         # recompute_w_u (K = 128: 0.91 → 0.69 ms, outputs within a bf16 step)
 WU_BWD_BLOCK = 32        # ... of the W/U backward
 WU_BWD_WARPS = 4
 WU_BWD_STAGES = 3
@@ -213,6 +219,49 @@ def _kda_tiles_triton(q, k, G, seg, A, Aqk,
 
 
 @triton.jit
+def _kda_tiles_blocks_triton(q, k, G, seg, A, Aqk,
+                             Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                             C: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+                             NUM_STAGES: tl.constexpr):
+  """_kda_tiles_triton's rows of A and Aqk for sub-chunk a, computed [16, 16] tile by tile
+  over the sub-chunks c ≤ a only (the tiles right of the diagonal are stored as zeros, not
+  computed), each tile one dot over all of K: a's decayed rows are computed once, each
+  column sub-chunk's rows once per tile."""
+  L: tl.constexpr = 16
+  S: tl.constexpr = C // L
+  r = tl.program_id(0)                     # sub-chunk a of chunk n: r = n·S + a
+  bh = tl.program_id(1).to(tl.int64)
+  b, h = bh // H, bh % H
+  n, a = r // S, r % S
+  row0 = b * Tp * H + h
+  i_L = tl.arange(0, L)
+  anchor_K = tl.load(G + (row0 + (r * L + L // 2) * H) * K + tl.arange(0, K))
+  left_LK = tl.exp(tl.load(_chunk_rows(G, row0, r, 0, Tp, H, K, L, K)) - anchor_K[None, :])
+  kl_LK = tl.load(_chunk_rows(k, row0, r, 0, Tp, H, K, L, K)).to(tl.float32) * left_LK
+  ql_LK = tl.load(_chunk_rows(q, row0, r, 0, Tp, H, K, L, K)).to(tl.float32) * left_LK
+  seg_L = tl.load(seg + b * Tp + r * L + i_L)
+  for c in tl.range(0, a + 1, num_stages=NUM_STAGES):
+    rc = n * S + c
+    G_LK = tl.load(_chunk_rows(G, row0, rc, 0, Tp, H, K, L, K))
+    kr_LK = tl.load(_chunk_rows(k, row0, rc, 0, Tp, H, K, L, K)).to(tl.float32) * tl.exp(
+        anchor_K[None, :] - G_LK)
+    A_LL = tl.dot(kl_LK, tl.trans(kr_LK), input_precision=PREC)
+    Aqk_LL = tl.dot(ql_LK, tl.trans(kr_LK), input_precision=PREC)
+    same = seg_L[:, None] == tl.load(seg + b * Tp + rc * L + i_L)[None, :]
+    j_L = c * L + i_L
+    i_LL = a * L + i_L[:, None]
+    tl.store(_chunk_rows(A, row0, r, c * L, Tp, H, C, L, L),
+             tl.where(same & (i_LL > j_L[None, :]), A_LL, 0.0))
+    tl.store(_chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
+             tl.where(same & (i_LL >= j_L[None, :]), Aqk_LL * SCALE, 0.0)
+             .to(Aqk.dtype.element_ty))
+  for c in tl.range(a + 1, S):
+    tl.store(_chunk_rows(A, row0, r, c * L, Tp, H, C, L, L), tl.full((L, L), 0.0, tl.float32))
+    tl.store(_chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
+             tl.full((L, L), 0.0, tl.float32).to(Aqk.dtype.element_ty))
+
+
+@triton.jit
 def _chunk_program(T, beta, seg, Tp: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
   """What a one-chunk W/U program (grid (N, B·H)) reads first: its chunk n, b, h, row0,
   T [C, C], β [C] in fp32, the chunk's segment ids [C] and its last row's."""
@@ -232,18 +281,21 @@ def _chunk_program(T, beta, seg, Tp: tl.constexpr, H: tl.constexpr, C: tl.conste
 def _kda_wu_triton(T, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay,
                    Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
-                   PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+                   PREC: tl.constexpr, LOW_DOTS: tl.constexpr, NUM_STAGES: tl.constexpr):
   """pallas_gpu._wu_kernel for one chunk: W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the
-  decayed Qg, Kd and the chunk's decay, in BK-wide column blocks."""
+  decayed Qg, Kd and the chunk's decay, in BK-wide column blocks. LOW_DOTS: the two dots'
+  operands rounded to q's dtype first (bf16: as fla's recompute_w_u)."""
   N: tl.constexpr = Tp // C
   n, b, h, row0, T_CC, beta_C, seg_C, seg_end = _chunk_program(T, beta, seg, Tp, H, C)
+  dot_dt = q.dtype.element_ty if LOW_DOTS else tl.float32
+  T_CC = T_CC.to(dot_dt)
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     gamma_CK, to_end_CK, decay_K = _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp, H, K,
                                                 C, BK)
     k_CK = tl.load(_chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
     q_CK = tl.load(_chunk_rows(q, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
-    W_CK = tl.dot(T_CC, beta_C[:, None] * k_CK * gamma_CK, input_precision=PREC)
+    W_CK = tl.dot(T_CC, (beta_C[:, None] * k_CK * gamma_CK).to(dot_dt), input_precision=PREC)
     tl.store(_chunk_rows(W, row0, n, col, Tp, H, K, C, BK), W_CK.to(W.dtype.element_ty))
     tl.store(_chunk_rows(Qg, row0, n, col, Tp, H, K, C, BK),
              (q_CK * gamma_CK * SCALE).to(Qg.dtype.element_ty))
@@ -252,7 +304,7 @@ def _kda_wu_triton(T, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay,
     tl.store(decay + ((b * N + n) * H + h) * K + col + tl.arange(0, BK), decay_K)
   for iv in tl.range(0, V // BK, num_stages=NUM_STAGES):
     v_CV = tl.load(_chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
-    U0_CV = tl.dot(T_CC, beta_C[:, None] * v_CV, input_precision=PREC)
+    U0_CV = tl.dot(T_CC, (beta_C[:, None] * v_CV).to(dot_dt), input_precision=PREC)
     tl.store(_chunk_rows(U0, row0, n, iv * BK, Tp, H, V, C, BK), U0_CV.to(U0.dtype.element_ty))
 
 
@@ -521,20 +573,51 @@ def _interpret(kernel, grid, args, out_type, meta):
   return jax.pure_callback(host, out_type, *args)
 
 
-@functools.cache
-def compile_for(kernel, signature, meta, num_warps, num_stages, capability=90):
-  """`kernel` compiled by the triton package for a CUDA GPU of this compute capability, as
-  jax_triton builds it: signature and meta as sorted (name, value) tuples, every array
-  16-byte aligned (jax_triton's assumption; it lets Triton copy rows asynchronously, and
-  so sets the pipeline's shared memory). Runs without a GPU (the package's LLVM, ptxas)."""
-  from triton.backends.compiler import GPUTarget
+def _source(kernel, signature, meta):
+  """`kernel` as jax_triton hands it to Triton: signature and meta as sorted (name, value)
+  tuples, every array 16-byte aligned (jax_triton's assumption; it lets Triton copy rows
+  asynchronously, and so sets the pipeline's shared memory)."""
   from triton.compiler import ASTSource
   meta = dict(meta)
   aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
-  src = ASTSource(kernel, {**dict(signature), **{n: "constexpr" for n in meta}}, meta,
-                  aligned)
-  return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+  return ASTSource(kernel, {**dict(signature), **{n: "constexpr" for n in meta}}, meta,
+                   aligned)
+
+
+def _target(capability):
+  from triton.backends.compiler import GPUTarget
+  return GPUTarget("cuda", capability, 32)
+
+
+@functools.cache
+def compile_for(kernel, signature, meta, num_warps, num_stages, capability=90):
+  """`kernel` compiled by the triton package for a CUDA GPU of this compute capability
+  (to a cubin, with ptxas: registers and spills), as jax_triton builds it. Runs without a
+  GPU."""
+  return triton.compile(_source(kernel, signature, meta), target=_target(capability),
                         options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+@functools.cache
+def shared_for(kernel, signature, meta, num_warps, num_stages, capability=90):
+  """compile_for's shared memory in bytes, from Triton's passes up to LLVM IR only, where
+  jax_triton reads it too: no PTX, no ptxas (the half of a build that _fitting_stages
+  spent on every start)."""
+  from triton._C.libtriton import ir
+  from triton.compiler.compiler import make_backend
+  src, target = _source(kernel, signature, meta), _target(capability)
+  backend = make_backend(target)
+  options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
+  context = ir.context()
+  ir.load_dialects(context)
+  backend.load_dialects(context)
+  module = src.make_ir(target, options, backend.get_codegen_implementation(options),
+                       backend.get_module_map(), context)
+  passes, metadata = {}, {}
+  backend.add_stages(passes, options, src.language)
+  for stage in ("ttir", "ttgir", "llir"):
+    module = passes[stage](module, metadata)
+  return metadata["shared"]
 
 
 def _capability():
@@ -543,13 +626,17 @@ def _capability():
   return int(major) * 10 + int(minor)
 
 
+def _signature(kernel, arrays, meta, stages):
+  pointers = [n for n, p in zip(kernel.arg_names, kernel.params) if not p.is_constexpr]
+  signature = tuple((n, _TRITON_TYPES[jnp.dtype(a.dtype)]) for n, a in zip(pointers, arrays))
+  return signature, tuple(sorted({**meta, "NUM_STAGES": stages}.items()))
+
+
 def build(kernel, arrays, meta, stages, capability=90, warps=WARPS):
   """compile_for with these arrays (inputs, then outputs: anything with a dtype) as the
   kernel's pointer arguments, at this pipeline depth and launch width."""
-  pointers = [n for n, p in zip(kernel.arg_names, kernel.params) if not p.is_constexpr]
-  signature = tuple((n, _TRITON_TYPES[jnp.dtype(a.dtype)]) for n, a in zip(pointers, arrays))
-  items = tuple(sorted({**meta, "NUM_STAGES": stages}.items()))
-  return compile_for(kernel, signature, items, warps, stages, capability)
+  return compile_for(kernel, *_signature(kernel, arrays, meta, stages), warps, stages,
+                     capability)
 
 
 def _fitting_stages(kernel, arrays, meta, warps):
@@ -559,7 +646,7 @@ def _fitting_stages(kernel, arrays, meta, warps):
   cc = _capability()
   limit = MAX_SHARED.get(cc, min(MAX_SHARED.values()))
   for stages in range(STAGES, 1, -1):
-    if build(kernel, arrays, meta, stages, cc, warps).metadata.shared <= limit:
+    if shared_for(kernel, *_signature(kernel, arrays, meta, stages), warps, stages, cc) <= limit:
       return stages
   return 1
 
@@ -582,16 +669,17 @@ def _launch(kernel, grid, args, out_type, meta, *, name, interpret, warps=None, 
   deepest pipeline up to STAGES that fits (the recurrences: a stage holds whole [C, K] and
   [C, V] rows, so its size grows with the head dims; the stage-1 kernels' stages hold
   fixed-width column blocks and fit at any K and V, which tests/test_kda_triton.py checks,
-  so they skip _fitting_stages's extra compile: seconds of every start). On CPU Triton's
-  interpreter."""
+  so they skip _fitting_stages's extra compile: seconds of every start). jax_triton's
+  compile starts now on a worker thread (triton_precompile). On CPU Triton's interpreter."""
   if interpret:
     return _interpret(kernel, grid, args, out_type, {**meta, "NUM_STAGES": STAGES})
   warps = WARPS if warps is None else warps
   if stages is None:
     stages = _fitting_stages(kernel, [*args, *out_type], meta, warps)
-  return _jax_triton().triton_call(*args, kernel=kernel, out_type=out_type, grid=grid, name=name,
-                                num_warps=warps, num_stages=stages, NUM_STAGES=stages,
-                                **meta)
+  call = dict(kernel=kernel, out_type=out_type, grid=grid, name=name, num_warps=warps,
+              num_stages=stages, NUM_STAGES=stages, **meta)
+  triton_precompile.submit(_jax_triton(), args, **call)   # compiles while the trace goes on
+  return _jax_triton().triton_call(*args, **call)
 
 
 def _fp32_dots():
@@ -645,9 +733,12 @@ def tiles_call(q, k, G, seg, *, scale, chunk_size, interpret):
   C = chunk_size
   out_type = [jax.ShapeDtypeStruct((B, Tp, H, C), F32), jax.ShapeDtypeStruct((B, Tp, H, C),
                                                                             q.dtype)]
-  meta = dict(Tp=Tp, H=H, K=K, C=C, BK=min(K, TILES_BLOCK_K), SCALE=float(scale),
-              PREC=_fp32_dots())
-  return _launch(_kda_tiles_triton, (Tp // pallas_gpu.SUB, B * H),
+  meta = dict(Tp=Tp, H=H, K=K, C=C, SCALE=float(scale), PREC=_fp32_dots())
+  by_tile = K >= 128 if TILES_BY_TILE is None else TILES_BY_TILE
+  kernel = _kda_tiles_blocks_triton if by_tile else _kda_tiles_triton
+  if not by_tile:
+    meta["BK"] = min(K, TILES_BLOCK_K)
+  return _launch(kernel, (Tp // pallas_gpu.SUB, B * H),
                  (q, k, G, seg.astype(jnp.int32)), out_type, meta, name="kda_tiles_triton",
                  interpret=interpret, warps=TILES_WARPS, stages=TILES_STAGES)
 
@@ -660,7 +751,7 @@ def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
   rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
   out_type = [rows(K), rows(V), rows(K), rows(K), jax.ShapeDtypeStruct((B, N, H, K), F32)]
   meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=min(K, V, WU_BLOCK), SCALE=float(scale),
-              PREC=_fp32_dots())
+              PREC=_fp32_dots(), LOW_DOTS=bool(WU_LOW_DOTS and dt != F32))
   return _launch(_kda_wu_triton, (N, B * H), (T, q, k, v, G, beta, seg.astype(jnp.int32)),
                  out_type, meta, name="kda_wu_triton", interpret=interpret, warps=WU_WARPS,
                  stages=WU_STAGES)
