@@ -4,15 +4,19 @@ pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its ti
 as @triton.jit kernels and called through jax_triton; the prologue (gate, L2 norm, chunk
 cumsum), stage 1's triangular solve and stage 2's per-chunk gradient kernel stay Pallas.
 On the H200 the op runs 1.25-1.32x as fast as pallas_gpu forward+backward on every
-benchmark shape (benchmarks/kda.md, 2026-12-03). Triton pipelines its loops' loads
-(cp.async, `tl.range(..., num_stages=)`); Pallas's lowering of a fori_loop does not.
+benchmark shape (benchmarks/kda.md, 2026-12-03); it is the GPU default where jax_triton is
+installed. Triton pipelines its loops' loads (cp.async, `tl.range(..., num_stages=)`);
+Pallas's lowering of a fori_loop does not.
 
 Stage 1 (bounded gates):
   _kda_tiles_triton           grid (Tp/16, B·H): one 16-row sub-chunk's rows of A and Aqk,
                               [16, C] dots against the chunk on decays anchored at the
                               sub-chunk's middle row (pallas_gpu._tiles_kernel, a chunk a
-                              program there).
-  _kda_wu_triton              grid (N, B·H): W, U0, Qg, Kd and the decay from T.
+                              program there), K in BK-wide column blocks.
+  _kda_tiles_blocks_triton    the same rows tile by tile, only the [16, 16] tiles left of
+                              the diagonal, each one dot over all of K (K ≥ 128's choice).
+  _kda_wu_triton              grid (N, B·H): W, U0, Qg, Kd and the decay from T (bf16
+                              inputs: dots on bf16 operands, as fla's recompute_w_u).
   _kda_wu_bwd_triton          grid (N, B·H): dT over column blocks, then dA (for the tiles
                               backward), dβ and the W/U0/Qg/Kd/decay parts of dq, dk, dG.
   _kda_tiles_bwd_triton       grid (K/BK, Tp/16, B·H): a sub-chunk's dq, dk, dG from the
@@ -27,7 +31,8 @@ Stage 2:
                               and the dS at each chunk's end, for pallas_gpu's gradient
                               kernel.
 
-On a GPU the kernels run through `jax_triton.triton_call`; elsewhere Triton's interpreter
+On a GPU the kernels run through `jax_triton.triton_call`, each compiled on a worker thread
+from the moment it is traced (pallas_kernels/triton_precompile.py); elsewhere Triton's interpreter
 runs them on host arrays inside a `jax.pure_callback` (CPU tests). Both need the `triton`
 package (3.6, the GPU machine's); jax_triton only on the GPU.
 """
