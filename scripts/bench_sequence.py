@@ -146,7 +146,7 @@ def main(argv):
     print(f"| {r['op']} | {r['T']} | {r['shards']} | {fmt(r['sharded_ms'])} | "
           f"{fmt(r['sharded_gb'])} | {fmt(r['single_ms'])} | {fmt(r['single_gb'])} | "
           f"{fmt(r.get('single_pallas_flash_ms'))} | {fmt(r.get('single_ring_step_ms'))} |")
-  print("¹ attention: cuDNN; KDA: kda() with the platform default (pallas_gpu)")
+  print("¹ attention: cuDNN; KDA: kda() with the platform default (triton; pallas_gpu without jax-triton)")
 
 
 if __name__ == "__main__":
