@@ -1,6 +1,6 @@
-"""KDA speed on the GPU: pallas_gpu and xla vs flash-linear-attention's chunk_kda, same inputs.
+"""KDA speed on the GPU: triton (the default), pallas_gpu and xla vs flash-linear-attention's chunk_kda, same inputs.
 
-  python scripts/bench_kda.py --out=$OUT [--shapes=1x8192x16,4x8192x16] [--impls=pallas_gpu,xla]
+  python scripts/bench_kda.py --out=$OUT [--shapes=1x8192x16,4x8192x16] [--impls=triton,pallas_gpu,xla]
       [--jobs=2 --shape_timeout=280]   # one process per shape, two GPUs at a time
 
 bf16 inputs, K=V=128, bounded gate (lower_bound=-5) computed from raw gate inputs as part of
@@ -27,7 +27,7 @@ from scripts import timing
 
 _SHAPES = flags.DEFINE_string("shapes", "1x8192x16,4x8192x16,1x32768x16,1x65536x32,8x4096x32",
                               "Comma-separated BxTxH.")
-_IMPLS = flags.DEFINE_string("impls", "pallas_gpu,xla", "Our implementations to time "
+_IMPLS = flags.DEFINE_string("impls", "triton,pallas_gpu,xla", "Our implementations to time "
                              "(impl/xla_gate: the gate in XLA before the op, the old path).")
 _FLA = flags.DEFINE_bool("fla", True, "Time fla too (its autotuning takes minutes a shape).")
 _KNOBS = flags.DEFINE_multi_string(
