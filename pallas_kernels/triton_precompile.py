@@ -23,6 +23,7 @@ import threading
 import jax
 
 ENABLED = True   # off: every kernel compiles in the lowering, as jax_triton does alone
+_SUBMITTED = set()   # the calls already started (an eager kda() traces on every call)
 
 
 @functools.cache
@@ -52,10 +53,13 @@ def _pool(jax_triton):
 
 def submit(jax_triton, args, **call):
   """Starts compiling `jax_triton.triton_call(*args, **call)` (args: arrays or tracers; only
-  their shapes and dtypes are read) on a worker thread. Returns the future, or None."""
+  their shapes and dtypes are read) on a worker thread. Returns the future, or None (off,
+  not possible, or this call was started before)."""
   pool = _pool(jax_triton) if ENABLED else None
-  if pool is None:
-    return None
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+  key = repr((avals, sorted(call.items())))
+  if pool is None or key in _SUBMITTED:   # once per call: a retrace finds it compiled
+    return None
+  _SUBMITTED.add(key)
   one_kernel = jax.jit(lambda *xs: jax_triton.triton_call(*xs, **call))
   return pool.submit(one_kernel.lower, *avals)

@@ -61,6 +61,10 @@ def test_submit_lowers_the_same_call_on_a_worker():
   out = jax.ShapeDtypeStruct((4, 8), jnp.float32)
   lowered = triton_precompile.submit(jt, [x], out_type=out, grid=(1,)).result(timeout=60)
   assert "tensor<4x8xbf16>" in lowered.as_text() and "tensor<4x8xf32>" in lowered.as_text()
+  # the same call again (a retrace) starts nothing; another shape does
+  assert triton_precompile.submit(jt, [x], out_type=out, grid=(1,)) is None
+  y = jnp.ones((2, 8), jnp.bfloat16)
+  assert triton_precompile.submit(jt, [y], out_type=out, grid=(1,)) is not None
 
 
 def test_nothing_is_submitted_without_the_private_methods_or_when_off(monkeypatch):

@@ -1,5 +1,6 @@
 """Public KDA entry point: validates inputs and dispatches to an implementation."""
 
+import functools
 import importlib.util
 
 import jax
@@ -67,6 +68,7 @@ def pallas_gpu_fits(K, V) -> bool:
   return all(d >= 16 and d & (d - 1) == 0 for d in (K, V))
 
 
+@functools.cache
 def triton_available() -> bool:
   """Whether the triton implementation can run on a GPU here: the triton and jax_triton
   packages (the `gpu` extra) are installed. Looked up, not imported."""

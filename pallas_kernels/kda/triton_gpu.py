@@ -179,6 +179,18 @@ def _kda_recurrence_bwd_triton(W, U0, Qg, Kd, Aqk, decay, states, dO, dSN,
 
 
 @triton.jit
+def _subchunk_program(axis: tl.constexpr, Tp: tl.constexpr, H: tl.constexpr,
+                      C: tl.constexpr):
+  """What a one-sub-chunk program reads first: its sub-chunk r = n·S + a (program id
+  `axis`) with chunk n and a, its b (program id axis + 1 is b·H + h) and row0 = b·Tp·H + h."""
+  S: tl.constexpr = C // 16
+  r = tl.program_id(axis)
+  bh = tl.program_id(axis + 1).to(tl.int64)
+  b, h = bh // H, bh % H
+  return r, r // S, r % S, b, b * Tp * H + h
+
+
+@triton.jit
 def _kda_tiles_triton(q, k, G, seg, A, Aqk,
                       Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
                       BK: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
@@ -188,12 +200,7 @@ def _kda_tiles_triton(q, k, G, seg, A, Aqk,
   A_a = (K_a ⊙ e^{G_a - m_a}) (K ⊙ e^{m_a - G})ᵀ with m_a a's middle row, rows after a
   zeroed before the exponential; K contracted in BK-wide column blocks."""
   L: tl.constexpr = 16
-  S: tl.constexpr = C // L
-  r = tl.program_id(0)                     # sub-chunk a of chunk n: r = n·S + a
-  bh = tl.program_id(1).to(tl.int64)
-  b, h = bh // H, bh % H
-  n, a = r // S, r % S
-  row0 = b * Tp * H + h
+  r, n, a, b, row0 = _subchunk_program(0, Tp, H, C)
   i_L, i_C = tl.arange(0, L), tl.arange(0, C)
   seen_C = i_C < (a + 1) * L
   t = r * L + L // 2
@@ -234,11 +241,7 @@ def _kda_tiles_blocks_triton(q, k, G, seg, A, Aqk,
   column sub-chunk's rows once per tile."""
   L: tl.constexpr = 16
   S: tl.constexpr = C // L
-  r = tl.program_id(0)                     # sub-chunk a of chunk n: r = n·S + a
-  bh = tl.program_id(1).to(tl.int64)
-  b, h = bh // H, bh % H
-  n, a = r // S, r % S
-  row0 = b * Tp * H + h
+  r, n, a, b, row0 = _subchunk_program(0, Tp, H, C)
   i_L = tl.arange(0, L)
   anchor_K = tl.load(G + (row0 + (r * L + L // 2) * H) * K + tl.arange(0, K))
   left_LK = tl.exp(tl.load(_chunk_rows(G, row0, r, 0, Tp, H, K, L, K)) - anchor_K[None, :])
@@ -412,11 +415,8 @@ def _kda_tiles_bwd_triton(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, dq, dk, dG,
   L: tl.constexpr = 16
   S: tl.constexpr = C // L
   ik = tl.program_id(0)
-  r = tl.program_id(1)                     # sub-chunk a of chunk n: r = n·S + a
-  bh = tl.program_id(2).to(tl.int64)
-  b, h = bh // H, bh % H
-  n0 = (r // S) * S                        # the chunk's first sub-chunk
-  row0 = b * Tp * H + h
+  r, n, a, b, row0 = _subchunk_program(1, Tp, H, C)
+  n0 = n * S                               # the chunk's first sub-chunk
   col = ik * BK
   c_BK = col + tl.arange(0, BK)
   i_L = tl.arange(0, L)
