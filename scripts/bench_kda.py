@@ -32,7 +32,8 @@ _IMPLS = flags.DEFINE_string("impls", "triton,pallas_gpu,xla", "Our implementati
 _FLA = flags.DEFINE_bool("fla", True, "Time fla too (its autotuning takes minutes a shape).")
 _KNOBS = flags.DEFINE_multi_string(
     "knobs", [], "Extra pallas_gpu rows with module launch knobs set, e.g. "
-    "--knobs=BLOCK_K=64,ROLLED=False --knobs=WARPS.tiles=2 (restored after the row).")
+    "--knobs=BLOCK_K=64,ROLLED=False --knobs=WARPS.tiles=2, or triton rows with triton_gpu's: "
+    "--knobs=triton:TILES_SOLVE=False (restored after the row).")
 _JOBS = flags.DEFINE_integer(
     "jobs", 1, "Shapes at a time, each in its own process; process slot i runs on GPU i "
     "(CUDA_VISIBLE_DEVICES). fla autotunes per process, so this is what fits a multi-GPU "
@@ -80,16 +81,27 @@ def time_jax(fn, args, iters):
   return timing.median_ms(fn, args, iters, warmup=2), out
 
 
+def knob_impl(spec):
+  """(implementation, module, settings) of a --knobs spec: 'triton:NAME=VALUE,...' sets
+  triton_gpu's knobs for a triton row, anything else pallas_gpu's."""
+  if spec.startswith("triton:"):
+    from pallas_kernels.kda import triton_gpu
+    return "triton", triton_gpu, spec.removeprefix("triton:")
+  return "pallas_gpu", pallas_gpu, spec
+
+
 def set_knobs(spec):
-  """Applies 'NAME=VALUE,...' (NAME.key for a dict entry) to pallas_gpu; returns an undo."""
+  """Applies 'NAME=VALUE,...' (NAME.key for a dict entry) to pallas_gpu, or with a
+  'triton:' prefix to triton_gpu; returns an undo."""
   saved = []
+  _, module, spec = knob_impl(spec)
   for item in (x for x in spec.split(",") if x):
     name, value = item.split("=")
     name, _, key = name.partition(".")
-    holder = getattr(pallas_gpu, name) if key else pallas_gpu.__dict__
+    holder = getattr(module, name) if key else module.__dict__
     key = key or name
     if key not in holder:
-      raise ValueError(f"--knobs: pallas_gpu has no {item.split('=')[0]!r}")
+      raise ValueError(f"--knobs: {module.__name__} has no {item.split('=')[0]!r}")
     saved.append((holder, key, holder[key]))
     holder[key] = ast.literal_eval(value)
   jax.clear_caches()   # knobs are read while tracing
@@ -160,15 +172,22 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
           jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
   do = bf(inp["do"])
   rows, outs = {}, {}
-  variants = [(impl, "") for impl in impls] + [(f"pallas_gpu[{k}]", k) for k in _KNOBS.value]
+  first = None   # (row, its output and gradients): every later row is checked against it
+  variants = [(impl, "") for impl in impls] + [
+      (f"{knob_impl(k)[0]}[{knob_impl(k)[2]}]", k) for k in _KNOBS.value]
   for impl, knobs in variants:
     undo = set_knobs(knobs)
     try:
       fwd, fwd_bwd = jax_fns(impl.split("[")[0])
       ms_f, o = time_jax(fwd, args, iters)
-      ms_fb, _ = time_jax(fwd_bwd, args + [do], iters)
+      ms_fb, (_, grads) = time_jax(fwd_bwd, args + [do], iters)
       rows[impl] = {"fwd_ms": ms_f, "fwd_bwd_ms": ms_fb}
       outs[impl] = np.asarray(o.astype(jnp.float32))
+      got = [outs[impl], *(np.asarray(g.astype(jnp.float32)) for g in grads[:5])]
+      if first is None:
+        first = impl, got
+      else:   # the largest relative error over o, dq, dk, dv, dx, dβ
+        rows[impl][f"max_rel_err_vs_{first[0]}"] = max(map(rel, got, first[1]))
     except Exception as e:  # one failing variant must not hide the others' numbers
       rows[impl] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       log.write(traceback.format_exc())
