@@ -32,13 +32,11 @@ _TRITON = flags.DEFINE_list("triton", [], "BLOCK_V/warps/stages settings of trit
                             "stage 2 to time beside Pallas's, e.g. 32/4/2,64/8/3 (stages: "
                             "the most tried; fewer where they do not fit in shared memory).")
 _TRITON_STAGE1 = flags.DEFINE_list("triton_stage1", [], "KERNEL:BLOCK/warps/stages settings "
-                                   "of triton_gpu's stage-1 kernels (tiles, tiles_solve, solve, "
-                                   "wu, wu_bwd, tiles_bwd) to time beside pallas_gpu's, e.g. "
+                                   "of triton_gpu's stage-1 kernels (tiles, wu, wu_bwd, "
+                                   "tiles_bwd) to time beside pallas_gpu's, e.g. "
                                    "tiles_bwd:64/4/2,wu:32/4/2; tiles:tile/4/2 is the tile-by-tile "
-                                   "tiles kernel (TILES_BY_TILE), tiles:one/2/2 one tile a "
-                                   "program (TILES_ONE_TILE), wu:32/4/2/low the W/U "
-                                   "forward's dots on bf16 operands (WU_LOW_DOTS), "
-                                   "wu:64/4/2/low/split a column block a program (WU_SPLIT).")
+                                   "tiles kernel (TILES_BY_TILE), wu:32/4/2/low the W/U "
+                                   "forward's dots on bf16 operands (WU_LOW_DOTS).")
 _STAGE2_ONLY = flags.DEFINE_bool("stage2_only", False, "Skip stage 1's Pallas sweeps and the "
                                  "prologue.")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
@@ -157,10 +155,7 @@ def stage2(st, B, H, D, Tp, kw):
 TRITON_KNOBS = {"tiles": ("TILES_BLOCK_K", "TILES_WARPS", "TILES_STAGES"),
                 "wu": ("WU_BLOCK", "WU_WARPS", "WU_STAGES"),
                 "wu_bwd": ("WU_BWD_BLOCK", "WU_BWD_WARPS", "WU_BWD_STAGES"),
-                "tiles_bwd": ("TILES_BWD_BLOCK_K", "TILES_BWD_WARPS", "TILES_BWD_STAGES"),
-                "tiles_solve": ("TILES_SOLVE_BLOCK_K", "TILES_SOLVE_WARPS",
-                                "TILES_SOLVE_STAGES"),
-                "solve": ("TILES_SOLVE_BLOCK_K", "SOLVE_WARPS", "TILES_SOLVE_STAGES")}
+                "tiles_bwd": ("TILES_BWD_BLOCK_K", "TILES_BWD_WARPS", "TILES_BWD_STAGES")}
 
 
 def triton_stage1(kernels, seg, scale, kw):
@@ -181,18 +176,8 @@ def triton_stage1(kernels, seg, scale, kw):
           "wu": (lambda *a: TG.wu_call(*a, seg, scale=scale, **kw)),
           "wu_bwd": (lambda *a: TG.wu_bwd_call(*a[:-1], seg, a[-1], scale=scale, **kw)),
           "tiles_bwd": (lambda q, k, G, dA, dAqk, *p: TG.tiles_bwd_call(
-              q, k, G, seg, dA, dAqk, *p, scale=scale, **kw)),
-          "tiles_solve": (lambda q, k, G, beta: TG.tiles_solve_call(
-              q, k, G, seg, beta, scale=scale, interpret=kw["interpret"])),
-          "solve": (lambda A, beta: TG.solve_call(A, beta, interpret=kw["interpret"]))}
-  theirs = {n: kernels[n] for n in ours if n in kernels}
-  tiles, solve = kernels["tiles"][0], kernels["solve"][0]
-
-  def pallas_tiles_solve(q, k, G, beta):   # (A, Aqk, T): the two kernels the fused one replaces
-    A, Aqk = tiles(q, k, G)
-    return A, Aqk, solve(A, beta)
-
-  theirs["tiles_solve"] = (pallas_tiles_solve, (*kernels["tiles"][1], kernels["solve"][1][1]))
+              q, k, G, seg, dA, dAqk, *p, scale=scale, **kw))}
+  theirs = {n: kernels[n] for n in ours}
   theirs["tiles_bwd"] = (pallas_tiles_bwd, (*tiles_bwd_args, *parts))
   by_name = {}
   for setting in _TRITON_STAGE1.value:
@@ -203,15 +188,13 @@ def triton_stage1(kernels, seg, scale, kw):
     ref = jax.jit(fn)(*args)
     print(f"  {name}, Pallas: {timed(fn, *args)}", flush=True)
     default = [getattr(TG, k) for k in TRITON_KNOBS[name]]
-    saved = TG.TILES_BY_TILE, TG.TILES_ONE_TILE, TG.WU_LOW_DOTS, TG.WU_SPLIT
+    by_tile, low = TG.TILES_BY_TILE, TG.WU_LOW_DOTS
     for knobs in settings:
       values = knobs.split("/")
-      TG.TILES_BY_TILE = values[0] in ("tile", "one")   # tiles:tile/w/s, tile by tile,
-      TG.TILES_ONE_TILE = values[0] == "one"            # tiles:one/w/s, one tile a program
-      TG.WU_LOW_DOTS = "low" in values[3:]    # wu:B/w/s/low, its dots on bf16 operands
-      TG.WU_SPLIT = "split" in values[3:]     # wu:B/w/s/split, a column block a program
+      TG.TILES_BY_TILE = values[0] == "tile"   # tiles:tile/w/s, the tile-by-tile kernel
+      TG.WU_LOW_DOTS = values[3:] == ["low"]   # wu:B/w/s/low, its dots on bf16 operands
       for k, value in zip(TRITON_KNOBS[name], values[:3]):
-        if value not in ("tile", "one"):
+        if value != "tile":
           setattr(TG, k, int(value))
       t = timed(ours[name], *args)
       try:
@@ -223,7 +206,7 @@ def triton_stage1(kernels, seg, scale, kw):
       print(f"  triton {name} {knobs}: {t} | max |Δ| vs Pallas {err}", flush=True)
     for k, value in zip(TRITON_KNOBS[name], default):
       setattr(TG, k, value)
-    TG.TILES_BY_TILE, TG.TILES_ONE_TILE, TG.WU_LOW_DOTS, TG.WU_SPLIT = saved
+    TG.TILES_BY_TILE, TG.WU_LOW_DOTS = by_tile, low
 
 
 def main(argv):

@@ -1,10 +1,16 @@
 """The benchmark's kernel attribution: GPU profiles name every XLA fusion's op "XlaModule",
-so scripts/bench_train.py reads each kernel's named scope from the compiled HLO."""
+so scripts/bench_train.py reads each kernel's named scope from the compiled HLO; and
+scripts/bench_kda.py's knob rows."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 
 from scripts import bench_train, xprof_tables
+from tests.conftest import ROOT
 
 
 def test_fusion_kernels_map_to_their_named_scope():
@@ -41,3 +47,30 @@ def test_kernel_registers_dumps_every_kda_kernel_with_its_launch_width(tmp_path)
   assert {"kda_recurrence", "kda_recurrence_bwd", "kda_recurrence_grads"} <= set(kernels)
   for name in kernels:
     assert f"tt.func public @{name}" in (tmp_path / f"{name}.ttir").read_text()
+
+
+
+_KNOB_CHECK = """
+import pytest
+from pallas_kernels.kda import pallas_gpu, triton_gpu
+from scripts import bench_kda
+assert bench_kda.knob_impl("triton:WU_BLOCK=32")[::2] == ("triton", "WU_BLOCK=32")
+assert bench_kda.knob_impl("BLOCK_K=64")[::2] == ("pallas_gpu", "BLOCK_K=64")
+before = triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K
+undo = bench_kda.set_knobs("triton:WU_BLOCK=32,WU_LOW_DOTS=False")
+assert (triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K) == (32, False, before[2])
+undo()
+assert (triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K) == before
+with pytest.raises(ValueError, match="triton_gpu has no 'NOT_A_KNOB'"):
+  bench_kda.set_knobs("triton:NOT_A_KNOB=1")
+print("ok")
+"""
+
+
+def test_bench_kda_knobs_set_either_module_and_undo():
+  """bench_kda's --knobs rows: 'triton:' sets triton_gpu's knobs for a triton row, anything
+  else pallas_gpu's; the undo restores them; an unknown knob is a ValueError naming it. In
+  its own process: bench_kda and bench_train both define --out."""
+  run = subprocess.run([sys.executable, "-c", _KNOB_CHECK], cwd=ROOT, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+  assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

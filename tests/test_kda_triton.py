@@ -119,15 +119,8 @@ def test_stage1_equals_the_pallas_kernels(dtype):
   v = jnp.asarray(rng.normal(size=(B, Tp, H, V)) * 0.3, dtype)
   beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
   st, A, T = pallas_gpu.intra_pallas(q, k, v, G, beta, seg, **kw)
-  # both tiles kernels (the second, K >= 128's default; also one tile a program); tiles and
-  # solve in one kernel, or the solve alone in Triton; the W/U forward a column block a
-  # program
-  for by_tile, one, tiles_solve, solve, split in [(False, False, False, False, False),
-                                                  (True, False, False, False, False),
-                                                  (True, True, False, True, False),
-                                                  (False, False, True, False, True)]:
-    with mock.patch.multiple(triton_gpu, TILES_BY_TILE=by_tile, TILES_ONE_TILE=one,
-                             TILES_SOLVE=tiles_solve, SOLVE=solve, WU_SPLIT=split):
+  for by_tile in (False, True):     # both tiles kernels (the second, K >= 128's default)
+    with mock.patch.object(triton_gpu, "TILES_BY_TILE", by_tile):
       ours, A_ours, T_ours = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
     assert float(jnp.abs(st["decay"]).max()) > 0.01
     for name, a, b in [("A", A_ours, A), ("T", T_ours, T),
@@ -174,11 +167,11 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
                dict(stage1, BK=min(D, triton_gpu.TILES_BLOCK_K)), triton_gpu.TILES_WARPS)
   fwd_wu = ([rows(C, jnp.float32), rows(D), rows(D), rows(D), fp32, beta, tiles[3], rows(D),
              rows(D), rows(D), rows(D), decay], dict(stage1, BK=min(D, triton_gpu.WU_BLOCK),
-                                                       LOW_DOTS=triton_gpu.WU_LOW_DOTS, SPLIT=triton_gpu.WU_SPLIT),
+                                                       LOW_DOTS=triton_gpu.WU_LOW_DOTS),
             triton_gpu.WU_WARPS)
   fwd_tiles[1].pop("V")
-  by_tile = (fwd_tiles[0], {**{n: v for n, v in fwd_tiles[1].items() if n != "BK"},
-                            "ONE_TILE": triton_gpu.TILES_ONE_TILE}, triton_gpu.TILES_WARPS)
+  by_tile = (fwd_tiles[0], {n: v for n, v in fwd_tiles[1].items() if n != "BK"},
+             triton_gpu.TILES_WARPS)
   return {triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
           triton_gpu._kda_tiles_blocks_triton: by_tile,
           triton_gpu._kda_recurrence_triton: ([*st, S, rows(D), S, states],

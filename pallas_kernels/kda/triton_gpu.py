@@ -69,17 +69,9 @@ TILES_STAGES = 2
 TILES_BY_TILE = None      # _kda_tiles_blocks_triton (only the tiles left of the diagonal,
                           # each one dot over K): None = from K = 128 up, where it measured
                           # faster (H200, 4×8192×16: 0.85 → 0.74 ms; 0.55 → 0.57 at K = 64)
-TILES_ONE_TILE = False    # ... one [16, 16] tile a program (C = 64: 10 a chunk), not a row
-TILES_SOLVE = False       # C = 64: tiles and solve in one kernel (_kda_tiles_solve_triton)
-TILES_SOLVE_BLOCK_K = 16  # ... its K columns per step, launch width and pipeline depth
-TILES_SOLVE_WARPS = 4
-TILES_SOLVE_STAGES = 2
-SOLVE = False             # C = 64: the solve alone in Triton (that kernel reading A), else Pallas's
-SOLVE_WARPS = 1
 WU_BLOCK = 64            # K / V columns per step of the W/U forward (one program a chunk)
 WU_WARPS = 8
 WU_STAGES = 2
-WU_SPLIT = False         # one column block of W/Qg/Kd or U0 a program (grid (blocks, N, B·H))
 WU_LOW_DOTS = True       # its dots on bf16 operands for bf16 inputs (T rounded), as fla's
                          # recompute_w_u (K = 128: 0.91 → 0.69 ms, outputs within a bf16 step)
 WU_BWD_BLOCK = 32        # ... of the W/U backward
@@ -242,33 +234,21 @@ def _kda_tiles_triton(q, k, G, seg, A, Aqk,
 def _kda_tiles_blocks_triton(q, k, G, seg, A, Aqk,
                              Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                              C: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
-                             ONE_TILE: tl.constexpr, NUM_STAGES: tl.constexpr):
+                             NUM_STAGES: tl.constexpr):
   """_kda_tiles_triton's rows of A and Aqk for sub-chunk a, computed [16, 16] tile by tile
   over the sub-chunks c ≤ a only (the tiles right of the diagonal are stored as zeros, not
   computed), each tile one dot over all of K: a's decayed rows are computed once, each
-  column sub-chunk's rows once per tile. ONE_TILE (C = 64): one tile (a, c) a program,
-  program id 0 = n·10 + a(a+1)/2 + c; the diagonal tile's program stores the zeros."""
+  column sub-chunk's rows once per tile."""
   L: tl.constexpr = 16
   S: tl.constexpr = C // L
-  if ONE_TILE:
-    p = tl.program_id(0)
-    n, t = p // 10, p % 10
-    a = (t >= 1).to(tl.int32) + (t >= 3).to(tl.int32) + (t >= 6).to(tl.int32)
-    c0 = t - a * (a + 1) // 2
-    c1, z0 = c0 + 1, tl.where(c0 == a, a + 1, S)
-    bh = tl.program_id(1).to(tl.int64)
-    b, r = bh // H, n * S + a
-    row0 = b * Tp * H + bh % H
-  else:
-    r, n, a, b, row0 = _subchunk_program(0, Tp, H, C)
-    c0, c1, z0 = 0, a + 1, a + 1
+  r, n, a, b, row0 = _subchunk_program(0, Tp, H, C)
   i_L = tl.arange(0, L)
   anchor_K = tl.load(G + (row0 + (r * L + L // 2) * H) * K + tl.arange(0, K))
   left_LK = tl.exp(tl.load(_chunk_rows(G, row0, r, 0, Tp, H, K, L, K)) - anchor_K[None, :])
   kl_LK = tl.load(_chunk_rows(k, row0, r, 0, Tp, H, K, L, K)).to(tl.float32) * left_LK
   ql_LK = tl.load(_chunk_rows(q, row0, r, 0, Tp, H, K, L, K)).to(tl.float32) * left_LK
   seg_L = tl.load(seg + b * Tp + r * L + i_L)
-  for c in tl.range(c0, c1, num_stages=NUM_STAGES):
+  for c in tl.range(0, a + 1, num_stages=NUM_STAGES):
     rc = n * S + c
     G_LK = tl.load(_chunk_rows(G, row0, rc, 0, Tp, H, K, L, K))
     kr_LK = tl.load(_chunk_rows(k, row0, rc, 0, Tp, H, K, L, K)).to(tl.float32) * tl.exp(
@@ -283,237 +263,18 @@ def _kda_tiles_blocks_triton(q, k, G, seg, A, Aqk,
     tl.store(_chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
              tl.where(same & (i_LL >= j_L[None, :]), Aqk_LL * SCALE, 0.0)
              .to(Aqk.dtype.element_ty))
-  for c in tl.range(z0, S):
+  for c in tl.range(a + 1, S):
     tl.store(_chunk_rows(A, row0, r, c * L, Tp, H, C, L, L), tl.full((L, L), 0.0, tl.float32))
     tl.store(_chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
              tl.full((L, L), 0.0, tl.float32).to(Aqk.dtype.element_ty))
 
 
 @triton.jit
-def _left(q, k, G, row0, r, col, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr):
-  """Sub-chunk r's rows (columns col … col + BK) as the left operand of its row tiles: k and
-  q decayed to the anchor m (its middle row), with k and G for the tiles it is the column
-  of. (16 rows: e^{G - m} ≤ e^{8·5} with bounded gates.)"""
-  m_K = tl.load(G + (row0 + (r * 16 + 8) * H) * K + col + tl.arange(0, BK))
-  G_LK = tl.load(_chunk_rows(G, row0, r, col, Tp, H, K, 16, BK)).to(tl.float32)
-  k_LK = tl.load(_chunk_rows(k, row0, r, col, Tp, H, K, 16, BK)).to(tl.float32)
-  q_LK = tl.load(_chunk_rows(q, row0, r, col, Tp, H, K, 16, BK)).to(tl.float32)
-  left_LK = tl.exp(G_LK - m_K[None, :])
-  return k_LK * left_LK, q_LK * left_LK, k_LK, G_LK, m_K
-
-
-@triton.jit
-def _tile(kl_LK, ql_LK, m_K, k_LK, G_LK, A_LL, Aqk_LL, PREC: tl.constexpr):
-  """Adds one column block's part of tile (a, c) of A and Aqk: a's decayed rows (_left)
-  against c's k decayed from a's anchor, e^{m_a - G_c}."""
-  kr_LK = k_LK * tl.exp(m_K[None, :] - G_LK)
-  A_LL = tl.dot(kl_LK, tl.trans(kr_LK), acc=A_LL, input_precision=PREC)
-  Aqk_LL = tl.dot(ql_LK, tl.trans(kr_LK), acc=Aqk_LL, input_precision=PREC)
-  return A_LL, Aqk_LL
-
-
-@triton.jit
-def _store_tiles(A, Aqk, A_LL, Aqk_LL, seg, row0, b, n, a: tl.constexpr, c: tl.constexpr,
-                 Tp: tl.constexpr, H: tl.constexpr, C: tl.constexpr, SCALE: tl.constexpr):
-  """Tile (a, c ≤ a) of chunk n's A (strictly causal within a segment, fp32) and Aqk
-  (causal, scaled, Aqk's dtype), masked and stored; returns A's, for the solve."""
-  i_L = tl.arange(0, 16)
-  r = n * (C // 16)
-  same = (tl.load(seg + b * Tp + (r + a) * 16 + i_L)[:, None]
-          == tl.load(seg + b * Tp + (r + c) * 16 + i_L)[None, :])
-  A_LL = tl.where(same & ((a * 16 + i_L[:, None]) > (c * 16 + i_L[None, :])), A_LL, 0.0)
-  Aqk_LL = tl.where(same & ((a * 16 + i_L[:, None]) >= (c * 16 + i_L[None, :])),
-                    Aqk_LL * SCALE, 0.0)
-  tl.store(_chunk_rows(A, row0, r + a, c * 16, Tp, H, C, 16, 16), A_LL)
-  tl.store(_chunk_rows(Aqk, row0, r + a, c * 16, Tp, H, C, 16, 16),
-           Aqk_LL.to(Aqk.dtype.element_ty))
-  return A_LL
-
-
-@triton.jit
-def _inv_unit_lower(N_LL):
-  """(I + N)^-1 of a strictly lower-triangular [16, 16] N by forward substitution, rows
-  picked with masks, in fp32 (pallas_gpu._inv_unit_lower): row i is e_i - Σ_{j<i} N_ij T_j."""
-  i_L = tl.arange(0, 16)
-  rows = i_L[:, None]
-  T_LL = tl.where(rows == i_L[None, :], 1.0, 0.0)
-  for i in tl.static_range(1, 16):
-    n_L = _sum(tl.where(rows == i, N_LL, 0.0), 0)
-    t_L = tl.where(i_L == i, 1.0, 0.0) - _sum(n_L[:, None] * T_LL, 0)
-    T_LL = tl.where(rows == i, t_L[None, :], T_LL)
-  return T_LL
-
-
-@triton.jit
-def _beta_rows(beta, b, h, r, Tp: tl.constexpr, H: tl.constexpr):
-  """β of sub-chunk r's 16 rows, fp32."""
-  return tl.load(beta + (b * Tp + r * 16 + tl.arange(0, 16)) * H + h).to(tl.float32)
-
-
-@triton.jit
-def _store_T(T, T_LL, row0, n, a: tl.constexpr, c: tl.constexpr, Tp: tl.constexpr,
-             H: tl.constexpr):
-  """Tile (a, c) of chunk n's T (64 rows)."""
-  tl.store(_chunk_rows(T, row0, n * 4 + a, c * 16, Tp, H, 64, 16, 16), T_LL)
-
-
-@triton.jit
-def _row_tiles(q, k, G, row0, r, a: tl.constexpr, Tp: tl.constexpr, H: tl.constexpr,
-               K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-               NUM_STAGES: tl.constexpr):
-  """Row a of a chunk's [16, 16] tiles of A and Aqk (unmasked), (a, c) for c ≤ a, over K
-  in BK-wide column blocks; tiles c > a come back as zeros. r is the chunk's first
-  sub-chunk."""
-  A0 = tl.full((16, 16), 0.0, tl.float32)
-  A1, A2, A3, Q0, Q1, Q2, Q3 = A0, A0, A0, A0, A0, A0, A0
-  for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
-    col = ik * BK
-    kl, ql, k_a, G_a, m = _left(q, k, G, row0, r + a, col, Tp, H, K, BK)
-    if a == 0:
-      A0, Q0 = _tile(kl, ql, m, k_a, G_a, A0, Q0, PREC)
-    else:
-      A0, Q0 = _tile(kl, ql, m, *_rows_kG(k, G, row0, r, col, Tp, H, K, BK), A0, Q0, PREC)
-    if a == 1:
-      A1, Q1 = _tile(kl, ql, m, k_a, G_a, A1, Q1, PREC)
-    if a > 1:
-      A1, Q1 = _tile(kl, ql, m, *_rows_kG(k, G, row0, r + 1, col, Tp, H, K, BK), A1, Q1,
-                     PREC)
-    if a == 2:
-      A2, Q2 = _tile(kl, ql, m, k_a, G_a, A2, Q2, PREC)
-    if a == 3:
-      A2, Q2 = _tile(kl, ql, m, *_rows_kG(k, G, row0, r + 2, col, Tp, H, K, BK), A2, Q2,
-                     PREC)
-      A3, Q3 = _tile(kl, ql, m, k_a, G_a, A3, Q3, PREC)
-  return A0, Q0, A1, Q1, A2, Q2, A3, Q3
-
-
-@triton.jit
-def _rows_kG(k, G, row0, r, col, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-             BK: tl.constexpr):
-  """Sub-chunk r's k and G rows (columns col … col + BK) in fp32, as a tile's column."""
-  return (tl.load(_chunk_rows(k, row0, r, col, Tp, H, K, 16, BK)).to(tl.float32),
-          tl.load(_chunk_rows(G, row0, r, col, Tp, H, K, 16, BK)).to(tl.float32))
-
-
-@triton.jit
-def _load_T(T, row0, n, a: tl.constexpr, c: tl.constexpr, Tp: tl.constexpr, H: tl.constexpr):
-  """Tile (a, c) of chunk n's T, as _store_T stored it."""
-  return tl.load(_chunk_rows(T, row0, n * 4 + a, c * 16, Tp, H, 64, 16, 16))
-
-
-@triton.jit
-def _row_A(q, k, G, seg, A, Aqk, row0, b, n, a: tl.constexpr, Tp: tl.constexpr,
-           H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
-           PREC: tl.constexpr, FROM_A: tl.constexpr, NUM_STAGES: tl.constexpr):
-  """Row a of chunk n's masked A tiles (a, 0 … 3; zeros right of the diagonal): read from
-  A (FROM_A), or computed with Aqk's (_row_tiles) and both stored."""
-  zero = tl.full((16, 16), 0.0, tl.float32)
-  A0, A1, A2, A3 = zero, zero, zero, zero
-  if FROM_A:
-    A0 = _load_T(A, row0, n, a, 0, Tp, H)
-    if a >= 1:
-      A1 = _load_T(A, row0, n, a, 1, Tp, H)
-    if a >= 2:
-      A2 = _load_T(A, row0, n, a, 2, Tp, H)
-    if a == 3:
-      A3 = _load_T(A, row0, n, a, 3, Tp, H)
-  else:
-    A0, Q0, A1, Q1, A2, Q2, A3, Q3 = _row_tiles(q, k, G, row0, n * 4, a, Tp, H, K, BK, PREC,
-                                                NUM_STAGES)
-    A0 = _store_tiles(A, Aqk, A0, Q0, seg, row0, b, n, a, 0, Tp, H, 64, SCALE)
-    if a >= 1:
-      A1 = _store_tiles(A, Aqk, A1, Q1, seg, row0, b, n, a, 1, Tp, H, 64, SCALE)
-    if a >= 2:
-      A2 = _store_tiles(A, Aqk, A2, Q2, seg, row0, b, n, a, 2, Tp, H, 64, SCALE)
-    if a == 3:
-      A3 = _store_tiles(A, Aqk, A3, Q3, seg, row0, b, n, a, 3, Tp, H, 64, SCALE)
-    for c in tl.static_range(a + 1, 4):          # the tiles right of the diagonal
-      tl.store(_chunk_rows(A, row0, n * 4 + a, c * 16, Tp, H, 64, 16, 16), zero)
-      tl.store(_chunk_rows(Aqk, row0, n * 4 + a, c * 16, Tp, H, 64, 16, 16),
-               zero.to(Aqk.dtype.element_ty))
-  return A0, A1, A2, A3
-
-
-@triton.jit
-def _kda_tiles_solve_triton(q, k, G, seg, beta, A, Aqk, T,
-                            Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                            BK: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
-                            FROM_A: tl.constexpr, NUM_STAGES: tl.constexpr):
-  """T = (I + Diag(β)A)^-1 of one 64-row chunk (pallas_gpu._solve_kernel: T_aa by
-  substitution, T_ac = -T_aa Σ_{c≤j<a} (βA)_aj T_jc), row of [16, 16] tiles by row. Its
-  A is read from A (FROM_A: the solve alone), or computed first, row by row, with Aqk
-  (_kda_tiles_blocks_triton's tiles over K in BK-wide blocks) and stored: no A round trip
-  to a second kernel. Only one row's tiles and the T rows above it are live; those are
-  read back after a barrier rather than kept in registers across the next row's K loop
-  (spills otherwise). Four sub-chunks: C = 64 only."""
+def _chunk_program(T, beta, seg, Tp: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
+  """What a one-chunk W/U program (grid (N, B·H)) reads first: its chunk n, b, h, row0,
+  T [C, C], β [C] in fp32, the chunk's segment ids [C] and its last row's."""
   n = tl.program_id(0)
   bh = tl.program_id(1).to(tl.int64)
-  b, h = bh // H, bh % H
-  row0 = b * Tp * H + h
-  r = n * 4
-  zero = tl.full((16, 16), 0.0, tl.float32)
-  A00, _, _, _ = _row_A(q, k, G, seg, A, Aqk, row0, b, n, 0, Tp, H, K, BK, SCALE, PREC,
-                        FROM_A, NUM_STAGES)
-  beta0 = _beta_rows(beta, b, h, r, Tp, H)[:, None]
-  T00 = _inv_unit_lower(beta0 * A00)
-  _store_T(T, T00, row0, n, 0, 0, Tp, H)
-
-  A10, A11, _, _ = _row_A(q, k, G, seg, A, Aqk, row0, b, n, 1, Tp, H, K, BK, SCALE, PREC,
-                          FROM_A, NUM_STAGES)
-  beta1 = _beta_rows(beta, b, h, r + 1, Tp, H)[:, None]
-  T11 = _inv_unit_lower(beta1 * A11)
-  T10 = -tl.dot(T11, tl.dot(beta1 * A10, T00, input_precision=PREC), input_precision=PREC)
-  _store_T(T, T10, row0, n, 1, 0, Tp, H)
-  _store_T(T, T11, row0, n, 1, 1, Tp, H)
-
-  A20, A21, A22, _ = _row_A(q, k, G, seg, A, Aqk, row0, b, n, 2, Tp, H, K, BK, SCALE, PREC,
-                            FROM_A, NUM_STAGES)
-  beta2 = _beta_rows(beta, b, h, r + 2, Tp, H)[:, None]
-  tl.debug_barrier()   # T's rows above, stored by every thread: read back, not kept live
-  T00, T10, T11 = _load_T(T, row0, n, 0, 0, Tp, H), _load_T(T, row0, n, 1, 0, Tp, H), \
-      _load_T(T, row0, n, 1, 1, Tp, H)
-  T22 = _inv_unit_lower(beta2 * A22)
-  N21 = beta2 * A21
-  T21 = -tl.dot(T22, tl.dot(N21, T11, input_precision=PREC), input_precision=PREC)
-  T20 = -tl.dot(T22, tl.dot(N21, T10, acc=tl.dot(beta2 * A20, T00, input_precision=PREC),
-                            input_precision=PREC), input_precision=PREC)
-  _store_T(T, T20, row0, n, 2, 0, Tp, H)
-  _store_T(T, T21, row0, n, 2, 1, Tp, H)
-  _store_T(T, T22, row0, n, 2, 2, Tp, H)
-
-  A30, A31, A32, A33 = _row_A(q, k, G, seg, A, Aqk, row0, b, n, 3, Tp, H, K, BK, SCALE,
-                              PREC, FROM_A, NUM_STAGES)
-  beta3 = _beta_rows(beta, b, h, r + 3, Tp, H)[:, None]
-  tl.debug_barrier()
-  T00, T10, T11 = _load_T(T, row0, n, 0, 0, Tp, H), _load_T(T, row0, n, 1, 0, Tp, H), \
-      _load_T(T, row0, n, 1, 1, Tp, H)
-  T20, T21, T22 = _load_T(T, row0, n, 2, 0, Tp, H), _load_T(T, row0, n, 2, 1, Tp, H), \
-      _load_T(T, row0, n, 2, 2, Tp, H)
-  T33 = _inv_unit_lower(beta3 * A33)
-  N32 = beta3 * A32
-  T32 = -tl.dot(T33, tl.dot(N32, T22, input_precision=PREC), input_precision=PREC)
-  T31 = -tl.dot(T33, tl.dot(N32, T21, acc=tl.dot(beta3 * A31, T11, input_precision=PREC),
-                            input_precision=PREC), input_precision=PREC)
-  S30 = tl.dot(beta3 * A31, T10, acc=tl.dot(beta3 * A30, T00, input_precision=PREC),
-               input_precision=PREC)
-  T30 = -tl.dot(T33, tl.dot(N32, T20, acc=S30, input_precision=PREC), input_precision=PREC)
-  _store_T(T, T30, row0, n, 3, 0, Tp, H)
-  _store_T(T, T31, row0, n, 3, 1, Tp, H)
-  _store_T(T, T32, row0, n, 3, 2, Tp, H)
-  _store_T(T, T33, row0, n, 3, 3, Tp, H)
-  for a in tl.static_range(3):                   # T's tiles right of the diagonal
-    for c in tl.static_range(a + 1, 4):
-      _store_T(T, zero, row0, n, a, c, Tp, H)
-
-
-@triton.jit
-def _chunk_program(T, beta, seg, axis: tl.constexpr, Tp: tl.constexpr, H: tl.constexpr,
-                   C: tl.constexpr):
-  """What a one-chunk W/U program (grid (N, B·H) from axis `axis`) reads first: its chunk
-  n, b, h, row0, T [C, C], β [C] in fp32, the chunk's segment ids [C] and its last row's."""
-  n = tl.program_id(axis)
-  bh = tl.program_id(axis + 1).to(tl.int64)
   b, h = bh // H, bh % H
   row0 = b * Tp * H + h
   i_C = tl.arange(0, C)
@@ -528,25 +289,15 @@ def _chunk_program(T, beta, seg, axis: tl.constexpr, Tp: tl.constexpr, H: tl.con
 def _kda_wu_triton(T, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay,
                    Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    C: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr,
-                   PREC: tl.constexpr, LOW_DOTS: tl.constexpr, SPLIT: tl.constexpr,
-                   NUM_STAGES: tl.constexpr):
+                   PREC: tl.constexpr, LOW_DOTS: tl.constexpr, NUM_STAGES: tl.constexpr):
   """pallas_gpu._wu_kernel for one chunk: W = T·Diag(β)(K⊙Γ), U0 = T·Diag(β)V, and the
   decayed Qg, Kd and the chunk's decay, in BK-wide column blocks. LOW_DOTS: the two dots'
-  operands rounded to q's dtype first (bf16: as fla's recompute_w_u). SPLIT: one column
-  block a program (program id 0: K's blocks, then V's), else all of them in turn."""
+  operands rounded to q's dtype first (bf16: as fla's recompute_w_u)."""
   N: tl.constexpr = Tp // C
-  NK: tl.constexpr = K // BK
-  n, b, h, row0, T_CC, beta_C, seg_C, seg_end = _chunk_program(T, beta, seg, int(SPLIT), Tp,
-                                                                H, C)
+  n, b, h, row0, T_CC, beta_C, seg_C, seg_end = _chunk_program(T, beta, seg, Tp, H, C)
   dot_dt = q.dtype.element_ty if LOW_DOTS else tl.float32
   T_CC = T_CC.to(dot_dt)
-  if SPLIT:   # block j: [k0, k1) or [v0, v1), the other empty
-    j = tl.program_id(0)
-    k0, k1 = tl.minimum(j, NK), tl.minimum(j + 1, NK)
-    v0, v1 = tl.maximum(j - NK, 0), tl.maximum(j + 1 - NK, 0)
-  else:
-    k0, k1, v0, v1 = 0, NK, 0, V // BK
-  for ik in tl.range(k0, k1, num_stages=NUM_STAGES):
+  for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     gamma_CK, to_end_CK, decay_K = _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp, H, K,
                                                 C, BK)
@@ -559,7 +310,7 @@ def _kda_wu_triton(T, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay,
     tl.store(_chunk_rows(Kd, row0, n, col, Tp, H, K, C, BK),
              (k_CK * to_end_CK).to(Kd.dtype.element_ty))
     tl.store(decay + ((b * N + n) * H + h) * K + col + tl.arange(0, BK), decay_K)
-  for iv in tl.range(v0, v1, num_stages=NUM_STAGES):
+  for iv in tl.range(0, V // BK, num_stages=NUM_STAGES):
     v_CV = tl.load(_chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
     U0_CV = tl.dot(T_CC, (beta_C[:, None] * v_CV).to(dot_dt), input_precision=PREC)
     tl.store(_chunk_rows(U0, row0, n, iv * BK, Tp, H, V, C, BK), U0_CV.to(U0.dtype.element_ty))
@@ -597,7 +348,7 @@ def _kda_wu_bwd_triton(T, A, q, k, v, G, beta, seg, dW, dU0, dQg, dKd, ddecay,
   then per block dX = Tᵀ dW, dY = Tᵀ dU0 and the elementwise Qg / Kd / decay terms.
   T, A, dA [B, Tp, H, C] fp32; beta, dbeta [B, Tp, H]; decay rows [B, N, H, K]."""
   N: tl.constexpr = Tp // C
-  n, b, h, row0, T_CC, beta_C, seg_C, seg_end = _chunk_program(T, beta, seg, 0, Tp, H, C)
+  n, b, h, row0, T_CC, beta_C, seg_C, seg_end = _chunk_program(T, beta, seg, Tp, H, C)
   i_C = tl.arange(0, C)
   dT_CC = tl.full((C, C), 0.0, tl.float32)
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
@@ -990,40 +741,11 @@ def tiles_call(q, k, G, seg, *, scale, chunk_size, interpret):
   meta = dict(Tp=Tp, H=H, K=K, C=C, SCALE=float(scale), PREC=_fp32_dots())
   by_tile = K >= 128 if TILES_BY_TILE is None else TILES_BY_TILE
   kernel = _kda_tiles_blocks_triton if by_tile else _kda_tiles_triton
-  one = by_tile and TILES_ONE_TILE and C == 64
-  if by_tile:
-    meta["ONE_TILE"] = one
-  else:
+  if not by_tile:
     meta["BK"] = min(K, TILES_BLOCK_K)
-  return _launch(kernel, ((Tp // 64) * 10 if one else Tp // pallas_gpu.SUB, B * H),
+  return _launch(kernel, (Tp // pallas_gpu.SUB, B * H),
                  (q, k, G, seg.astype(jnp.int32)), out_type, meta, name="kda_tiles_triton",
                  interpret=interpret, warps=TILES_WARPS, stages=TILES_STAGES)
-
-
-def tiles_solve_call(q, k, G, seg, beta, *, scale, interpret):
-  """tiles_call's (A, Aqk) and pallas_gpu.solve_call's T (fp32) from one kernel, chunks of
-  64 rows. Grid (N, B·H)."""
-  B, Tp, H, K = q.shape
-  rows = lambda dt: jax.ShapeDtypeStruct((B, Tp, H, 64), dt)
-  meta = dict(Tp=Tp, H=H, K=K, BK=min(K, TILES_SOLVE_BLOCK_K), SCALE=float(scale),
-              PREC=_fp32_dots(), FROM_A=False)
-  return _launch(_kda_tiles_solve_triton, (Tp // 64, B * H), (q, k, G, seg.astype(jnp.int32),
-                 beta), [rows(F32), rows(q.dtype), rows(F32)], meta,
-                 name="kda_tiles_solve_triton", interpret=interpret, warps=TILES_SOLVE_WARPS,
-                 stages=TILES_SOLVE_STAGES)
-
-
-def solve_call(A, beta, *, interpret):
-  """pallas_gpu.solve_call's T (fp32) from tiles_call's A, chunks of 64 rows: the fused
-  kernel reading A. Grid (N, B·H)."""
-  B, Tp, H, C = A.shape
-  meta = dict(Tp=Tp, H=H, K=16, BK=16, SCALE=1.0, PREC=_fp32_dots(), FROM_A=True)
-  unused = jax.ShapeDtypeStruct((1,), F32)   # q, k, G, seg in, Aqk out: pointers never read
-  zeros = jnp.zeros((1,), F32)
-  _, T = _launch(_kda_tiles_solve_triton, (Tp // 64, B * H), (zeros, zeros, zeros, zeros,
-                 beta, A), [unused, jax.ShapeDtypeStruct(A.shape, F32)], meta,
-                 name="kda_solve_triton", interpret=interpret, warps=SOLVE_WARPS, stages=1)
-  return T
 
 
 def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
@@ -1033,26 +755,17 @@ def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
   C, N, dt = chunk_size, Tp // chunk_size, q.dtype
   rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
   out_type = [rows(K), rows(V), rows(K), rows(K), jax.ShapeDtypeStruct((B, N, H, K), F32)]
-  BK = min(K, V, WU_BLOCK)
-  meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=BK, SCALE=float(scale), PREC=_fp32_dots(),
-              LOW_DOTS=bool(WU_LOW_DOTS and dt != F32), SPLIT=WU_SPLIT)
-  # split: a chunk's blocks are neighbours in launch order (T read once from memory)
-  grid = ((K + V) // BK, N, B * H) if WU_SPLIT else (N, B * H)
-  return _launch(_kda_wu_triton, grid, (T, q, k, v, G, beta, seg.astype(jnp.int32)),
+  meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=min(K, V, WU_BLOCK), SCALE=float(scale),
+              PREC=_fp32_dots(), LOW_DOTS=bool(WU_LOW_DOTS and dt != F32))
+  return _launch(_kda_wu_triton, (N, B * H), (T, q, k, v, G, beta, seg.astype(jnp.int32)),
                  out_type, meta, name="kda_wu_triton", interpret=interpret, warps=WU_WARPS,
                  stages=WU_STAGES)
 
 
 def intra_triton(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
   """Stage 1's forward: (stage-1 outputs, A, T) as pallas_gpu.intra_pallas returns them."""
-  if TILES_SOLVE and chunk_size == 64:
-    A, Aqk, T = tiles_solve_call(q, k, G, seg, beta, scale=scale, interpret=interpret)
-  else:
-    A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=chunk_size, interpret=interpret)
-    if SOLVE and chunk_size == 64:
-      T = solve_call(A, beta, interpret=interpret)
-    else:
-      T = pallas_gpu.solve_call(A, beta, chunk_size=chunk_size, interpret=interpret)
+  A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=chunk_size, interpret=interpret)
+  T = pallas_gpu.solve_call(A, beta, chunk_size=chunk_size, interpret=interpret)
   W, U0, Qg, Kd, decay = wu_call(T, q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
                                  interpret=interpret)
   return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
