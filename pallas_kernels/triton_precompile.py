@@ -56,9 +56,11 @@ def submit(jax_triton, args, **call):
   their shapes and dtypes are read) on a worker thread. Returns the future, or None (off,
   not possible, or this call was started before)."""
   pool = _pool(jax_triton) if ENABLED else None
+  if pool is None:
+    return None
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
   key = repr((avals, sorted(call.items())))
-  if pool is None or key in _SUBMITTED:   # once per call: a retrace finds it compiled
+  if key in _SUBMITTED:   # once per call: a retrace finds it compiled
     return None
   _SUBMITTED.add(key)
   one_kernel = jax.jit(lambda *xs: jax_triton.triton_call(*xs, **call))

@@ -1,4 +1,5 @@
-"""KDA speed on the GPU: triton (the default), pallas_gpu and xla vs flash-linear-attention's chunk_kda, same inputs.
+"""KDA speed on the GPU: triton (the default), pallas_gpu and xla vs flash-linear-attention's
+chunk_kda, same inputs.
 
   python scripts/bench_kda.py --out=$OUT [--shapes=1x8192x16,4x8192x16] [--impls=triton,pallas_gpu,xla]
       [--jobs=2 --shape_timeout=280]   # one process per shape, two GPUs at a time
@@ -33,7 +34,7 @@ _FLA = flags.DEFINE_bool("fla", True, "Time fla too (its autotuning takes minute
 _KNOBS = flags.DEFINE_multi_string(
     "knobs", [], "Extra pallas_gpu rows with module launch knobs set, e.g. "
     "--knobs=BLOCK_K=64,ROLLED=False --knobs=WARPS.tiles=2, or triton rows with triton_gpu's: "
-    "--knobs=triton:TILES_SOLVE=False (restored after the row).")
+    "--knobs=triton:WU_BLOCK=32 (restored after the row).")
 _JOBS = flags.DEFINE_integer(
     "jobs", 1, "Shapes at a time, each in its own process; process slot i runs on GPU i "
     "(CUDA_VISIBLE_DEVICES). fla autotunes per process, so this is what fits a multi-GPU "
@@ -174,7 +175,8 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
   rows, outs = {}, {}
   first = None   # (row, its output and gradients): every later row is checked against it
   variants = [(impl, "") for impl in impls] + [
-      (f"{knob_impl(k)[0]}[{knob_impl(k)[2]}]", k) for k in _KNOBS.value]
+      (f"{impl}[{settings}]", k) for k in _KNOBS.value
+      for impl, _, settings in [knob_impl(k)]]
   for impl, knobs in variants:
     undo = set_knobs(knobs)
     try:

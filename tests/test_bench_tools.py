@@ -49,7 +49,6 @@ def test_kernel_registers_dumps_every_kda_kernel_with_its_launch_width(tmp_path)
     assert f"tt.func public @{name}" in (tmp_path / f"{name}.ttir").read_text()
 
 
-
 _KNOB_CHECK = """
 import pytest
 from pallas_kernels.kda import pallas_gpu, triton_gpu
