@@ -6,12 +6,21 @@ import jax.numpy as jnp
 
 from moe_jax.model import attn_res, layer_stack, remat, vision
 from moe_jax.model.kda import KDAMixer
-from moe_jax.model.layer_stack import is_moe, mixer_kind
 from moe_jax.model.layers import SwiGLU, dtype_of, embed_lookup, lp, rms_norm
 from moe_jax.model.mla import MLAMixer
 from moe_jax.model.moe import MoE
 
 MIXERS = {"K": KDAMixer, "A": MLAMixer}
+
+
+def mixer_kind(cfg, layer: int) -> str:
+  """The pattern string applies cyclically: "KKKA" over 8 layers is KKKAKKKA."""
+  return cfg.layer_pattern[layer % len(cfg.layer_pattern)]
+
+
+def is_moe(cfg, layer: int) -> bool:
+  """MoE FFN from layer `moe.first_dense` on (never when moe.num_experts == 0)."""
+  return cfg.moe.num_experts > 0 and layer >= cfg.moe.first_dense
 
 
 def make_ffn(cfg, layer: int) -> nn.Module:
@@ -66,43 +75,36 @@ def remat_block(cfg, scanned: bool):
   return nn.remat(Block, policy=remat.policy(cfg.remat_policy), prevent_cse=not scanned)
 
 
-_STACKED = {"params": 0, "router": 0, "intermediates": 0, "replay": 0}
-
-
-def run_of_blocks(cfg, run: range, scanned: bool) -> nn.Module:
-  """The block of layer run.start, or for a run of identical layers one nn.scan of it over
-  them (model/layer_stack.py: compiled once); either returns (state, routing stats)."""
-  block = remat_block(cfg, scanned=scanned or len(run) > 1)
-  name = layer_stack.run_name(run)
-  if len(run) == 1:
-    return block(cfg, run.start, name=name)
-  scan = nn.scan(block, variable_axes=_STACKED, split_rngs={"params": True},
-                 in_axes=(nn.broadcast,), length=len(run),
-                 metadata_params={nn.PARTITION_NAME: "run_layers"})
-  return scan(cfg, run.start, name=name)
-
-
 class Period(nn.Module):
-  """One period of the layer pattern, as runs of blocks (the body of nn.scan). Carries the
-  residual state; returns each run's routing stats as the scan output."""
+  """One period of the layer pattern: blocks start … start+P-1 (the body of nn.scan).
+  Carries the residual state; returns each block's routing stats as the scan output."""
   cfg: object
+  start: int
 
   @nn.compact
   def __call__(self, res, segment_ids_BxT):
-    stats = {}
-    for run in layer_stack.plan(self.cfg).body:
-      res, stats[layer_stack.run_name(run)] = run_of_blocks(self.cfg, run, scanned=True)(
-          res, segment_ids_BxT)
-    return res, stats
+    block = remat_block(self.cfg, scanned=True)
+    stats = []
+    for j in range(len(self.cfg.layer_pattern)):
+      res, s = block(self.cfg, self.start + j, name=f"block_{j}")(res, segment_ids_BxT)
+      stats.append(s)
+    return res, tuple(stats)
 
 
 def scanned_periods(cfg, plan, res, segment_ids_BxT):
-  """The body of the stack as one nn.scan over plan.n periods; returns the state and the
-  routing stats by run name, stacked over the periods."""
-  scan = nn.scan(Period, variable_axes=_STACKED, split_rngs={"params": True},
-                 in_axes=(nn.broadcast,), length=plan.n,
+  """The body of the stack as one nn.scan over plan.n periods; the routing stats come back
+  per layer ("layer_l"), each a slice of the stacked scan output."""
+  scan = nn.scan(Period, variable_axes={"params": 0, "router": 0, "intermediates": 0,
+                                        "replay": 0},
+                 split_rngs={"params": True}, in_axes=(nn.broadcast,), length=plan.n,
                  metadata_params={nn.PARTITION_NAME: "layers"})
-  return scan(cfg, name=layer_stack.PERIODS)(res, segment_ids_BxT)
+  res, stats = scan(cfg, plan.start, name=layer_stack.PERIODS)(res, segment_ids_BxT)
+  routing = {}
+  for i in range(plan.n):
+    for j, s in enumerate(stats):
+      if s:
+        routing[f"layer_{plan.layer(i, j)}"] = jax.tree.map(lambda x, i=i: x[i], s)
+  return res, routing
 
 
 def image_fields(cfg, batch) -> dict:
@@ -147,29 +149,27 @@ class HybridMoE(nn.Module):
     if cfg.vision.patch_size:   # image patches in the stream (model/vision.py)
       x_BxTxD = vision.PatchEmbed(cfg, name="patch_embed")(x_BxTxD, image_fields(cfg, batch))
     res = attn_res.init(cfg, x_BxTxD)
+    block = remat_block(cfg, scanned=False) if cache is None else Block
     plan = layer_stack.plan(cfg)
     if plan.n and cache is not None:
       raise ValueError("model.scan_layers: the cache path runs unscanned; build the model with "
                        "infer.generate.inference_model and layer_stack.unstack its variables")
-    stats, new_layers = {}, {}
-
-    def unrolled(run, res):
-      name = layer_stack.run_name(run)
+    routing, new_layers = {}, {}
+    for i in range(cfg.n_layers):
+      if plan.start <= i < plan.end:
+        if i == plan.start:
+          res, scanned = scanned_periods(cfg, plan, res, segment_ids_BxT)
+          routing.update(scanned)
+        continue
+      name = f"layer_{i}"
+      layer = block(cfg, i, name=name)
       if cache is None:
-        res, stats[name] = run_of_blocks(cfg, run, scanned=False)(res, segment_ids_BxT)
-      else:   # unscanned: one layer a run
+        res, stats = layer(res, segment_ids_BxT)
+      else:
         layer_cache = {**cache["layers"][name], "length": cache["length"]}
-        res, stats[name], new_layers[name] = Block(cfg, run.start, name=name)(
-            res, segment_ids_BxT, layer_cache)
-      return res
-
-    for run in plan.head:
-      res = unrolled(run, res)
-    if plan.n:
-      res, stats[layer_stack.PERIODS] = scanned_periods(cfg, plan, res, segment_ids_BxT)
-    for run in plan.tail:
-      res = unrolled(run, res)
-    routing = {k: v for k, v in layer_stack.unstack(cfg, stats).items() if v}
+        res, stats, new_layers[name] = layer(res, segment_ids_BxT, layer_cache)
+      if stats:
+        routing[name] = stats
     x_BxTxD = rms_norm(cfg, "final_norm")(attn_res.read(cfg, res, "final_res"))
     if cfg.tie_embeddings:
       logits_BxTxV = embed.attend(x_BxTxD) / jnp.sqrt(cfg.d_model).astype(x_BxTxD.dtype)

@@ -30,7 +30,6 @@ LOGICAL_RULES = (
     ("patch", None),        # flattened P·P·C pixels of an image patch (model/vision.py)
     ("patch_grid", None),   # a patch's row or column
     ("layers", None),   # the scan axis of stacked layer params (model/layer_stack.py)
-    ("run_layers", None),   # a run's scan axis (inside "layers" in a scanned period)
 )
 
 

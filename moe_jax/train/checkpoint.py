@@ -77,40 +77,29 @@ def restore_before(manager: ocp.CheckpointManager, state, data_iter, step: int, 
 
 
 def _restore_any_layout(restore, abstract, model_cfg):
-  """restore(target) in the state's layout; if that fails and the model scans layers, in
-  another layout (restored replicated: the per-layer one, or for a scanned state the scanned
-  one before runs), converted and placed like the state."""
+  """restore(target) in the state's layout; if that fails and the model scans layers, in the
+  other layout (restored replicated), converted and placed like the state."""
   try:
     return restore(abstract)
   except Exception as first:
     if model_cfg is None or layer_stack.plan(model_cfg).n == 0:
       raise
     stacked = layer_stack.is_stacked(abstract.params)
-    per_layer = lambda s: layer_stack.convert(model_cfg, s, False)
-    if stacked:
-      layouts = {"per-layer": per_layer, "scanned (before runs)": lambda s: layer_stack.convert(
-          model_cfg, per_layer(s), True, legacy=True)}
-    else:
-      layouts = {"scanned": lambda s: layer_stack.convert(model_cfg, s, True)}
+    other = jax.eval_shape(lambda s: layer_stack.convert(model_cfg, s, not stacked), abstract)
     sharding = jax.tree.leaves(abstract)[0].sharding
     if isinstance(sharding, NamedSharding):
       sharding = NamedSharding(sharding.mesh, P())
-    for name, layout in layouts.items():
-      other = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                           jax.eval_shape(layout, abstract))
-      try:
-        restored = restore(other)
-      except Exception:
-        continue
-      state = per_layer(restored.state)
-      if stacked:
-        state = layer_stack.convert(model_cfg, state, True)
-      state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state, abstract)
-      print(f"moe_jax: converted a checkpoint in the {name} layer layout to the "
-            + ("scanned" if stacked else "per-layer") + " one (model/layer_stack.py)",
-            flush=True)
-      return type(restored)(**{**dict(restored.items()), "state": state})
-    raise first from None   # unreadable in every layout: report the state's own error
+    other = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                         other)
+    try:
+      restored = restore(other)
+    except Exception:
+      raise first from None   # unreadable in either layout: report the state's own error
+    state = layer_stack.convert(model_cfg, restored.state, stacked)
+    state = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), state, abstract)
+    print("moe_jax: converted a checkpoint to the " + ("scanned" if stacked else "per-layer")
+          + " layer layout (model/layer_stack.py)", flush=True)
+    return type(restored)(**{**dict(restored.items()), "state": state})
 
 
 def _restore_newest(manager, state, data_iter, steps, model_cfg=None):

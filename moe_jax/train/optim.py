@@ -16,9 +16,10 @@ _NEVER = 2**31 - 1
 
 def decay_mask(params):
   """Weight decay on ≥2-D kernels and embeddings; not on norms, biases, gate scalars. A
-  scanned layer's params carry leading axes (the periods, a run), not counted."""
+  scanned layer's params carry one more (leading) axis, not counted."""
   def is_matrix(path, p):
-    return p.ndim - layer_stack.stacked_axes(getattr(k, "key", None) for k in path) >= 2
+    stacked = any(getattr(k, "key", None) == layer_stack.PERIODS for k in path)
+    return p.ndim - stacked >= 2
   return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
