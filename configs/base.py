@@ -139,6 +139,9 @@ def get_config(arg=None):
   t = c.train = ml_collections.ConfigDict()
   # Persistent XLA compilation cache (train/compile_cache.py); "" = off.
   t.compile_cache_dir = "~/.cache/moe_jax/xla"
+  # XLA flags the entry points set before jax starts (train/xla_flags.py; XLA_FLAGS wins):
+  # GEMM autotuning without checking each candidate's output, 5 s off a cold compile.
+  t.xla_flags = "--xla_gpu_autotune_level=1"
   g = t.guard = ml_collections.ConfigDict()  # divergence guard (moe_jax/train/guard.py)
   g.enabled = False
   g.spike_factor = 3.0          # a loss above this x the EMA of healthy losses is a spike...

@@ -47,7 +47,9 @@ _CACHE = flags.DEFINE_string("cache_dir", "", "Internal: the compilation cache o
 _RESULT = flags.DEFINE_string("result", "", "Internal: the child's JSON output.")
 _LOGS = flags.DEFINE_string("logs", "", "Where each process's log goes (default <out>/logs).")
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "Extra XLA_FLAGS for every row's processes "
-                                 "(e.g. --xla_gpu_autotune_level=0), recorded with the row.")
+                                 "(e.g. --xla_gpu_autotune_level=4, XLA's default: these win "
+                                 "over the config's train.xla_flags); the row records the "
+                                 "XLA_FLAGS it ran with.")
 _START_ONLY = flags.DEFINE_bool("start_only", False, "Cold processes too stop after the first "
                                 "step: an A/B of start-up alone (no steady steps, no profile).")
 _SET = flags.DEFINE_multi_string("set", [], "Extra config override key=value for every row "
@@ -191,11 +193,12 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
   from moe_jax.data import pipeline
   from moe_jax.model.transformer import HybridMoE
   from moe_jax.parallel.mesh import make_mesh
-  from moe_jax.train import checkpoint, compile_cache, loop, optim, state as state_lib
+  from moe_jax.train import checkpoint, compile_cache, loop, optim, state as state_lib, xla_flags
 
-  rec = {"row": name, "mode": mode, "imports_s": time.time() - _LAUNCH,
-         "xla_flags": _XLA_FLAGS.value}
+  rec = {"row": name, "mode": mode, "imports_s": time.time() - _LAUNCH}
   c = config_lib.validate(row_config(name, extra))
+  # As train.py: the config's flags (train.xla_flags) after --xla_flags, before jax starts.
+  rec["xla_flags"] = xla_flags.apply(c.train.xla_flags)
   compile_cache.enable(cache_dir)
   mesh = make_mesh(c.mesh)
   with jax.set_mesh(mesh):

@@ -22,7 +22,7 @@ from moe_jax import config as config_lib
 from moe_jax.data import pipeline
 from moe_jax.eval import extrapolation
 from moe_jax.infer.workdir import load
-from moe_jax.train import compile_cache, stages
+from moe_jax.train import compile_cache, stages, xla_flags
 from moe_jax.train.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/stages.py:cpu", "Stages config.")
@@ -112,6 +112,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   sc, workdir = _CONFIG.value, _WORKDIR.value
+  xla_flags.apply(sc.run.train.xla_flags, "run.train.xla_flags")   # before jax starts
   compile_cache.enable(sc.run.train.compile_cache_dir)
   names = stages.stage_names(sc)
   out = stages.run_stages(sc, workdir)

@@ -12,7 +12,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from moe_jax.rl.trainer import train_grpo
-from moe_jax.train import compile_cache
+from moe_jax.train import compile_cache, xla_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo.py:cpu", "Config file[:arg].")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.",
@@ -24,6 +24,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  xla_flags.apply(_CONFIG.value.train.xla_flags)   # before jax starts
   compile_cache.enable(_CONFIG.value.train.compile_cache_dir)
   s = train_grpo(_CONFIG.value, _WORKDIR.value)
   print(f"pass@1 at the start: {s['start']}\npass@1 at the end:   {s.get('final', s.get('latest'))}")

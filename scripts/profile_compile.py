@@ -23,7 +23,7 @@ from absl import app, flags
 from moe_jax.data import pipeline
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
-from moe_jax.train import compile_cache, optim, state as state_lib, step as step_lib
+from moe_jax.train import compile_cache, optim, state as state_lib, step as step_lib, xla_flags
 from scripts import bench_train
 
 _ROW = flags.DEFINE_string("row", "1b_dropless", "A row of scripts/bench_train.py.")
@@ -46,8 +46,9 @@ def event_totals(trace_dir: str) -> dict:
 
 def main(argv):
   del argv
-  compile_cache.enable(tempfile.mkdtemp(prefix="xla_cache_profile_"))   # empty: a cold compile
   c = bench_train.row_config(_ROW.value, bench_train._SET.value)
+  xla_flags.apply(c.train.xla_flags)   # before jax starts, as train.py
+  compile_cache.enable(tempfile.mkdtemp(prefix="xla_cache_profile_"))   # empty: a cold compile
   mesh = make_mesh(c.mesh)
   with jax.set_mesh(mesh):
     example = next(iter(pipeline.train_dataset(pipeline.sources(c)["train"], c)))

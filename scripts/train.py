@@ -8,7 +8,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from moe_jax.parallel import distributed
-from moe_jax.train import compile_cache
+from moe_jax.train import compile_cache, xla_flags
 from moe_jax.train.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file[:arg].")
@@ -25,6 +25,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; pass -v 0 to see it
     logging.set_verbosity(logging.WARNING)
+  xla_flags.apply(_CONFIG.value.train.xla_flags)   # before jax starts
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   compile_cache.enable(_CONFIG.value.train.compile_cache_dir)
   train_and_evaluate(_CONFIG.value, _WORKDIR.value)

@@ -1,0 +1,45 @@
+"""train.xla_flags (moe_jax/train/xla_flags.py): the flags reach XLA when applied before jax
+starts, the environment's own XLA_FLAGS win, and bad input is refused."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moe_jax.train import xla_flags
+from tests.conftest import ROOT
+
+
+def _python(code: str, xla: str) -> subprocess.CompletedProcess:
+  env = {**os.environ, "XLA_FLAGS": xla, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        cwd=ROOT, timeout=120)
+
+
+def test_flags_reach_xla_and_the_environment_wins():
+  """In a fresh process: the config's flags are appended where XLA_FLAGS does not name them
+  (a flag XLA does not know then stops the backend at its start: XLA read it), and a flag
+  the environment names keeps the environment's value."""
+  code = ("import os; from moe_jax.train import xla_flags; "
+          "print(xla_flags.apply('--xla_gpu_autotune_level=1 --xla_cpu_enable_fast_math=true')); "
+          "import jax; print(jax.numpy.ones(3).sum())")
+  out = _python(code, "--xla_gpu_autotune_level=4")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.splitlines() == [
+      "--xla_gpu_autotune_level=4 --xla_cpu_enable_fast_math=true", "3.0"]
+  bad = _python(code.replace("xla_cpu_enable_fast_math", "xla_not_a_flag_of_any_xla"), "")
+  assert bad.returncode != 0 and "xla_not_a_flag_of_any_xla" in bad.stderr
+
+
+def test_bad_input_and_a_started_backend_are_refused(monkeypatch):
+  import jax
+  jax.numpy.zeros(1).block_until_ready()   # this test process's backend has started
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
+  with pytest.raises(ValueError, match=r"train.xla_flags='autotune=1'.*--name=value"):
+    xla_flags.apply("autotune=1")
+  with pytest.raises(RuntimeError, match="ignore"):
+    xla_flags.apply("--xla_gpu_autotune_level=4 --xla_cpu_enable_fast_math=true")
+  # Nothing to add: no error, XLA_FLAGS unchanged.
+  assert xla_flags.apply("--xla_gpu_autotune_level=1") == "--xla_gpu_autotune_level=4"
+  assert os.environ["XLA_FLAGS"] == "--xla_gpu_autotune_level=4"
