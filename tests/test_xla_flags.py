@@ -21,7 +21,7 @@ def test_flags_reach_xla_and_the_environment_wins():
   """In a fresh process: the config's flags are appended where XLA_FLAGS does not name them
   (a flag XLA does not know then stops the backend at its start: XLA read it), and a flag
   the environment names keeps the environment's value."""
-  code = ("import os; from moe_jax.train import xla_flags; "
+  code = ("from moe_jax.train import xla_flags; "
           "print(xla_flags.apply('--xla_gpu_autotune_level=1 --xla_cpu_enable_fast_math=true')); "
           "import jax; print(jax.numpy.ones(3).sum())")
   out = _python(code, "--xla_gpu_autotune_level=4")
