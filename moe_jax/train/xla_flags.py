@@ -21,14 +21,14 @@ def apply(flags: str, field: str = "train.xla_flags") -> str:
   """Appends each of `flags` ("--name=value ...") whose name XLA_FLAGS does not already hold;
   returns the XLA_FLAGS that result. Raises if jax's backend has already started (the flags
   would be ignored)."""
-  tokens = flags.split()
-  bad = [t for t in tokens if not _FLAG.fullmatch(t)]
+  parsed = [(t, _FLAG.fullmatch(t)) for t in flags.split()]
+  bad = [t for t, m in parsed if not m]
   if bad:
     raise ValueError(f"{field}={flags!r}: {bad} is not an XLA flag; expected space-separated "
                      "'--name=value' items, as in XLA_FLAGS")
   current = os.environ.get("XLA_FLAGS", "")
   present = {m[1] for m in _FLAG.finditer(current)}
-  new = [t for t in tokens if _FLAG.fullmatch(t)[1] not in present]
+  new = [t for t, m in parsed if m[1] not in present]
   if not new:
     return current
   from jax._src import xla_bridge
