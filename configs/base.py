@@ -70,6 +70,9 @@ def get_config(arg=None):
   # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
   # gather | grouped | fused
   moe.decode_dispatch = "auto"
+  # The router logits' product (router.logits; logits and scores are fp32 either way):
+  # "" = model.dtype | float32 | bfloat16 (bf16 operands, fp32 accumulation).
+  moe.router_dtype = ""
   moe.router_init_scale = 0.006  # std of the router kernel at init (small: near-uniform scores)
   moe.latent_dim = 0            # latent MoE: route and run experts on an R-wide projection (0 = off)
   moe.router_init_reg = 0.0     # coefficient of Σ ||p - p(init)||^2 over init_reg_params, in the loss
@@ -140,8 +143,9 @@ def get_config(arg=None):
   # Persistent XLA compilation cache (train/compile_cache.py); "" = off.
   t.compile_cache_dir = "~/.cache/moe_jax/xla"
   # XLA flags the entry points set before jax starts (train/xla_flags.py; XLA_FLAGS wins):
-  # GEMM autotuning without checking each candidate's output, 5 s off a cold compile.
-  t.xla_flags = "--xla_gpu_autotune_level=1"
+  # GEMM autotuning without checking each candidate's output (5 s off the 1B's cold compile);
+  # no Triton GEMM fusions, cuBLAS for every product (11-13 s off; benchmarks/train.md).
+  t.xla_flags = "--xla_gpu_autotune_level=1 --xla_gpu_enable_triton_gemm=false"
   g = t.guard = ml_collections.ConfigDict()  # divergence guard (moe_jax/train/guard.py)
   g.enabled = False
   g.spike_factor = 3.0          # a loss above this x the EMA of healthy losses is a spike...

@@ -16,6 +16,7 @@ SCHEDULES = ("cosine", "wsd")
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 BALANCERS = ("none", "aux_loss", "loss_free", "quantile_ema", "quantile_exact")
 ROUTER_SCORES = ("sigmoid", "softmax")
+ROUTER_DTYPES = ("", "float32", "bfloat16")   # model.moe.router_dtype; "" = model.dtype
 DISPATCH = ("dropless", "capacity")
 DECODE_DISPATCH = ("auto", "gather", "grouped", "fused")
 GROUPED_MATMULS = ("", "xla", "tokamax", "mosaic")
@@ -313,7 +314,8 @@ def _validate_moe(c: ml_collections.ConfigDict):
   for f in ("num_shared", "first_dense"):
     if not isinstance(e[f], int) or e[f] < 0:
       _fail(f"model.moe.{f}", e[f], "a non-negative integer")
-  for f, accepted in (("score", ROUTER_SCORES), ("dispatch", DISPATCH),
+  for f, accepted in (("score", ROUTER_SCORES), ("router_dtype", ROUTER_DTYPES),
+                      ("dispatch", DISPATCH),
                       ("decode_dispatch", DECODE_DISPATCH),
                       ("grouped_matmul", GROUPED_MATMULS), ("balancer", BALANCERS)):
     if e[f] not in accepted:

@@ -46,14 +46,15 @@ def main(argv):
   gate_up = params["gate_up"].astype(jnp.bfloat16)
   down = params["down"].astype(jnp.bfloat16)
   kernel = params["router_kernel"]
-  idx, w = router.select(x.astype(jnp.float32) @ kernel, jnp.zeros(E), _K, "sigmoid", 1.0)
+  logits = lambda kernel, x: router.logits(x, kernel, cfg.moe.router_dtype or cfg.dtype)
+  idx, w = router.select(logits(kernel, x), jnp.zeros(E), _K, "sigmoid", 1.0)
   order, sizes, _ = sort_by_group(idx.reshape(-1), E)
   x_sorted = _dispatch(x, order)
   y_sorted = experts.swiglu_grouped(x_sorted, sizes, gate_up, down)
 
   stages = {
       "router": lambda kernel, x: router.select(
-          x.astype(jnp.float32) @ kernel, jnp.zeros(E), _K, "sigmoid", 1.0)[1],
+          logits(kernel, x), jnp.zeros(E), _K, "sigmoid", 1.0)[1],
       "dispatch (sort + gather)": lambda x, idx: _dispatch(
           x, sort_by_group(idx.reshape(-1), E)[0]),
       "experts (tokamax SwiGLU)": lambda xs, gu, dn: experts.swiglu_grouped(xs, sizes, gu, dn),

@@ -69,6 +69,8 @@ def test_command_line_overrides(monkeypatch):
      r"model\.moe\.init_reg_params must be free of .* while model\.moe\.latent_dim is 0"),
     ("train.guard.spike_factor", 0.5, r"train\.guard\.spike_factor must be > 1, got 0\.5"),
     ("train.guard.ema_steps", 0, r"train\.guard\.ema_steps must be a positive integer, got 0"),
+    ("model.moe.router_dtype", "float16", r"model\.moe\.router_dtype must be one of "
+                                          r"\('', 'float32', 'bfloat16'\), got 'float16'"),
     ("train.guard.max_rollbacks", -1, r"train\.guard\.max_rollbacks must be a non-negative "),
 ])
 def test_invalid_fields_raise_naming_field_value_and_accepted(field, value, match):

@@ -145,6 +145,52 @@ def test_router_gets_gradient_bias_does_not():
   assert set(variables["router"]) == {"bias"} and "bias" not in variables["params"]
 
 
+def test_bf16_router_product_matches_fp32_to_bf16_rounding():
+  """router_dtype="bfloat16": bf16 operands, fp32 accumulation, and a hand-written backward
+  of bf16 products. Against the fp32 product in float64: logits and both gradients within
+  bf16 rounding, each gradient in its input's dtype, and the top-k choice unchanged for
+  all but near-tied tokens."""
+  kz, kw, kg = jax.random.split(jax.random.key(7), 3)
+  z_NxW = jax.random.normal(kz, (512, 64), jnp.bfloat16)
+  k_WxE = jax.random.normal(kw, (64, 16), jnp.float32) * 0.1
+  g_NxE = jax.random.normal(kg, (512, 16), jnp.float32)
+  z64, k64, g64 = (np.asarray(a, np.float64) for a in (z_NxW, k_WxE, g_NxE))
+  for dtype in ("float32", "bfloat16"):
+    out = router.logits(z_NxW, k_WxE, dtype)
+    assert out.dtype == jnp.float32 and out.shape == (512, 16)
+    assert rel_err(out, z64 @ k64) < (5e-3 if dtype == "bfloat16" else 1e-6)
+    dz, dk = jax.grad(lambda z, k: (router.logits(z, k, dtype) * g_NxE).sum(), (0, 1))(
+        z_NxW, k_WxE)
+    assert dz.dtype == jnp.bfloat16 and dk.dtype == jnp.float32
+    assert rel_err(dz, g64 @ k64.T) < 1e-2
+    assert rel_err(dk, z64.T @ g64) < (1e-2 if dtype == "bfloat16" else 1e-6)
+  pick = lambda d: jax.lax.top_k(router.logits(z_NxW, k_WxE, d), 4)[1]
+  same = np.all(np.sort(pick("bfloat16"), -1) == np.sort(pick("float32"), -1), -1)
+  assert same.mean() > 0.97
+
+
+def test_bf16_router_layer_matches_fp32_layer():
+  """The whole layer with the default router_dtype ("": the model's) in a bf16 model: the same routing for
+  almost every token, outputs and router gradients within bf16 error of the fp32 router's."""
+  x = jax.random.normal(jax.random.key(5), (2, 64, 32), jnp.float32)
+  outs = {}
+  for dtype in ("float32", ""):   # "": the model's dtype, bfloat16
+    c = make_small_config()
+    c.model.d_model = 32   # bf16 activations (the default dtype); as _moe_cfg otherwise
+    c.model.moe.update({"num_experts": 8, "top_k": 3, "num_shared": 1, "expert_hidden": 24,
+                        "route_scale": 2.5, "router_init_scale": 0.5, "router_dtype": dtype})
+    cfg = frozen_model_config(c)
+    variables = _init(cfg, x)
+    loss = lambda p: (MoE(cfg).apply({**variables, "params": p}, x)[0].astype(jnp.float32)
+                      ** 2).sum()
+    outs[dtype] = (MoE(cfg).apply(variables, x)[0], jax.grad(loss)(variables["params"]))
+  (y32, g32), (y16, g16) = outs["float32"], outs[""]
+  assert np.isfinite(np.asarray(y16, np.float32)).all()
+  assert rel_err(y16, y32) < 2e-2
+  assert rel_err(g16["router_kernel"], g32["router_kernel"]) < 5e-2
+  assert g16["router_kernel"].dtype == jnp.float32
+
+
 @pytest.mark.parametrize("score", ["sigmoid", "softmax"])
 def test_combine_weights_are_renormalised_scores_with_finite_gradients(score):
   """s_k / Σ_k s_j of the chosen experts, and finite in value and gradient at logits where

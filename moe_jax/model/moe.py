@@ -261,7 +261,7 @@ class MoE(nn.Module):
     if mc.balancer == "quantile_ema":
       self.variable("router", "ema_load", lambda: router.init_state(mc, E)["ema_load"])
     with jax.named_scope("router"):
-      logits_NxE = jnp.dot(z_NxW.astype(jnp.float32), kernel_WxE)
+      logits_NxE = router.logits(z_NxW, kernel_WxE, mc.router_dtype or cfg.dtype)
       scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
       idx_NxK, w_NxK = router.select(logits_NxE, bias_E, K, mc.score, mc.route_scale)
     self.sow("intermediates", "topk", idx_NxK)

@@ -14,7 +14,49 @@ since it is computed under jit on sharded arrays).
 import jax
 import jax.numpy as jnp
 
+from moe_jax.config import ROUTER_DTYPES
+
 BIAS_BALANCERS = ("loss_free", "quantile_ema", "quantile_exact")
+
+
+def logits(z_NxW, kernel_WxE, router_dtype: str):
+  """Router logits [N,E] in fp32. "float32": an fp32 product (TF32 on a GPU's tensor cores).
+  "bfloat16": bf16 operands, fp32 accumulation, and a backward of bf16 products too; on a
+  GPU every one of the three is then a plain cuBLAS bf16 GEMM, where the fp32 form needs
+  the [N,W] activations converted to fp32 on each side (benchmarks/train.md). The bf16
+  activations are exact either way; the kernel rounds to 8 mantissa bits instead of TF32's
+  10. ("" is resolved to the model's dtype by the caller.)"""
+  if router_dtype not in ROUTER_DTYPES[1:]:
+    raise ValueError(f"model.moe.router_dtype must be one of {ROUTER_DTYPES[1:]}, "
+                     f"got {router_dtype!r}")
+  if router_dtype == "bfloat16":
+    return _bf16_logits(z_NxW, kernel_WxE)
+  return jnp.dot(z_NxW.astype(jnp.float32), kernel_WxE)
+
+
+@jax.custom_vjp
+def _bf16_logits(z_NxW, kernel_WxE):
+  return jnp.dot(z_NxW.astype(jnp.bfloat16), kernel_WxE.astype(jnp.bfloat16),
+                 preferred_element_type=jnp.float32)
+
+
+def _bf16_logits_fwd(z_NxW, kernel_WxE):
+  z16_NxW, k16_WxE = z_NxW.astype(jnp.bfloat16), kernel_WxE.astype(jnp.bfloat16)
+  out_NxE = jnp.dot(z16_NxW, k16_WxE, preferred_element_type=jnp.float32)
+  # The dtypes ride along as zero-size arrays (residuals must be arrays).
+  return out_NxE, (z16_NxW, k16_WxE, jnp.zeros((0,), z_NxW.dtype),
+                   jnp.zeros((0,), kernel_WxE.dtype))
+
+
+def _bf16_logits_bwd(res, g_NxE):
+  z16_NxW, k16_WxE, z_tag, k_tag = res
+  g16_NxE = g_NxE.astype(jnp.bfloat16)
+  dz_NxW = jnp.dot(g16_NxE, k16_WxE.T, preferred_element_type=jnp.float32)
+  dk_WxE = jnp.dot(z16_NxW.T, g16_NxE, preferred_element_type=jnp.float32)
+  return dz_NxW.astype(z_tag.dtype), dk_WxE.astype(k_tag.dtype)
+
+
+_bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
 
 
 def scores_from_logits(logits_NxE, score: str):
