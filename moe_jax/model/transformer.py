@@ -97,7 +97,10 @@ def scanned_periods(cfg, plan, res, segment_ids_BxT):
   scan = nn.scan(Period, variable_axes={"params": 0, "router": 0, "intermediates": 0,
                                         "replay": 0},
                  split_rngs={"params": True}, in_axes=(nn.broadcast,), length=plan.n,
-                 metadata_params={nn.PARTITION_NAME: "layers"})
+                 metadata_params={nn.PARTITION_NAME: "layers"},
+                 # flax otherwise traces the body twice, the first time only to check that
+                 # broadcast variables stay constant (there are none): 1 s of the 1B's trace.
+                 check_constancy_invariants=False)
   res, stats = scan(cfg, plan.start, name=layer_stack.PERIODS)(res, segment_ids_BxT)
   routing = {}
   for i in range(plan.n):
