@@ -99,7 +99,6 @@ def test_scanned_train_step_equals_unrolled(tmp_path):
   assert mask["periods"]["block_0"]["ffn"]["gate_up"]
 
 
-
 def test_scan_body_is_traced_once(monkeypatch):
   """The periods' body (one period of blocks) is traced once per trace of the model: flax's
   scan otherwise traces it a second time to check broadcast variables, which the stack has

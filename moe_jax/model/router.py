@@ -36,8 +36,7 @@ def logits(z_NxW, kernel_WxE, router_dtype: str):
 
 @jax.custom_vjp
 def _bf16_logits(z_NxW, kernel_WxE):
-  return jnp.dot(z_NxW.astype(jnp.bfloat16), kernel_WxE.astype(jnp.bfloat16),
-                 preferred_element_type=jnp.float32)
+  return _bf16_logits_fwd(z_NxW, kernel_WxE)[0]
 
 
 def _bf16_logits_fwd(z_NxW, kernel_WxE):
