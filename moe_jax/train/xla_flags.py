@@ -4,11 +4,14 @@ XLA reads XLA_FLAGS once, when the first backend starts, so the entry points (sc
 extend_context.py, grpo.py, bench_train.py, profile_compile.py) call `apply` first thing. A
 flag already in the environment's XLA_FLAGS is left as the user set it.
 
-The default, `--xla_gpu_autotune_level=1`, keeps XLA's GEMM autotuning but skips its
-initialising, re-initialising and checking of each candidate's output against a reference
-algorithm (level 4, XLA's default): the cold compile of long_context_1b's train step is 5 s
-shorter (53.3 → 48.4 s) at the same step time and loss (benchmarks/train.md, 2026-12-03).
-Level 0 would skip the measuring too, and makes that step 4.7× slower.
+The default (configs/base.py; measured in benchmarks/train.md, 2026-12-03) shortens the
+cold compile of long_context_1b's train step:
+  --xla_gpu_autotune_level=1: GEMM autotuning still measures each candidate but skips
+    initialising and checking its output against a reference algorithm (XLA's level 4):
+    53.3 → 48.4 s, same step and loss. Level 0 skips the measuring too: a 4.7× slower step.
+  --xla_gpu_enable_triton_gemm=false: cuBLAS runs every product instead of Triton GEMM
+    fusions that each get their own autotuned kernel: 53.1 → 35.0 s, for a step 0.5–2.1%
+    slower with the router's product in bf16 (model.moe.router_dtype).
 """
 
 import os
