@@ -102,6 +102,10 @@ def get_config(arg=None):
   d.batch_size = 32
   d.val_percent = 5             # share of documents (by path hash) held out for validation
   d.shuffle_seed = 0
+  d.read_threads = 1            # grain threads making train batches ahead of the step (0: in
+                                # next()); the sources are in memory, so more only contend with
+                                # the step's trace for the GIL (benchmarks/train.md)
+  d.prefetch_batches = 2        # train batches those threads keep ready
   d.mqar_num_pairs = 16         # MQAR: key-value pairs per sequence
   d.mqar_vocab = 256            # MQAR: keys and values drawn from disjoint halves of this range
   d.synthetic_fraction = 0.0    # text sources: this share of train rows is synthetic retrieval

@@ -105,6 +105,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     environments.make_tasks(d)
   _positive_int("data.seq_len", d.seq_len)
   _positive_int("data.batch_size", d.batch_size)
+  for f in ("read_threads", "prefetch_batches"):
+    if not isinstance(d[f], int) or isinstance(d[f], bool) or d[f] < 0:
+      _fail(f"data.{f}", d[f], "a non-negative integer")
   if not 0 < d.val_percent < 100:
     _fail("data.val_percent", d.val_percent, "in (0, 100)")
   shards = max(c.mesh.sequence, 1)

@@ -204,11 +204,12 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
   with jax.set_mesh(mesh):
     t = time.time()
     sources = pipeline.sources(c)
+    t_sources = time.time() - t
     train_iter = iter(pipeline.train_dataset(sources["train"], c))
     batch_sh = state_lib.batch_sharding(mesh)
     batch = state_lib.global_batch(next(train_iter), batch_sh)
     rec["data_s"] = time.time() - t
-    print(f"{name} {mode}: data_s {rec['data_s']:.1f}", flush=True)
+    print(f"{name} {mode}: data_s {rec['data_s']:.1f} (sources {t_sources:.2f} s)", flush=True)
     model = HybridMoE(state_lib.frozen_model_config(c))
     manager = checkpoint.make_manager(os.path.join(tempfile.mkdtemp(), "checkpoints"), c)
     # loop.start, as train.py runs it: init (or restore) beside the step's trace and compile.

@@ -72,6 +72,9 @@ def test_command_line_overrides(monkeypatch):
     ("model.moe.router_dtype", "float16", r"model\.moe\.router_dtype must be one of "
                                           r"\('', 'float32', 'bfloat16'\), got 'float16'"),
     ("train.guard.max_rollbacks", -1, r"train\.guard\.max_rollbacks must be a non-negative "),
+    ("data.read_threads", -1, r"data\.read_threads must be a non-negative integer, got -1"),
+    ("data.prefetch_batches", -2, r"data\.prefetch_batches must be a non-negative integer, "
+                                  r"got -2"),
 ])
 def test_invalid_fields_raise_naming_field_value_and_accepted(field, value, match):
   c = tiny.get_config()

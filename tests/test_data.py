@@ -114,6 +114,40 @@ def test_grain_iterator_state_restores_exact_order():
     np.testing.assert_array_equal(next(fresh)["tokens"], e)
 
 
+class _CountingRows:
+  """A row source that counts the rows read from it."""
+
+  def __init__(self, rows):
+    self.rows, self.reads = rows, 0
+
+  def __len__(self):
+    return len(self.rows)
+
+  def __getitem__(self, i):
+    self.reads += 1
+    return self.rows[i]
+
+
+@pytest.mark.parametrize("threads,prefetch", [(0, 0), (1, 2), (3, 4)])
+def test_train_batches_are_read_only_prefetch_batches_ahead(threads, prefetch):
+  """data.read_threads / data.prefetch_batches bound the read-ahead (grain's default read 500
+  batches ahead while the first step compiled), and the batches do not depend on them."""
+  import time  # noqa: PLC0415
+  c = tiny.get_config()
+  c.data.seq_len, c.data.batch_size = 64, 4
+  c.data.read_threads, c.data.prefetch_batches = threads, prefetch
+  src = _CountingRows(packing.PackedRows(_docs(range(1, 400)), c.data.seq_len))
+  it = iter(pipeline.train_dataset(src, c))
+  got = [next(it)["tokens"] for _ in range(3)]
+  time.sleep(0.5)   # time for reader threads to run ahead as far as they may
+  ahead = prefetch if threads else 0
+  assert src.reads <= (3 + ahead + threads) * c.data.batch_size, src.reads
+  c.data.read_threads = c.data.prefetch_batches = 0
+  ref = iter(pipeline.train_dataset(src.rows, c))
+  for g in got:
+    np.testing.assert_array_equal(g, next(ref)["tokens"])
+
+
 def test_each_process_loads_its_rows_of_every_global_batch():
   """Two processes' batches, side by side, are the one-process batches (train and eval), and
   a batch that does not split over the processes is refused."""

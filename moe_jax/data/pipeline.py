@@ -135,11 +135,17 @@ def _process_shard(ds: grain.MapDataset, global_batch: int, index: int, count: i
 
 
 def train_dataset(source, c: ml_collections.ConfigDict, process_index: int | None = None,
-                  process_count: int | None = None) -> grain.MapDataset:
+                  process_count: int | None = None) -> grain.IterDataset:
   """Infinite, reshuffled each epoch; iterate with iter(), checkpoint with get_state().
-  Yields this process's rows of each global batch (jax.process_index / process_count)."""
+  Yields this process's rows of each global batch (jax.process_index / process_count).
+
+  data.read_threads make data.prefetch_batches batches ahead. grain's default (16 threads,
+  500 elements ahead) made 500 batches while the first step traced and compiled, holding
+  the GIL the trace needs (benchmarks/train.md)."""
   ds = grain.MapDataset.source(source).shuffle(seed=c.data.shuffle_seed).repeat()
-  return _process_shard(ds, c.data.batch_size, *_process(process_index, process_count), True)
+  ds = _process_shard(ds, c.data.batch_size, *_process(process_index, process_count), True)
+  return ds.to_iter_dataset(grain.ReadOptions(num_threads=c.data.read_threads,
+                                              prefetch_buffer_size=c.data.prefetch_batches))
 
 
 def eval_dataset(source, c: ml_collections.ConfigDict, process_index: int | None = None,
