@@ -2,6 +2,7 @@
 passkey and mixed rows, and grain iterators."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -132,7 +133,6 @@ class _CountingRows:
 def test_train_batches_are_read_only_prefetch_batches_ahead(threads, prefetch):
   """data.read_threads / data.prefetch_batches bound the read-ahead (grain's default read 500
   batches ahead while the first step compiled), and the batches do not depend on them."""
-  import time  # noqa: PLC0415
   c = tiny.get_config()
   c.data.seq_len, c.data.batch_size = 64, 4
   c.data.read_threads, c.data.prefetch_batches = threads, prefetch

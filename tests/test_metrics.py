@@ -9,8 +9,7 @@ import textwrap
 import numpy as np
 
 from moe_jax.train import metrics
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT
 
 
 def test_writer_writes_scalars_and_histograms(tmp_path):
