@@ -43,6 +43,11 @@ def _positive_int(field, value):
     _fail(field, value, "a positive integer")
 
 
+def _non_negative_int(field, value):
+  if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    _fail(field, value, "a non-negative integer")
+
+
 def synthetic_tasks(data: ml_collections.ConfigDict) -> list[str]:
   """data.synthetic_tasks as a list ("passkey,mqar" → ["passkey", "mqar"])."""
   return [t for t in data.synthetic_tasks.split(",") if t]
@@ -106,8 +111,7 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _positive_int("data.seq_len", d.seq_len)
   _positive_int("data.batch_size", d.batch_size)
   for f in ("read_threads", "prefetch_batches"):
-    if not isinstance(d[f], int) or isinstance(d[f], bool) or d[f] < 0:
-      _fail(f"data.{f}", d[f], "a non-negative integer")
+    _non_negative_int(f"data.{f}", d[f])
   if not 0 < d.val_percent < 100:
     _fail("data.val_percent", d.val_percent, "in (0, 100)")
   shards = max(c.mesh.sequence, 1)
@@ -300,8 +304,7 @@ def _validate_guard(g: ml_collections.ConfigDict):
   for f in ("ema_steps", "max_skipped"):
     _positive_int(f"train.guard.{f}", g[f])
   for f in ("warmup_steps", "skip_batches", "max_rollbacks"):
-    if not isinstance(g[f], int) or isinstance(g[f], bool) or g[f] < 0:
-      _fail(f"train.guard.{f}", g[f], "a non-negative integer")
+    _non_negative_int(f"train.guard.{f}", g[f])
 
 
 def _validate_moe(c: ml_collections.ConfigDict):
@@ -315,8 +318,7 @@ def _validate_moe(c: ml_collections.ConfigDict):
   if e.top_k > e.num_experts:
     _fail("model.moe.top_k", e.top_k, f"at most model.moe.num_experts={e.num_experts}")
   for f in ("num_shared", "first_dense"):
-    if not isinstance(e[f], int) or e[f] < 0:
-      _fail(f"model.moe.{f}", e[f], "a non-negative integer")
+    _non_negative_int(f"model.moe.{f}", e[f])
   for f, accepted in (("score", ROUTER_SCORES), ("router_dtype", ROUTER_DTYPES),
                       ("dispatch", DISPATCH),
                       ("decode_dispatch", DECODE_DISPATCH),

@@ -13,14 +13,14 @@ def _summary_writer_class():
   when it is installed, only to accept torch tensors (we pass numpy): on the H200 machine
   that was 2.7 s of a 6.2 s import, on the path to every run's first step. A process that
   has imported torch already keeps it."""
-  if "torch" in sys.modules:
-    from tensorboardX import SummaryWriter  # noqa: PLC0415
-    return SummaryWriter
-  sys.modules["torch"] = None   # `import torch` raises ImportError while this is set
+  hold_out = "torch" not in sys.modules
+  if hold_out:
+    sys.modules["torch"] = None   # `import torch` raises ImportError while this is set
   try:
     from tensorboardX import SummaryWriter  # noqa: PLC0415
   finally:
-    del sys.modules["torch"]    # later imports of torch work as usual
+    if hold_out:
+      del sys.modules["torch"]    # later imports of torch work as usual
   return SummaryWriter
 
 
