@@ -148,8 +148,11 @@ def get_config(arg=None):
   t.compile_cache_dir = "~/.cache/moe_jax/xla"
   # XLA flags the entry points set before jax starts (train/xla_flags.py; XLA_FLAGS wins):
   # GEMM autotuning without checking each candidate's output (5 s off the 1B's cold compile);
-  # no Triton GEMM fusions, cuBLAS for every product (11-18 s off; benchmarks/train.md).
-  t.xla_flags = "--xla_gpu_autotune_level=1 --xla_gpu_enable_triton_gemm=false"
+  # no Triton GEMM fusions, cuBLAS for every product (11-18 s off; benchmarks/train.md);
+  # no dynamic-slice fusions, which ran KDA's Triton kernels twice in the scanned layers
+  # (1B: 11.5 ms of kernel time a step and 6 s of compile off).
+  t.xla_flags = ("--xla_gpu_autotune_level=1 --xla_gpu_enable_triton_gemm=false "
+                 "--xla_gpu_enable_dynamic_slice_fusion=false")
   g = t.guard = ml_collections.ConfigDict()  # divergence guard (moe_jax/train/guard.py)
   g.enabled = False
   g.spike_factor = 3.0          # a loss above this x the EMA of healthy losses is a spike...

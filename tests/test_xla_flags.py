@@ -43,3 +43,35 @@ def test_bad_input_and_a_started_backend_are_refused(monkeypatch):
   # Nothing to add: no error, XLA_FLAGS unchanged.
   assert xla_flags.apply("--xla_gpu_autotune_level=1") == "--xla_gpu_autotune_level=4"
   assert os.environ["XLA_FLAGS"] == "--xla_gpu_autotune_level=4"
+
+
+@pytest.mark.gpu
+def test_gpu_dynamic_slice_fusion_runs_a_stacked_kernel_twice():
+  """Why train.xla_flags turns XLA's dynamic-slice fusion off: a jax_triton kernel whose
+  output a scan both stacks and reads (the KDA recurrence's o in a scanned layer) is
+  compiled as two calls with the fusion on and as one with it off."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.kda import kda
+  from tests.test_kda import LB
+
+  L, B, T, H, D = 3, 1, 128, 2, 64
+  ks = jax.random.split(jax.random.key(0), 5)
+  q, k, v = (jax.random.normal(kk, (L, B, T, H, D), jnp.bfloat16) for kk in ks[:3])
+  g = LB * jax.nn.sigmoid(jax.random.normal(ks[3], (L, B, T, H, D)))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (L, B, T, H)))
+
+  def layer(carry, xs):
+    o = kda(*xs, lower_bound=LB, implementation="triton")[0]
+    return carry + o.astype(jnp.float32).sum(), o      # o read and stacked
+
+  run = jax.jit(lambda *xs: jax.lax.scan(layer, jnp.float32(0), xs))
+  lowered = run.lower(q, k, v, g, beta)
+
+  def calls(on):
+    hlo = lowered.compile({"xla_gpu_enable_dynamic_slice_fusion": on}).as_text()
+    return hlo.count('custom_call_target="triton_kernel_call_ffi"')
+
+  # stage 1's tiles and W/U kernels and stage 2's recurrence, once each
+  assert calls(False) == 3
+  assert calls(True) > 3
