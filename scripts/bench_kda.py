@@ -207,6 +207,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
     except Exception as e:
       rows["fla"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       log.write(traceback.format_exc())
+    print(f"{B}x{T}x{H}", "fla", json.dumps(rows["fla"]), flush=True)
   ref = outs.get("fla")
   for impl, o in outs.items():
     if ref is not None and impl != "fla":

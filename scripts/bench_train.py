@@ -6,8 +6,9 @@ and benchmarks/train.json.
 
 Per row, two fresh processes share a new compilation cache: the cold one (empty cache)
 measures launch → first step (imports, data, init, trace+lower, compile, the step), then
-the steady step (median of --steps after warm-up; tokens/s, MFU), peak device memory and
-a per-phase profile; the warm one (the cache filled by the cold one) measures launch →
+the steady step (median of --steps after warm-up, each step waited for; tokens/s, MFU),
+the pipelined step (windows of --steps dispatched back to back, as train.py runs them
+without the loss guard: median window / steps), peak device memory and a per-phase profile; the warm one (the cache filled by the cold one) measures launch →
 first step again, as a restarted or resumed job sees it.
 
 MFU = model FLOPs per step / step time / PEAK_FLOPS, with model FLOPs per step
@@ -35,7 +36,8 @@ import tempfile  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from scripts.xprof_tables import hlo_ops, op_of, tool_rows  # noqa: E402
+from scripts.xprof_tables import (device_gaps, hlo_ops, op_of, tool_rows,  # noqa: E402
+                                  trace_events)
 
 _ROWS = flags.DEFINE_list("rows", ["tiny_cpu"], "Rows to measure (ROWS).")
 _OUT = flags.DEFINE_string("out", "benchmarks", "Where train.md and train.json go (and logs).")
@@ -60,6 +62,7 @@ PHASES = ("optimizer", "moe_experts", "moe_dispatch", "router", "shared_experts"
           "kda", "mla", "loss")
 
 _1B = {"data.seq_len": 8192, "data.batch_size": 4}
+PIPELINED_WINDOWS = 3   # windows of --steps steps dispatched back to back (median reported)
 # name: (config file[:arg], overrides, platform it is meant for[, devices (default 1)]).
 # Multi-device rows keep 4 rows of 8K per device; their "× 1 device" column divides their
 # tokens/s by the 1-device row of the same config in the same run.
@@ -180,10 +183,15 @@ def phase_profile(trace_dir: str, steps: int, ops: dict[str, str]) -> dict | Non
     phases[phase] = phases.get(phase, 0.0) + ms
     kernels.append((ms, kernel[:80], op[-160:], r.get("occurrences")))
   kernels.sort(reverse=True)
-  return {"phase_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
-          "kernel_ms_per_step": sum(phases.values()),
-          "top_kernels": [{"ms": k[0], "kernel": k[1], "op": k[2], "n": k[3]}
-                          for k in kernels[:40]]}
+  out = {"phase_ms": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+         "kernel_ms_per_step": sum(phases.values()),
+         "top_kernels": [{"ms": k[0], "kernel": k[1], "op": k[2], "n": k[3]}
+                         for k in kernels[:40]]}
+  try:   # the device's idle time between kernels, and the kernels around the longest waits
+    out.update(device_gaps(trace_events(paths), steps))
+  except Exception as e:  # noqa: BLE001 — best effort, as the rest of the profile
+    out["gaps_error"] = f"{type(e).__name__}: {e}"
+  return out
 
 
 def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
@@ -241,6 +249,18 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
     rec["step_ms"] = statistics.median(times) * 1e3
     rec["step_ms_min_max"] = [min(times) * 1e3, max(times) * 1e3]
     rec["tokens_per_s"] = tokens / statistics.median(times)
+    # As train.py runs without the loss guard: each batch read and the step dispatched while
+    # the device still runs the last one, the host waiting only at a logging step. The
+    # blocked steps above also pay, each step, the dispatch and the device's idle start.
+    windows = []
+    for _ in range(PIPELINED_WINDOWS):
+      t = time.perf_counter()
+      for _ in range(steps):
+        state, m = step(state, state_lib.global_batch(next(train_iter), batch_sh))
+      jax.block_until_ready(m["loss"])
+      windows.append((time.perf_counter() - t) / steps)
+    rec["step_ms_pipelined"] = statistics.median(windows) * 1e3
+    rec["step_ms_pipelined_windows"] = [w * 1e3 for w in windows]
     rec["loss_after"] = float(m["loss"])
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     rec["peak_memory_gib"] = None if None in peaks else max(peaks) / 2**30   # per device
@@ -267,6 +287,8 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
   rec["flops"] = flops = model_flops_per_step(c)
   if rec["platform"] == "gpu":
     rec["mfu"] = flops["total"] / (rec["step_ms"] / 1e3) / PEAK_FLOPS / rec["devices"]
+    rec["mfu_pipelined"] = (flops["total"] / (rec["step_ms_pipelined"] / 1e3) / PEAK_FLOPS
+                            / rec["devices"])
   return rec
 
 
@@ -321,7 +343,8 @@ def markdown(records: list[dict], extra) -> str:
   lines = [f"## {date}: `scripts/bench_train.py` " + (f"(--set {' '.join(extra)})" if extra
                                                         else ""), ""]
   head = ("| row | device | tokens/step | cold: init ‖ (lower + compile) = wall; launch→1st step "
-          "s | warm: same | step ms | tokens/s | × 1 device | MFU | peak GiB / device |")
+          "s | warm: same | step ms (blocked; pipelined) | tokens/s | × 1 device | MFU "
+          "(blocked; pipelined) | peak GiB / device |")
   lines += [head, "|---|---|---|---|---|---|---|---|---|---|"]
   by_row = {}
   for r in records:
@@ -337,11 +360,13 @@ def markdown(records: list[dict], extra) -> str:
     if "step_ms" not in cold:   # --start_only
       lines.append(f"| {row} | | | {start(cold)} | {start(warm)} | | | | | |")
       continue
-    mfu = f"{100 * cold['mfu']:.1f}%" if cold.get("mfu") else "—"
+    mfu = (f"{100 * cold['mfu']:.1f}%; {100 * cold['mfu_pipelined']:.1f}%" if cold.get("mfu")
+           else "—")
     peak = f"{cold['peak_memory_gib']:.1f}" if cold.get("peak_memory_gib") else "—"
     lines.append(
         f"| {row} | {cold['device']} | {cold['tokens_per_step']} | {start(cold)} | "
-        f"{start(warm)} | {cold['step_ms']:.1f} | {cold['tokens_per_s']:,.0f} | "
+        f"{start(warm)} | {cold['step_ms']:.1f}; {cold['step_ms_pipelined']:.1f} | "
+        f"{cold['tokens_per_s']:,.0f} | "
         f"{_scaling(by_row, row)} | {mfu} | {peak} |")
   phases = sorted({p for rs in by_row.values() for p in (rs.get("cold", {}).get("phase_ms") or {})})
   if not phases:
@@ -355,6 +380,15 @@ def markdown(records: list[dict], extra) -> str:
     if ph:
       lines.append(f"| {row} | {rs['cold']['kernel_ms_per_step']:.1f} | "
                    + " | ".join(f"{ph.get(p, 0):.1f}" for p in phases) + " |")
+  for row, rs in by_row.items():
+    cold = rs.get("cold", {})
+    if "device_idle_ms_per_step" in cold:
+      lines += ["", f"{row}: the GPU busy {cold['device_busy_ms_per_step']:.1f} and idle "
+                f"{cold['device_idle_ms_per_step']:.1f} ms a step in the profiled steps; the "
+                "longest waits (ms a step, between these kernels):", "",
+                "| ms | n | before | after |", "|---|---|---|---|"]
+      lines += [f"| {g['ms_per_step']:.2f} | {g['n']} | {g['before']} | {g['after']} |"
+                for g in cold["top_gaps"][:8]]
   return "\n".join(lines) + "\n"
 
 

@@ -76,3 +76,51 @@ def op_of(kernel: str, ops: dict[str, str]) -> str:
   if kernel in ops:
     return ops[kernel]
   return ops.get(re.sub(r"_\d+$", "", kernel), "")
+
+
+def trace_events(paths) -> dict:
+  """xprof's trace_viewer tool over the .xplane.pb files `paths`: the Chrome trace (a dict
+  with "traceEvents")."""
+  from xprof.convert import raw_to_tool_data
+  data, _ = raw_to_tool_data.xspace_to_tool_data(paths, "trace_viewer", {})
+  return json.loads(data)
+
+
+def device_gaps(trace: dict, steps: int, top: int = 15, min_us: float = 5.0) -> dict:
+  """Where the GPU waits: the idle time between kernels on the first GPU's streams (the
+  union of the "Stream ..." threads' events, so that overlapping streams count once), per
+  step, and the largest idle time grouped by the kernels on either side of each gap of at
+  least `min_us`. {} when the trace has no GPU stream."""
+  events = trace.get("traceEvents", [])
+  gpu = sorted(e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and str(e["args"].get("name", "")).startswith("/device:GPU"))
+  if not gpu:
+    return {}
+  streams = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+             and e.get("pid") == gpu[0] and str(e["args"].get("name", "")).startswith("Stream")}
+  kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
+                   for e in events if e.get("ph") == "X" and e.get("pid") == gpu[0]
+                   and e.get("tid") in streams)
+  if not kernels:
+    return {}
+  busy = idle = 0.0
+  groups = {}
+  start, end, last = kernels[0][0], kernels[0][1], kernels[0][2]
+  for ts, te, name in kernels[1:]:
+    if ts > end:                      # a hole in the union
+      busy += end - start
+      gap = ts - end
+      idle += gap
+      if gap >= min_us:
+        key = (last[:80], name[:80])
+        n, us = groups.get(key, (0, 0.0))
+        groups[key] = (n + 1, us + gap)
+      start, end, last = ts, te, name
+    elif te >= end:
+      end, last = te, name
+  busy += end - start
+  ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+  return {"device_busy_ms_per_step": busy / 1e3 / steps,
+          "device_idle_ms_per_step": idle / 1e3 / steps,
+          "top_gaps": [{"ms_per_step": us / 1e3 / steps, "n": n, "before": b, "after": a}
+                       for (b, a), (n, us) in ranked]}

@@ -73,3 +73,34 @@ def test_bench_kda_knobs_set_either_module_and_undo():
   run = subprocess.run([sys.executable, "-c", _KNOB_CHECK], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def _trace(kernels, streams=("Stream #13(Compute)", "Stream #14(MemcpyD2D)")):
+  """A trace_viewer trace: a host and a GPU process, the GPU's stream threads and a derived
+  "XLA Ops" line (not a stream) that must be ignored; kernels = (stream index, ts, dur, name)."""
+  ev = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 99, "args": {"name": "XLA Ops"}},
+        {"ph": "X", "pid": 2, "tid": 99, "ts": 0, "dur": 1000, "name": "whole_op"},
+        {"ph": "X", "pid": 1, "tid": 5, "ts": 0, "dur": 1000, "name": "host_work"}]
+  ev += [{"ph": "M", "name": "thread_name", "pid": 2, "tid": 10 + i, "args": {"name": s}}
+         for i, s in enumerate(streams)]
+  ev += [{"ph": "X", "pid": 2, "tid": 10 + i, "ts": ts, "dur": dur, "name": n}
+         for i, ts, dur, n in kernels]
+  return {"traceEvents": ev}
+
+
+def test_device_gaps_count_the_union_of_streams_and_group_the_waits():
+  # stream 0: a 0-10, b 30-40, c 100-130; stream 1 overlaps b (35-50), then d 200-210.
+  # union: [0,10] [30,50] [100,130] [200,210] = 70 µs busy; gaps 20, 50, 70 µs.
+  trace = _trace([(0, 0, 10, "a"), (0, 30, 10, "b"), (1, 35, 15, "copy"), (0, 100, 30, "c"),
+                  (1, 200, 10, "a"), (0, 300, 0, "empty_after")])
+  g = xprof_tables.device_gaps(trace, steps=2, min_us=30)
+  # the zero-length event at 300 adds a 90 µs gap and no busy time
+  assert abs(g["device_busy_ms_per_step"] - 0.070 / 2) < 1e-9
+  assert abs(g["device_idle_ms_per_step"] - (20 + 50 + 70 + 90) / 1e3 / 2) < 1e-9
+  gaps = {(x["before"], x["after"]): (x["n"], round(x["ms_per_step"] * 2e3)) for x in g["top_gaps"]}
+  # the 20 µs gap is under min_us; "copy" ends the union's second block, so it is "before"
+  assert gaps == {("copy", "c"): (1, 50), ("c", "a"): (1, 70), ("a", "empty_after"): (1, 90)}
+  assert [x["before"] for x in g["top_gaps"]] == ["a", "c", "copy"]   # longest first
+  assert xprof_tables.device_gaps({"traceEvents": trace["traceEvents"][:1]}, steps=1) == {}
