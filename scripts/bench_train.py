@@ -8,8 +8,9 @@ Per row, two fresh processes share a new compilation cache: the cold one (empty 
 measures launch → first step (imports, data, init, trace+lower, compile, the step), then
 the steady step (median of --steps after warm-up, each step waited for; tokens/s, MFU),
 the pipelined step (windows of --steps dispatched back to back, as train.py runs them
-without the loss guard: median window / steps), peak device memory and a per-phase profile; the warm one (the cache filled by the cold one) measures launch →
-first step again, as a restarted or resumed job sees it.
+without the loss guard: median window / steps), peak device memory and a per-phase
+profile with the GPU's idle time between kernels; the warm one (the cache filled by the
+cold one) measures launch → first step again, as a restarted or resumed job sees it.
 
 MFU = model FLOPs per step / step time / PEAK_FLOPS, with model FLOPs per step
   6 · N_active · tokens                          (every matmul with an active, non-embedding
@@ -249,6 +250,7 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
     rec["step_ms"] = statistics.median(times) * 1e3
     rec["step_ms_min_max"] = [min(times) * 1e3, max(times) * 1e3]
     rec["tokens_per_s"] = tokens / statistics.median(times)
+    rec["loss_after"] = float(m["loss"])   # after 3 + steps steps
     # As train.py runs without the loss guard: each batch read and the step dispatched while
     # the device still runs the last one, the host waiting only at a logging step. The
     # blocked steps above also pay, each step, the dispatch and the device's idle start.
@@ -261,7 +263,6 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
       windows.append((time.perf_counter() - t) / steps)
     rec["step_ms_pipelined"] = statistics.median(windows) * 1e3
     rec["step_ms_pipelined_windows"] = [w * 1e3 for w in windows]
-    rec["loss_after"] = float(m["loss"])
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     rec["peak_memory_gib"] = None if None in peaks else max(peaks) / 2**30   # per device
     rec["devices"] = jax.device_count()
