@@ -37,8 +37,6 @@ _TUNE = flags.DEFINE_bool("tune", False, "Time every candidate config and write 
 _TABLE = flags.DEFINE_string("table", gm.TUNED_PATH, "The tuned-config table --tune writes.")
 _BUDGET = flags.DEFINE_float("budget_s", 30.0, "Tuning time per product (seconds).")
 _OUT = flags.DEFINE_string("out", None, "Folder for grouped_matmul.md / .json.")
-_PRODUCTS_FLAG = flags.DEFINE_list("products", ["y", "dx", "dw"], "Products to time.")
-_WS = flags.DEFINE_bool("ws", True, "--tune tries the warp-specialised y/dx kernel too.")
 _PEAK_FLOPS = 762e12  # bf16 matmul through JAX, measured on this H200 (shared/device/README.md)
 
 
@@ -70,14 +68,8 @@ def _rel_err(got, ref, used):
   return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
 
 
-# (block_m, block_n, block_k, stages, grid_block_n[, wg_split]), most promising first: the
-# accumulator is block_m × block_n fp32 in one warpgroup's registers (128 × 128 = 128 per
-# thread). wg_split "n" / "m": the warp-specialised kernel, two such tiles per CTA side by
-# side along N / M (its SMEM holds both, so fewer stages fit).
-_WS_TILES = ((128, 64, 64, 4, 1, "n"), (128, 128, 64, 3, 1, "n"), (128, 64, 64, 6, 1, "n"),
-             (128, 88, 64, 4, 1, "n"), (128, 64, 64, 4, 1, "m"), (64, 128, 64, 4, 1, "m"),
-             (128, 64, 64, 4, 4, "n"), (128, 128, 64, 2, 1, "m"), (64, 256, 64, 3, 1, "m"),
-             (128, 176, 64, 2, 1, "n"))
+# (block_m, block_n, block_k, stages, grid_block_n), most promising first: the accumulator
+# is block_m × block_n fp32 in one warpgroup's registers (128 × 128 = 128 per thread).
 _DOT_TILES = ((128, 128, 64, 4, 1), (128, 128, 64, 3, 1), (128, 128, 64, 5, 1),
               (128, 64, 64, 4, 1), (64, 256, 64, 4, 1), (128, 128, 128, 3, 1),
               (128, 128, 64, 4, 4), (64, 128, 64, 4, 1), (128, 64, 64, 6, 1),
@@ -90,19 +82,13 @@ _DW_TILES = ((128, 128, 64, 2, 1), (128, 128, 64, 4, 1), (128, 128, 128, 2, 1),
 def _candidates(product, K, N):
   """Tile configs to time for one product (K: contracted width, or dw's output rows)."""
   out = []
-  tiles = _DW_TILES if product == "dw" else (_WS_TILES + _DOT_TILES if _WS.value else
-                                             _DOT_TILES)
-  for bm, bn, bk, st, gbn, *split in tiles:
-    split = split[0] if split else ""
-    cta_n = 2 * bn if split == "n" else bn
+  for bm, bn, bk, st, gbn in (_DW_TILES if product == "dw" else _DOT_TILES):
     if product == "dw":
       ok = K % bm == 0 and N % bn == 0
-    else:   # dx's w tile is [block_n, block_k] (any multiple of 8 rows); y's is swizzled on N
-      ok = (K % bk == 0 and N % cta_n == 0 and (N // cta_n) % gbn == 0
-            and (product == "dx" or bn % 64 == 0))
+    else:
+      ok = K % bk == 0 and N % bn == 0 and (N // bn) % gbn == 0
     if ok:
-      out.append(gm.Config(block_m=bm, block_n=bn, block_k=bk, stages=st, grid_block_n=gbn,
-                           wg_split=split))
+      out.append(gm.Config(block_m=bm, block_n=bn, block_k=bk, stages=st, grid_block_n=gbn))
   return out
 
 
@@ -140,8 +126,6 @@ def main(_):
     for product, key_KN, args in (("y", (K, N), (x, w, sizes)),
                                   ("dx", (N, K), (clean(dy), w, sizes)),
                                   ("dw", (K, N), (x, dy, sizes))):
-      if product not in _PRODUCTS_FLAG.value:
-        continue
       ref = _reference(product, clean(args[0]), args[1] if product != "dw" else clean(dy),
                        sizes_np)
       flops = 2 * used * K * N
@@ -196,7 +180,7 @@ def main(_):
       json.dump(table, fh, indent=1)
   pct = lambda t: 100 * t * 1e12 / _PEAK_FLOPS
   lines = ["| product | baseline | ms (TFLOP/s, % peak) | mosaic, default tile | "
-           "mosaic, tuned tile | tuned config (m, n, k, stages, grid_n, wg split) | err vs fp32 |",
+           "mosaic, tuned tile | tuned config (m, n, k, stages, grid_n) | err vs fp32 |",
            "|---|---|---|---|---|---|---|"]
   for r in records:
     b, d, t = r["baseline"], r["mosaic_default"], r.get("mosaic_tuned")
@@ -206,7 +190,7 @@ def main(_):
         f"| {d['ms']:.3f} ({d['tflops']:.0f}) | "
         + (f"{t['ms']:.3f} ({t['tflops']:.0f}, {pct(t['tflops']):.0f}%) | "
            f"{tc['block_m']}, {tc['block_n']}, {tc['block_k']}, {tc['stages']}, "
-           f"{tc['grid_block_n']}, {tc.get('wg_split') or '-'} |" if t else "— | — |")
+           f"{tc['grid_block_n']} |" if t else "— | — |")
         + f" {b['err']:.1e} / {d['err']:.1e} |")
   table = "\n".join(lines)
   if _OUT.value:

@@ -16,9 +16,6 @@ from tests.conftest import target_mesh
 
 INTERPRET = jax.default_backend() != "gpu"
 SMALL = gm.Config(block_m=64, block_n=64, block_k=64, stages=2)
-# The warp-specialised kernel: two compute warpgroups' tiles side by side along N or M.
-WS_N = gm.Config(block_m=64, block_n=64, block_k=64, stages=2, wg_split="n")
-WS_M = gm.Config(block_m=64, block_n=64, block_k=64, stages=2, wg_split="m")
 SIZES = [0, 70, 1, 0, 129, 64]   # 264 rows used of 320: empty, one row, 3 blocks, aligned
 
 
@@ -46,14 +43,13 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("config", [SMALL, WS_N, WS_M], ids=["one_wg", "ws_n", "ws_m"])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
-def test_ragged_dot_matches_per_group_products(transpose_rhs, config):
-  M, K, N = 320, 128, 256
+def test_ragged_dot_matches_per_group_products(transpose_rhs):
+  M, K, N = 320, 128, 192
   x, dy, w = _operands(M, K, N, SIZES)
   used = sum(SIZES)
   lhs = dy if transpose_rhs else x
-  got = gm.ragged_dot(lhs, w, jnp.asarray(SIZES), config=config, transpose_rhs=transpose_rhs,
+  got = gm.ragged_dot(lhs, w, jnp.asarray(SIZES), config=SMALL, transpose_rhs=transpose_rhs,
                       interpret=INTERPRET)
   assert got.shape == (M, K if transpose_rhs else N) and got.dtype == jnp.bfloat16
   w64 = _f64(w)

@@ -33,18 +33,12 @@ from pallas_kernels import platform
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Tile of one program: block_m × block_n outputs, block_k deep per pipeline step, with
-  `stages` steps in flight; grid_block_n output-column tiles walked together (L2 reuse).
-
-  wg_split (y and dx only): "" one warpgroup loads and computes; "m" or "n" the
-  warp-specialised kernel (jax's hopper_matmul_mgpu layout): a producer warpgroup feeds two
-  compute warpgroups, each with its own block_m × block_n tile side by side along M or N, so
-  one tile's epilogue overlaps the other's and the next tile's loads."""
+  `stages` steps in flight; grid_block_n output-column tiles walked together (L2 reuse)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
   grid_block_n: int = 1
-  wg_split: str = ""
 
 
 TUNED_PATH = os.path.join(os.path.dirname(__file__), "grouped_mgpu_tuned.json")
@@ -151,8 +145,6 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
   if K % c.block_k or N % c.block_n:
     raise ValueError(f"ragged_dot: K={K} and N={N} must be multiples of block_k={c.block_k} "
                      f"and block_n={c.block_n}")
-  if c.wg_split:
-    return _ragged_dot_ws(x_MxK, w_GxKxN, sizes_G, c, transpose_rhs, interpret)
   grid_m, grid_n = pl.cdiv(M, c.block_m) + G - 1, N // c.block_n
 
   def body(sizes_ref, x_gmem, w_gmem, o_gmem):
@@ -184,133 +176,27 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
       def _(o_smem):
         o_smem[...] = acc.astype(o_smem.dtype)
         plgpu.commit_smem()
-        _store_rows(o_smem, o_gmem, block * c.block_m, own_first, own_rows,
-                    min(c.block_m, M), pl.ds(ni * c.block_n, c.block_n))
+        # TMA stores have static shapes: the tile's own rows go out as a ladder of
+        # power-of-two row counts (jax's ragged_dot_mgpu explains it).
+        first, rows = own_first, min(c.block_m, M)
+        while rows > 0:
+          n_rows = 1 << int(math.log2(rows))
+          rows //= 2
+
+          @pl.when(own_rows & n_rows != 0)
+          def _():
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(first, n_rows)],
+                o_gmem.at[pl.ds(block * c.block_m + first, n_rows),
+                          pl.ds(ni * c.block_n, c.block_n)])
+
+          first += own_rows & n_rows
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((M, N), x_MxK.dtype), grid=(_num_sms(interpret),),
       grid_names=("sm",), interpret=_interpret_params(interpret),
       kernel_name=f"grouped_mgpu_{'dx' if transpose_rhs else 'y'}_{K}x{N}",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(sizes_G.astype(jnp.int32), x_MxK, w_GxKxN)
-
-
-def _store_rows(o_smem, o_gmem, row0, own_first, own_rows, max_rows, cols):
-  """Rows [own_first, own_first + own_rows) of a tile in SMEM to o_gmem rows row0 + those,
-  columns `cols`. TMA stores have static shapes: the rows go out as a ladder of power-of-two
-  row counts (jax's ragged_dot_mgpu explains it)."""
-  first, rows = own_first, max_rows
-  while rows > 0:
-    n_rows = 1 << int(math.log2(rows))
-    rows //= 2
-
-    @pl.when(own_rows & n_rows != 0)
-    def _():
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, n_rows)],
-                              o_gmem.at[pl.ds(row0 + first, n_rows), cols])
-
-    first += own_rows & n_rows
-
-
-def _ragged_dot_ws(x_MxK, w_GxKxN, sizes_G, c, transpose_rhs, interpret):
-  """ragged_dot's warp-specialised kernel (Config.wg_split "m" or "n"). A CTA tile is two
-  compute warpgroups' tiles; row tiles follow the groups at the CTA's height, so along M
-  a group boundary's CTA tile runs once per group in it, as in the one-warpgroup kernel."""
-  M, K = x_MxK.shape
-  G = w_GxKxN.shape[0]
-  N = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
-  bm, bn, bk = c.block_m, c.block_n, c.block_k
-  split_m = c.wg_split == "m"
-  if c.wg_split not in ("m", "n"):
-    raise ValueError(f"ragged_dot: wg_split must be '', 'm' or 'n', got {c.wg_split!r}")
-  cta_m, cta_n = (2 * bm, bn) if split_m else (bm, 2 * bn)
-  if N % cta_n:
-    raise ValueError(f"ragged_dot: N={N} must be a multiple of the CTA's {cta_n} columns "
-                     f"(block_n={bn}, wg_split={c.wg_split!r})")
-  grid_m, grid_n = pl.cdiv(M, cta_m) + G - 1, N // cta_n
-  dtype = x_MxK.dtype
-  swizzle = plgpu.find_swizzle(bk * jnp.dtype(dtype).itemsize * 8)
-  k_major = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-             plgpu.SwizzleTransform(swizzle))   # tiles whose contiguous dim is K
-  if transpose_rhs:
-    w_spec, w_transforms = (cta_n, bk), k_major
-  else:   # w's contiguous dim is N: swizzled by the compute warpgroup's columns
-    n_swizzle = plgpu.find_swizzle(bn * jnp.dtype(dtype).itemsize * 8)
-    w_spec = (bk, cta_n)
-    w_transforms = (plgpu.TilingTransform((8, n_swizzle // jnp.dtype(dtype).itemsize)),
-                    plgpu.SwizzleTransform(n_swizzle))
-
-  def pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(K // bk,), memory_registers=40,
-        in_specs=[
-            plgpu.BlockSpec((cta_m, bk), lambda k: (0, k), transforms=k_major,
-                            memory_space=plgpu.SMEM),
-            plgpu.BlockSpec(w_spec, (lambda k: (0, k)) if transpose_rhs else
-                            (lambda k: (k, 0)), transforms=w_transforms,
-                            memory_space=plgpu.SMEM),
-        ],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=c.stages,
-        compute_context=compute_context)
-
-  def kernel(sizes_ref, x_gmem, w_gmem, o_gmem):
-    ignore = lambda *_, **__: None
-
-    @functools.partial(
-        pl.run_scoped,
-        allocs=pipeline(ignore, ignore).get_allocations(
-            x_gmem.at[pl.ds(0, cta_m)],
-            w_gmem.at[0].at[pl.ds(0, cta_n)] if transpose_rhs else
-            w_gmem.at[0].at[:, pl.ds(0, cta_n)]),
-        o_smem=plgpu.SMEM((2, bm, bn), dtype),
-        collective_axes="wg")
-    def _(allocs, o_smem):
-      wg = jax.lax.axis_index("wg")
-
-      @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
-      def _(loop_info):
-        mi, ni = plgpu.planar_snake(loop_info.index[0], (grid_m, grid_n), 1, c.grid_block_n)
-        group, block, own_first, own_rows = _group_of_tile(sizes_ref, cta_m, mi, G)
-        if split_m:   # this warpgroup's rows [wg·bm, wg·bm + bm) of the CTA tile
-          wg_rows, wg_cols = pl.ds(wg * bm, bm), slice(None)
-          lo = jnp.clip(own_first - wg * bm, 0, bm)
-          hi = jnp.clip(own_first + own_rows - wg * bm, 0, bm)
-          row0, wg_first, wg_own = block * cta_m + wg * bm, lo, jnp.maximum(hi - lo, 0)
-          out_cols = pl.ds(ni * cta_n, bn)
-        else:
-          wg_rows, wg_cols = slice(None), pl.ds(wg * bn, bn)
-          row0, wg_first, wg_own = block * cta_m, own_first, own_rows
-          out_cols = pl.ds(ni * cta_n + wg * bn, bn)
-
-        def mma(_, x_smem, w_smem, acc_ref):
-          rhs = (w_smem.at[wg_cols, :].transpose((1, 0)) if transpose_rhs else
-                 w_smem.at[:, wg_cols])
-          plgpu.wgmma(acc_ref, x_smem.at[wg_rows], rhs)
-          plgpu.wgmma_wait(0)
-          return acc_ref
-
-        def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-          def _(acc_ref):
-            eval_pipeline(acc_ref)
-            acc = acc_ref[...].astype(dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's store
-            o_smem[wg] = acc
-            plgpu.commit_smem()
-            _store_rows(o_smem.at[wg], o_gmem, row0, wg_first, wg_own, min(bm, M), out_cols)
-
-        w_view = (w_gmem.at[group].at[pl.ds(ni * cta_n, cta_n)] if transpose_rhs else
-                  w_gmem.at[group].at[:, pl.ds(ni * cta_n, cta_n)])
-        pipeline(mma, compute_context)(x_gmem.at[pl.ds(block * cta_m, cta_m)], w_view,
-                                       allocations=allocs)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((M, N), dtype), grid=(_num_sms(interpret),),
-      grid_names=("sm",), num_threads=3, thread_name="wg",
-      interpret=_interpret_params(interpret),
-      kernel_name=f"grouped_mgpu_{'dx' if transpose_rhs else 'y'}_ws_{K}x{N}",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(sizes_G.astype(jnp.int32), x_MxK, w_GxKxN)
 
