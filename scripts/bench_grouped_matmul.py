@@ -96,7 +96,10 @@ _PRODUCTS = ("y", "dx", "dw")
 
 
 def _mosaic_fn(product, config):
-  fn = experts.GPU_PRODUCTS["mosaic"][_PRODUCTS.index(product)]
+  """grouped_mgpu's kernel for the product at a tile config. (The `mosaic` path's dx takes
+  tokamax's kernel instead where K is not a multiple of 128: experts._mosaic_dx.)"""
+  fn = {"y": gm.ragged_dot, "dx": functools.partial(gm.ragged_dot, transpose_rhs=True),
+        "dw": gm.ragged_dw}[product]
   return jax.jit(functools.partial(fn, config=config))
 
 

@@ -5,6 +5,8 @@ several row blocks, a group on a block boundary and NaN in the padding rows past
 the model's custom VJP against jax.lax.ragged_dot; and the lowering of long_context_1b's
 six products to Mosaic GPU for CUDA."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,3 +143,23 @@ def test_model_path_lowers_to_the_native_kernels_for_a_gpu_target():
   # y leaves through a barrier: XLA's dynamic-slice fusion would clone the kernel call
   # into a scan's residual store (experts._gpu_grouped).
   assert "stablehlo.optimization_barrier" in text
+
+
+@pytest.mark.parametrize("K,tokamax", [(64, True), (128, False)])
+def test_mosaic_dx_takes_tokamax_where_only_64_wide_tiles_fit(monkeypatch, K, tokamax):
+  """On a GPU host the down projection's dx (K = 704 in long_context_1b) is tokamax's kernel,
+  faster there; K a multiple of 128 stays on grouped_mgpu. (Off a GPU host grouped_mgpu's
+  interpreter stands in for tokamax, so the stand-in here has grouped_mgpu's numbers.)"""
+  real = gm.ragged_dot
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(gm, "ragged_dot", functools.partial(real, interpret=True))
+  calls = []
+  monkeypatch.setattr(experts, "_tokamax_dx", lambda dy, w, s: calls.append(w.shape) or
+                      real(dy, w, s, transpose_rhs=True, interpret=True))
+  sizes = jnp.asarray([40, 0, 24], jnp.int32)
+  dy = jnp.asarray(np.random.default_rng(0).normal(size=(64, 128)), jnp.bfloat16)
+  w = jnp.asarray(np.random.default_rng(1).normal(size=(3, K, 128)), jnp.bfloat16)
+  dx = experts.GPU_PRODUCTS["mosaic"][1](dy, w, sizes)
+  assert calls == ([(3, K, 128)] if tokamax else [])
+  ref = np.concatenate([_f64(dy)[:40] @ _f64(w)[0].T, _f64(dy)[40:64] @ _f64(w)[2].T])
+  assert dx.shape == (64, K) and _rel(_f64(dx), ref) < 4e-3

@@ -8,7 +8,8 @@ grouped matmul does both) and `down` [E, F, D].
   tries to allocate 128 GiB on an H200), so GPU/TPU use kernels for bf16/fp16:
   * `mosaic` (the GPU default where both dims are multiples of 64): the Mosaic GPU
     kernels of pallas_kernels/moe/grouped_mgpu.py for y, dx (w read transposed in place)
-    and dw, with tile shapes tuned per product on the H200 (benchmarks/moe.md);
+    and dw, with tile shapes tuned per product on the H200 (benchmarks/moe.md); where dx's
+    columns are not a multiple of 128 (only 64-wide tiles fit), tokamax's dx instead;
   * `tokamax`: `tokamax.ragged_dot` (its sm90 Mosaic kernel, fixed 64×64 tiles) for y and
     dx; its weight gradient comes from pallas_kernels/moe/grouped_dw.py instead, as
     tokamax 0.0.17's is wrong on the H200.
@@ -23,6 +24,7 @@ grouped matmul does both) and `down` [E, F, D].
 """
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -114,14 +116,25 @@ def _tokamax_dw(x_MxK, dy_MxN, group_sizes_G):
                                     preferred_element_type=F32)
 
 
+def _mosaic_dx(dy_MxN, w_GxKxN, group_sizes_G):
+  """dx by grouped_mgpu, except where dx's K columns take only 64-wide tiles (K not a
+  multiple of 128: long_context_1b's 704-wide experts): there tokamax's kernel on a
+  transposed copy of w is faster (2.5 ms less a 1B step; benchmarks/train.md). Only on a
+  GPU host: tokamax's GPU kernel has no interpreter (CPU tests) and does not lower for a
+  GPU from a CPU host (ahead-of-time compiles), where grouped_mgpu's does. Without
+  tokamax installed (the `gpu` extra brings it) grouped_mgpu's runs everywhere."""
+  if (w_GxKxN.shape[1] % 128 and jax.default_backend() == "gpu"
+      and importlib.util.find_spec("tokamax") is not None):
+    return _tokamax_dx(dy_MxN, w_GxKxN, group_sizes_G)
+  return grouped_mgpu.ragged_dot(dy_MxN, w_GxKxN, group_sizes_G, transpose_rhs=True)
+
+
 # The GPU implementations' three products, (y, dx, dw), each f(a, b, group_sizes):
 #   y = x·w[g],  dx = dy·w[g]ᵀ,  dw[g] = x_gᵀ·dy_g
 # (scripts/bench_grouped_matmul.py times them)
 GPU_PRODUCTS = {
     "tokamax": (_tokamax_y, _tokamax_dx, _tokamax_dw),
-    "mosaic": (grouped_mgpu.ragged_dot,
-               functools.partial(grouped_mgpu.ragged_dot, transpose_rhs=True),
-               grouped_mgpu.ragged_dw),
+    "mosaic": (grouped_mgpu.ragged_dot, _mosaic_dx, grouped_mgpu.ragged_dw),
 }
 
 
