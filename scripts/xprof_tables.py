@@ -90,7 +90,9 @@ def device_gaps(trace: dict, steps: int, top: int = 15, min_us: float = 5.0) -> 
   """Where the GPU waits: the idle time between kernels on the first GPU's streams (the
   union of the "Stream ..." threads' events, so that overlapping streams count once), per
   step, and the largest idle time grouped by the kernels on either side of each gap of at
-  least `min_us`. {} when the trace has no GPU stream."""
+  least `min_us`. Also each stream's summed event time and the `top` event names by summed
+  time, to set beside kernel_stats (which listed 13.6 ms a step less than the streams'
+  busy time on the 1B, benchmarks/train.md). {} when the trace has no GPU stream."""
   events = trace.get("traceEvents", [])
   gpu = sorted(e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                and str(e["args"].get("name", "")).startswith("/device:GPU"))
@@ -98,11 +100,19 @@ def device_gaps(trace: dict, steps: int, top: int = 15, min_us: float = 5.0) -> 
     return {}
   streams = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
              and e.get("pid") == gpu[0] and str(e["args"].get("name", "")).startswith("Stream")}
+  on_streams = [e for e in events if e.get("ph") == "X" and e.get("pid") == gpu[0]
+                and e.get("tid") in streams]
   kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
-                   for e in events if e.get("ph") == "X" and e.get("pid") == gpu[0]
-                   and e.get("tid") in streams)
+                   for e in on_streams)
   if not kernels:
     return {}
+  names = {e["tid"]: str(e["args"].get("name", "")) for e in events if e.get("ph") == "M"
+           and e.get("name") == "thread_name" and e.get("pid") == gpu[0] and e["tid"] in streams}
+  by_stream, by_name = {}, {}
+  for e in on_streams:
+    us = float(e.get("dur", 0))
+    by_stream[names[e["tid"]]] = by_stream.get(names[e["tid"]], 0.0) + us
+    by_name[e.get("name", "")[:80]] = by_name.get(e.get("name", "")[:80], 0.0) + us
   busy = idle = 0.0
   groups = {}
   start, end, last = kernels[0][0], kernels[0][1], kernels[0][2]
@@ -123,4 +133,8 @@ def device_gaps(trace: dict, steps: int, top: int = 15, min_us: float = 5.0) -> 
   return {"device_busy_ms_per_step": busy / 1e3 / steps,
           "device_idle_ms_per_step": idle / 1e3 / steps,
           "top_gaps": [{"ms_per_step": us / 1e3 / steps, "n": n, "before": b, "after": a}
-                       for (b, a), (n, us) in ranked]}
+                       for (b, a), (n, us) in ranked],
+          "stream_ms_per_step": {k: us / 1e3 / steps for k, us in
+                                 sorted(by_stream.items(), key=lambda kv: -kv[1])},
+          "top_events": [{"ms_per_step": us / 1e3 / steps, "name": k} for k, us in
+                         sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]}

@@ -103,4 +103,9 @@ def test_device_gaps_count_the_union_of_streams_and_group_the_waits():
   # the 20 µs gap is under min_us; "copy" ends the union's second block, so it is "before"
   assert gaps == {("copy", "c"): (1, 50), ("c", "a"): (1, 70), ("a", "empty_after"): (1, 90)}
   assert [x["before"] for x in g["top_gaps"]] == ["a", "c", "copy"]   # longest first
+  # summed, not unioned: the overlap of b and copy counts on both streams
+  assert {k: round(v * 2e3) for k, v in g["stream_ms_per_step"].items()} == {
+      "Stream #13(Compute)": 50, "Stream #14(MemcpyD2D)": 25}
+  assert [(x["name"], round(x["ms_per_step"] * 2e3)) for x in g["top_events"]][:2] == [
+      ("c", 30), ("a", 20)]
   assert xprof_tables.device_gaps({"traceEvents": trace["traceEvents"][:1]}, steps=1) == {}
