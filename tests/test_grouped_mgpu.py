@@ -2,8 +2,9 @@
 GPU interpreter here (natively in the GPU suite): y, dx (w transposed in place) and dw
 against an fp64 per-group reference, with empty groups, a group of one row, groups over
 several row blocks, a group on a block boundary and NaN in the padding rows past the groups;
-the model's custom VJP against jax.lax.ragged_dot; and the lowering of long_context_1b's
-six products to Mosaic GPU for CUDA."""
+the model's custom VJP against jax.lax.ragged_dot; the lowering of long_context_1b's six
+products to Mosaic GPU for CUDA; and the `mosaic` route's dx choice (tokamax's kernel where
+only 64-wide tiles fit)."""
 
 import functools
 
