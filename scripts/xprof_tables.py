@@ -98,21 +98,20 @@ def device_gaps(trace: dict, steps: int, top: int = 15, min_us: float = 5.0) -> 
                and str(e["args"].get("name", "")).startswith("/device:GPU"))
   if not gpu:
     return {}
-  streams = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
-             and e.get("pid") == gpu[0] and str(e["args"].get("name", "")).startswith("Stream")}
+  streams = {e["tid"]: str(e["args"].get("name", "")) for e in events  # tid -> stream name
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") == gpu[0]
+             and str(e["args"].get("name", "")).startswith("Stream")}
   on_streams = [e for e in events if e.get("ph") == "X" and e.get("pid") == gpu[0]
                 and e.get("tid") in streams]
   kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", ""))
                    for e in on_streams)
   if not kernels:
     return {}
-  names = {e["tid"]: str(e["args"].get("name", "")) for e in events if e.get("ph") == "M"
-           and e.get("name") == "thread_name" and e.get("pid") == gpu[0] and e["tid"] in streams}
   by_stream, by_name = {}, {}
   for e in on_streams:
-    us = float(e.get("dur", 0))
-    by_stream[names[e["tid"]]] = by_stream.get(names[e["tid"]], 0.0) + us
-    by_name[e.get("name", "")[:80]] = by_name.get(e.get("name", "")[:80], 0.0) + us
+    us, name = float(e.get("dur", 0)), e.get("name", "")[:80]
+    by_stream[streams[e["tid"]]] = by_stream.get(streams[e["tid"]], 0.0) + us
+    by_name[name] = by_name.get(name, 0.0) + us
   busy = idle = 0.0
   groups = {}
   start, end, last = kernels[0][0], kernels[0][1], kernels[0][2]

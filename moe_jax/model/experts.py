@@ -34,6 +34,7 @@ from pallas_kernels import platform
 from pallas_kernels.moe import grouped_dw, grouped_mgpu
 
 GROUPED_MATMULS = ("xla", "tokamax", "mosaic")
+_HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None   # looked up, not imported
 
 
 def default_grouped_matmul(dtype, K: int = 64, N: int = 64) -> str:
@@ -123,8 +124,7 @@ def _mosaic_dx(dy_MxN, w_GxKxN, group_sizes_G):
   GPU host: tokamax's GPU kernel has no interpreter (CPU tests) and does not lower for a
   GPU from a CPU host (ahead-of-time compiles), where grouped_mgpu's does. Without
   tokamax installed (the `gpu` extra brings it) grouped_mgpu's runs everywhere."""
-  if (w_GxKxN.shape[1] % 128 and jax.default_backend() == "gpu"
-      and importlib.util.find_spec("tokamax") is not None):
+  if w_GxKxN.shape[1] % 128 and jax.default_backend() == "gpu" and _HAS_TOKAMAX:
     return _tokamax_dx(dy_MxN, w_GxKxN, group_sizes_G)
   return grouped_mgpu.ragged_dot(dy_MxN, w_GxKxN, group_sizes_G, transpose_rhs=True)
 
