@@ -8,7 +8,8 @@ recurrence forward; chunk states + backward kernels), with each --triton setting
 triton_gpu.py's kernels (the same three timings) beside it; then, with --xla, the XLA stage 1
 and its VJP. --triton_stage1 times triton_gpu's stage-1 kernels at the given
 BLOCK/warps/stages beside pallas_gpu's (first, before the rest).
---stage2_only skips stage 1's Pallas sweeps. Each number is the median of --iters runs after
+--stage2_only skips stage 1's Pallas sweeps; --prologue_only times only the prologue
+kernels, Pallas's and prologue_triton's. Each number is the median of --iters runs after
 a warm-up. --knobs=NAME=VALUE,... sets pallas_gpu knobs for the whole run.
 """
 
@@ -39,6 +40,8 @@ _TRITON_STAGE1 = flags.DEFINE_list("triton_stage1", [], "KERNEL:BLOCK/warps/stag
                                    "forward's dots on bf16 operands (WU_LOW_DOTS).")
 _STAGE2_ONLY = flags.DEFINE_bool("stage2_only", False, "Skip stage 1's Pallas sweeps and the "
                                  "prologue.")
+_PROLOGUE_ONLY = flags.DEFINE_bool("prologue_only", False, "Only the prologue kernels: "
+                                   "Pallas's and prologue_triton's at each --warps.")
 _ITERS = flags.FLAGS["iters"]  # defined by bench_kda (median of this many runs)
 _KNOBS = flags.FLAGS["knobs"]  # also bench_kda's: here, settings for the whole run
 
@@ -61,25 +64,44 @@ def timed(fn, *args):
     return f"error {type(e).__name__}: {str(e)[:120]}"
 
 
-def prologue_time(q, k, g, inp, kw):
-  """warps -> 'fwd ms / bwd ms' of the prologue kernels (bounded gate, q/k L2 norm)."""
+def prologue_time(q, k, g, inp, kw, triton=False):
+  """warps -> 'fwd ms / bwd ms' of the prologue kernels (bounded gate, q/k L2 norm):
+  prologue_gpu's Pallas kernels, or with `triton` prologue_triton's (both at these warps),
+  then the largest difference of their outputs from Pallas's at its default warps."""
   H, D = q.shape[2:]
   live = jnp.ones(q.shape[:2], jnp.int32)
   a_HK = jnp.broadcast_to(jnp.exp(jnp.asarray(inp["A_log"]))[:, None], (H, D))
   bias_HK = jnp.asarray(inp["dt_bias"]).reshape(H, D)
   f = jnp.asarray(g, jnp.bfloat16)
   args = (q, k, f, a_HK, bias_HK, live)
-  call = lambda *a: prologue_gpu._prologue_call(
-      *a, dtype=q.dtype, gate="bounded", lower_bound=-5.0, l2norm=True, **kw)
-  bwd = lambda *a: prologue_gpu._prologue_bwd_call(
-      *a, q, k, g, gate="bounded", lower_bound=-5.0, l2norm=True, **kw)
+  if triton:
+    from pallas_kernels.kda import prologue_triton, triton_gpu as module
+    fwd_call, bwd_call = prologue_triton.prologue_call, prologue_triton.prologue_bwd_call
+    knobs = ("PROLOGUE_WARPS", "PROLOGUE_BWD_WARPS")
+  else:
+    module, knobs = prologue_gpu, ("WARPS",)
+    fwd_call, bwd_call = prologue_gpu._prologue_call, prologue_gpu._prologue_bwd_call
+  gate = dict(gate="bounded", lower_bound=-5.0, l2norm=True, **kw)
+  call = lambda *a: fwd_call(*a, dtype=q.dtype, **gate)
+  bwd = lambda *a: bwd_call(*a, q, k, g, **gate)
+  reference_out = jax.jit(lambda *a: (prologue_gpu._prologue_call(*a, dtype=q.dtype, **gate),
+                                      prologue_gpu._prologue_bwd_call(*a, q, k, g, **gate)))
 
   def at(w):
-    default, prologue_gpu.WARPS = prologue_gpu.WARPS, w
+    defaults = [getattr(module, n) for n in knobs]
+    for n in knobs:
+      setattr(module, n, w)
     try:
-      return f"{timed(call, *args)} / {timed(bwd, *args)}"
+      times = f"{timed(call, *args)} / {timed(bwd, *args)}"
+      if not triton:
+        return times
+      out = jax.jit(lambda *a: (call(*a), bwd(*a)))(*args)
+      err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(reference_out(*args))))
+      return f"{times} (max |Δ| vs Pallas {err:.2g})"
     finally:
-      prologue_gpu.WARPS = default
+      for n, value in zip(knobs, defaults):
+        setattr(module, n, value)
   return at
 
 
@@ -224,6 +246,12 @@ def main(argv):
       q, k, v, g, beta, reset, C)
   interpret = jax.default_backend() != "gpu"   # CPU: a slow smoke run
   kw = dict(chunk_size=C, interpret=interpret)
+  if _PROLOGUE_ONLY.value:
+    for name, triton in (("Triton", True), ("Pallas", False)):
+      pro = prologue_time(q, k, g, inp, kw, triton=triton)
+      print(f"prologue {name}, {_SHAPE.value}, K={D}, fwd / bwd ms by warps: " + " | ".join(
+          f"{w}: {pro(w)}" for w in map(int, _WARPS.value)), flush=True)
+    return
   st, A, Tinv = jax.jit(lambda *a: P.intra_pallas(*a, scale=scale, **kw))(q, k, v, G, beta, seg)
   rng = np.random.default_rng(0)
   d_st = {n: jnp.asarray(rng.normal(size=x.shape), x.dtype) for n, x in st.items()}

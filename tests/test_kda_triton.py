@@ -1,5 +1,6 @@
 """KDA with its main kernels in native Triton (implementation="triton", triton_gpu.py: stage
-1's tiles and W/U kernels both ways, stage 2's loops): on CPU Triton's interpreter runs it,
+1's tiles and W/U kernels both ways, stage 2's loops; prologue_triton.py: the prologue
+both ways): on CPU Triton's interpreter runs it,
 against the float64 spec (outputs and all six gradients) and against the Pallas kernels
 kernel by kernel; each kernel is compiled for sm_90a (ptxas) at the shipped launch knobs; on
 the GPU jax_triton runs it at realistic sizes."""
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import kda, pallas_gpu, reference, triton_gpu
+from pallas_kernels.kda import (kda, pallas_gpu, prologue_gpu, prologue_triton, reference,
+                                triton_gpu)
 from scripts.kernel_registers import triton_report
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
@@ -143,6 +145,38 @@ def test_stage1_equals_the_pallas_kernels(dtype):
     assert np.abs(a - b).max() <= tol * np.abs(b).max(), name
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prologue_equals_the_pallas_kernels(dtype):
+  """prologue_triton's kernels against prologue_gpu's on the same inputs, forward (q̂, k̂,
+  G) and backward (dq, dk, df and the per-chunk A_log / dt_bias sums), for each gate with
+  the L2 norm and padding rows: the same fp32 formulas, the cumsums summed in another
+  order (scans, not a cumsum and an fp32 dot), so fp32 agrees to 1e-6 and bf16 to one
+  rounding."""
+  B, Tp, H, K, C = 1, 128, 2, 32, 64
+  rng = np.random.default_rng(0)
+  arr = lambda s=1.0: jnp.asarray(rng.normal(size=(B, Tp, H, K)) * s, dtype)
+  a_HK = jnp.asarray(rng.uniform(0.5, 2.0, size=(H, K)), jnp.float32)
+  bias_HK = jnp.asarray(rng.normal(size=(H, K)), jnp.float32)
+  live = jnp.asarray((np.arange(Tp) < 100)[None].astype(np.int32))   # 28 padding rows
+  for gate, lower_bound, l2norm in [("bounded", LB, True), ("unbounded", None, True),
+                                    ("none", None, False)]:
+    q, k, dqn, dkn = arr(), arr(), arr(), arr()
+    f = arr(2.0) if gate != "none" else -jnp.abs(arr())
+    dG = jnp.asarray(rng.normal(size=(B, Tp, H, K)), jnp.float32)
+    kw = dict(gate=gate, lower_bound=lower_bound, l2norm=l2norm, chunk_size=C,
+              interpret=True)
+    outs = [m(q, k, f, a_HK, bias_HK, live, dtype=dtype, **kw)
+            for m in (prologue_triton.prologue_call, prologue_gpu._prologue_call)]
+    grads = [m(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG, **kw)
+             for m in (prologue_triton.prologue_bwd_call, prologue_gpu._prologue_bwd_call)]
+    names = ["q̂", "k̂", "G", "dq", "dk", "df", "da", "dbias"]
+    for name, a, b in zip(names, [*outs[0], *grads[0]], [*outs[1], *grads[1]]):
+      _close(a, b, 2 ** -8 if a.dtype == jnp.bfloat16 else 1e-6, f"{gate} {name}")
+    G = np.asarray(outs[0][2])                 # every gate < 0: G falls inside each chunk,
+    assert (np.diff(G.reshape(B, Tp // C, C, H, K), axis=2) <= 0).all(), gate
+    assert (G[:, 100:] == G[:, 99:100]).all(), gate   # and is flat over the padding
+
+
 def _kernel_arrays(B, Tp, H, D, C, dtype):
   """Each kernel's arrays (inputs, then outputs) as shapes and dtypes, and its meta."""
   rows = lambda d, dt=dtype: jax.ShapeDtypeStruct((B, Tp, H, d), dt)
@@ -170,6 +204,14 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
                                                        LOW_DOTS=triton_gpu.WU_LOW_DOTS),
             triton_gpu.WU_WARPS)
   fwd_tiles[1].pop("V")
+  per_head, live = jax.ShapeDtypeStruct((H, D), jnp.float32), tiles[3]
+  pro_meta = dict(Tp=Tp, H=H, K=D, C=C, GATE=1, LOWER=-5.0, L2NORM=True)
+  partial = jax.ShapeDtypeStruct((B, Tp // C, H, D), jnp.float32)
+  pro = ([rows(D), rows(D), rows(D), per_head, per_head, live, rows(D), rows(D), fp32],
+         pro_meta, triton_gpu.PROLOGUE_WARPS)
+  pro_bwd = ([rows(D), rows(D), rows(D), per_head, per_head, live, rows(D), rows(D), fp32,
+              rows(D), rows(D), rows(D), partial, partial], pro_meta,
+             triton_gpu.PROLOGUE_BWD_WARPS)
   by_tile = (fwd_tiles[0], {n: v for n, v in fwd_tiles[1].items() if n != "BK"},
              triton_gpu.TILES_WARPS)
   return {triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
@@ -179,7 +221,9 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
           triton_gpu._kda_recurrence_bwd_triton: ([*st, states, rows(D), S, rows(D), rows(D),
                                                    states, S], meta, triton_gpu.WARPS),
           triton_gpu._kda_tiles_bwd_triton: (tiles, tiles_meta, triton_gpu.TILES_BWD_WARPS),
-          triton_gpu._kda_wu_bwd_triton: (wu, wu_meta, triton_gpu.WU_BWD_WARPS)}
+          triton_gpu._kda_wu_bwd_triton: (wu, wu_meta, triton_gpu.WU_BWD_WARPS),
+          prologue_triton._kda_prologue_triton: pro,
+          prologue_triton._kda_prologue_bwd_triton: pro_bwd}
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -199,7 +243,9 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
              triton_gpu._kda_wu_bwd_triton: triton_gpu.WU_BWD_STAGES,
              triton_gpu._kda_tiles_triton: triton_gpu.TILES_STAGES,
              triton_gpu._kda_tiles_blocks_triton: triton_gpu.TILES_STAGES,
-             triton_gpu._kda_wu_triton: triton_gpu.WU_STAGES}   # stage 1's, as launched
+             triton_gpu._kda_wu_triton: triton_gpu.WU_STAGES,   # stage 1's, as launched
+             prologue_triton._kda_prologue_triton: 1,            # (no loop)
+             prologue_triton._kda_prologue_bwd_triton: 1}
     stages = fixed.get(kernel) or triton_gpu._fitting_stages(kernel, arrays, meta, warps)
     compiled = triton_gpu.build(kernel, arrays, meta, stages, warps=warps)
     shared = compiled.metadata.shared
@@ -208,7 +254,7 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
     assert triton_gpu.shared_for(kernel, *signature, warps, stages) == shared, kernel.__name__
     regs, spilled = triton_report(compiled, tempfile.mkdtemp())
     assert shared <= triton_gpu.MAX_SHARED[90], (kernel.__name__, stages, shared)
-    assert stages >= 2, (kernel.__name__, stages)
+    assert stages >= 2 or fixed.get(kernel) == 1, (kernel.__name__, stages)
     assert 0 < regs <= 255 and spilled == 0, (kernel.__name__, stages, regs, spilled)
 
 

@@ -652,12 +652,12 @@ intra = intra_with_vjp(intra_pallas, intra_bwd_pallas)
 
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                    chunk_size=64, lower_bound=-5.0, A_log=None, dt_bias=None, qk_l2norm=False,
-                   interpret=None, stage1=None, stage2=None):
+                   interpret=None, stage1=None, stage2=None, prologue=None):
   """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take the safe
   XLA stage 1. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
   dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there.
-  stage1 / stage2: another stage 1 (bounded gates) / stage 2 with this module's `intra` /
-  `recurrence` contract (triton_gpu's)."""
+  stage1 / stage2 / prologue: another stage 1 (bounded gates) / stage 2 / prologue with
+  this module's `intra` / `recurrence` / prologue_gpu.prologue contract (triton_gpu's)."""
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -666,7 +666,8 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
                   chunk_size=chunk_size, lower_bound=lower_bound, gate=gate,
                   qk_l2norm=qk_l2norm, interpret=interpret,
                   stage1=intra if stage1 is None else stage1,
-                  stage2=recurrence if stage2 is None else stage2)
+                  stage2=recurrence if stage2 is None else stage2,
+                  prologue=prologue_gpu.prologue if prologue is None else prologue)
 
 
 def _gate_params(A_log, dt_bias, H, K):
@@ -682,9 +683,9 @@ def _gate_params(A_log, dt_bias, H, K):
 # with the number of KDA layers.
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "lower_bound", "gate",
                                              "qk_l2norm", "interpret", "stage1",
-                                             "stage2"))
+                                             "stage2", "prologue"))
 def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, scale,
-             chunk_size, lower_bound, gate, qk_l2norm, interpret, stage1, stage2):
+             chunk_size, lower_bound, gate, qk_l2norm, interpret, stage1, stage2, prologue):
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -699,8 +700,8 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
   q, k, v, g, beta, live_BxT, reset_BxT = reference.pad_to_chunks(C, q, k, v, g, beta,
                                                                   live_BxT, reset_BxT)
   a_HK, bias_HK = _gate_params(A_log, dt_bias, H, K)
-  q, k, G = prologue_gpu.prologue(q, k, g, a_HK, bias_HK, live_BxT, dt, gate, lower_bound,
-                                  qk_l2norm, C, interpret)
+  q, k, G = prologue(q, k, g, a_HK, bias_HK, live_BxT, dt, gate, lower_bound, qk_l2norm, C,
+                     interpret)
   seg = reference.chunk_segments(reset_BxT, C)
   if lower_bound is not None:
     st = stage1(q, k, v, G, beta, seg, scale, chunk_size, interpret)

@@ -150,35 +150,43 @@ def _prologue_bwd_call(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG, *, gate, lowe
   )(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def prologue(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_size,
-             interpret):
-  """(q̂, k̂ in `dtype`, G fp32), each [B, Tp, H, K]; Tp a multiple of chunk_size.
+def prologue_with_vjp(call, bwd_call):
+  """The prologue as a custom VJP over these launchers (this module's Pallas kernels, or
+  prologue_triton's): call(q, k, f, a_HK, bias_HK, live, dtype=, gate=, lower_bound=,
+  l2norm=, chunk_size=, interpret=) -> (q̂, k̂, G); bwd_call(..., dqn, dkn, dG, gate=, ...)
+  -> (dq, dk, df, per-chunk da and dbias [B, N, H, K] fp32)."""
 
-  f is the gate input (the log-decay g itself for gate "none"); a_HK = exp(A_log) and
-  bias_HK = dt_bias as [H, K] fp32 (ignored for "none"); live [B, Tp] int, 0 = padding.
-  """
-  return _prologue_call(q, k, f, a_HK, bias_HK, live, dtype=dtype, gate=gate,
-                        lower_bound=lower_bound, l2norm=l2norm, chunk_size=chunk_size,
-                        interpret=interpret)
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+  def prologue(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_size,
+               interpret):
+    """(q̂, k̂ in `dtype`, G fp32), each [B, Tp, H, K]; Tp a multiple of chunk_size.
+
+    f is the gate input (the log-decay g itself for gate "none"); a_HK = exp(A_log) and
+    bias_HK = dt_bias as [H, K] fp32 (ignored for "none"); live [B, Tp] int, 0 = padding.
+    """
+    return call(q, k, f, a_HK, bias_HK, live, dtype=dtype, gate=gate,
+                lower_bound=lower_bound, l2norm=l2norm, chunk_size=chunk_size,
+                interpret=interpret)
+
+  def fwd(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_size,
+          interpret):
+    out = prologue(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm,
+                   chunk_size, interpret)
+    return out, residuals.tag((q, k, f, a_HK, bias_HK, live))
+
+  def bwd(dtype, gate, lower_bound, l2norm, chunk_size, interpret, res, cts):
+    q, k, f, a_HK, bias_HK, live = res
+    dqn, dkn, dG = cts
+    dq, dk, df, da_BNHK, dbias_BNHK = bwd_call(
+        q, k, f, a_HK, bias_HK, live, dqn, dkn, dG.astype(F32), gate=gate,
+        lower_bound=lower_bound, l2norm=l2norm, chunk_size=chunk_size, interpret=interpret)
+    da_HK = jnp.sum(da_BNHK, axis=(0, 1)).astype(a_HK.dtype)
+    dbias_HK = jnp.sum(dbias_BNHK, axis=(0, 1)).astype(bias_HK.dtype)
+    return dq, dk, df, da_HK, dbias_HK, None
+
+  prologue.defvjp(fwd, bwd)
+  return prologue
 
 
-def _fwd(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_size,
-         interpret):
-  out = prologue(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_size,
-                 interpret)
-  return out, residuals.tag((q, k, f, a_HK, bias_HK, live))
-
-
-def _bwd(dtype, gate, lower_bound, l2norm, chunk_size, interpret, res, cts):
-  q, k, f, a_HK, bias_HK, live = res
-  dqn, dkn, dG = cts
-  dq, dk, df, da_BNHK, dbias_BNHK = _prologue_bwd_call(
-      q, k, f, a_HK, bias_HK, live, dqn, dkn, dG.astype(F32), gate=gate,
-      lower_bound=lower_bound, l2norm=l2norm, chunk_size=chunk_size, interpret=interpret)
-  da_HK = jnp.sum(da_BNHK, axis=(0, 1)).astype(a_HK.dtype)
-  dbias_HK = jnp.sum(dbias_BNHK, axis=(0, 1)).astype(bias_HK.dtype)
-  return dq, dk, df, da_HK, dbias_HK, None
-
-
-prologue.defvjp(_fwd, _bwd)
+# The prologue with the Pallas kernels forward and backward.
+prologue = prologue_with_vjp(_prologue_call, _prologue_bwd_call)

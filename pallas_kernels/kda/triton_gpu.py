@@ -1,8 +1,9 @@
 """KDA's chunked kernels in native Triton: implementation="triton" (issue 22).
 
 pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its time written
-as @triton.jit kernels and called through jax_triton; the prologue (gate, L2 norm, chunk
-cumsum), stage 1's triangular solve and stage 2's per-chunk gradient kernel stay Pallas.
+as @triton.jit kernels and called through jax_triton, and the prologue (gate, L2 norm, chunk
+cumsum) in prologue_triton.py; stage 1's triangular solve and stage 2's per-chunk gradient
+kernel stay Pallas.
 On the H200 the op runs 1.25-1.32x as fast as pallas_gpu forward+backward on every
 benchmark shape (benchmarks/kda.md, 2026-12-03); it is the GPU default where jax_triton is
 installed. Triton pipelines its loops' loads (cp.async, `tl.range(..., num_stages=)`);
@@ -80,6 +81,8 @@ WU_BWD_STAGES = 3
 TILES_BWD_BLOCK_K = 64   # K columns per program of the tiles backward
 TILES_BWD_WARPS = 4
 TILES_BWD_STAGES = 2     # (its loops run ≤ 4 sub-chunks: little to pipeline)
+PROLOGUE_WARPS = 4       # prologue_triton's kernels (one program a chunk, no loop); 8 warps
+PROLOGUE_BWD_WARPS = 4   # were not faster in the op (kda.md, 2026-12-03: -4% to +8%)
 # Shared memory a block may use (opt-in maximum) by compute capability; the default is the
 # smallest of these.
 MAX_SHARED = {80: 166912, 87: 166912, 90: 232448, 100: 232448}
@@ -817,6 +820,13 @@ def intra_bwd_triton(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, in
 intra = pallas_gpu.intra_with_vjp(intra_triton, intra_bwd_triton)
 
 
+PROLOGUE = True    # the prologue in Triton (prologue_triton.py), else prologue_gpu's Pallas
+
+
 def kda_triton(q, k, v, g, beta, **kw):
-  """kda_pallas_gpu's contract and arguments, with the Triton kernels above."""
-  return pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, stage1=intra, stage2=recurrence, **kw)
+  """kda_pallas_gpu's contract and arguments, with the Triton kernels above and
+  prologue_triton's prologue."""
+  from pallas_kernels.kda import prologue_gpu, prologue_triton   # (it imports this module)
+  prologue = prologue_triton.prologue if PROLOGUE else prologue_gpu.prologue
+  return pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, stage1=intra, stage2=recurrence,
+                                   prologue=prologue, **kw)
