@@ -109,3 +109,21 @@ def test_device_gaps_count_the_union_of_streams_and_group_the_waits():
   assert [(x["name"], round(x["ms_per_step"] * 2e3)) for x in g["top_events"]][:2] == [
       ("c", 30), ("a", 20)]
   assert xprof_tables.device_gaps({"traceEvents": trace["traceEvents"][:1]}, steps=1) == {}
+
+
+def test_device_gaps_group_memory_copies_by_their_hlo_op():
+  """Copies (events named Memcpy...) summed by (kind, HLO op) with their bytes; other
+  events are not copies; a copy without an op argument falls back to its thunk's name."""
+  trace = _trace([(1, 0, 10, "MemcpyD2D"), (1, 20, 30, "MemcpyD2D"), (1, 60, 5, "MemcpyD2D"),
+                  (0, 0, 40, "kernel")])
+  copy_events = [e for e in trace["traceEvents"] if e.get("name") == "MemcpyD2D"]
+  copy_events[0]["args"] = {"hlo_op": "dynamic-slice.3", "num_bytes": "4000000"}
+  copy_events[1]["args"] = {"hlo_op": "dynamic-slice.3", "num_bytes": 2000000}
+  copy_events[2]["args"] = {"long_name": "copy_thunk_7", "bytes_transferred": "bad"}
+  g = xprof_tables.device_gaps(trace, steps=2)
+  assert g["top_copies"] == [
+      {"ms_per_step": 0.040 / 2, "n_per_step": 1.0, "mb_per_step": 3.0, "kind": "MemcpyD2D",
+       "op": "dynamic-slice.3"},
+      {"ms_per_step": 0.005 / 2, "n_per_step": 0.5, "mb_per_step": 0.0, "kind": "MemcpyD2D",
+       "op": "copy_thunk_7"}]
+  assert g["copy_arg_names"] == ["bytes_transferred", "hlo_op", "long_name", "num_bytes"]
