@@ -38,12 +38,12 @@ def _sigmoid(x):
 def _gate(f, a_1K, bias_1K, GATE: tl.constexpr, LOWER: tl.constexpr):
   """(g, dg/df, dg/da) of kda_gate with a = exp(A_log) (prologue_gpu._gate); for GATE 0
   ("none") g = f and the derivatives are unused."""
+  u = f + bias_1K
   if GATE == 1:
-    s = _sigmoid(a_1K * (f + bias_1K))
+    s = _sigmoid(a_1K * u)
     ds = LOWER * s * (1.0 - s)
-    return LOWER * s, ds * a_1K, ds * (f + bias_1K)
+    return LOWER * s, ds * a_1K, ds * u
   elif GATE == 2:
-    u = f + bias_1K
     e = tl.exp(-tl.abs(u))       # softplus(u) = max(u, 0) + log1p(e^-|u|)
     sp = tl.maximum(u, 0.0) + tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e))
     return -a_1K * sp, -a_1K * _sigmoid(u), -sp
@@ -155,8 +155,7 @@ def prologue_call(q, k, f, a_HK, bias_HK, live, *, dtype, gate, lower_bound, l2n
   return triton_gpu._launch(_kda_prologue_triton, (Tp // chunk_size, B * H),
                             (q, k, f, a_HK, bias_HK, live.astype(jnp.int32)), out_type, meta,
                             name="kda_prologue_triton", interpret=interpret,
-                            warps=triton_gpu.PROLOGUE_WARPS,
-                            stages=1)
+                            warps=triton_gpu.PROLOGUE_WARPS, stages=1)
 
 
 def prologue_bwd_call(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG, *, gate, lower_bound,
