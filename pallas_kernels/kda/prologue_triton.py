@@ -25,7 +25,8 @@ from pallas_kernels.kda import prologue_gpu, triton_gpu
 from pallas_kernels.kda.prologue_gpu import F32, L2_EPS
 from pallas_kernels.kda.triton_gpu import _chunk_rows, _sum
 
-GATE_CODES = {"none": 0, "bounded": 1, "unbounded": 2}   # prologue_gpu.GATES, as constexprs
+GATE_CODES = {g: i for i, g in enumerate(prologue_gpu.GATES)}   # as constexprs: none 0,
+                                                                # bounded 1, unbounded 2
 _EPS = tl.constexpr(L2_EPS)   # a global read inside a kernel must be a constexpr
 
 
