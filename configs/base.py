@@ -25,7 +25,8 @@ def get_config(arg=None):
   m.tie_embeddings = False
   m.norm_eps = 1e-6
   m.remat = False
-  m.remat_policy = "full"       # with remat: full | dots | kernels | residuals (model/remat.py)
+  m.remat_policy = "full"       # with remat: full | dots | kernels | residuals |
+                                # residuals_recompute_prologue (model/remat.py)
   m.scan_layers = True          # one nn.scan over the periods of layer_pattern (layer_stack.py)
   # KDA (linear attention) mixer.
   m.kda_head_dim = 64           # K = V per head; n_heads * kda_head_dim need not equal d_model

@@ -32,10 +32,11 @@ def get_config(arg=None):
   e.expert_hidden = 704
   e.first_dense = 1
   # Training at 8K: the scanned layers keep the kernels' outputs and their custom-VJP
-  # residuals, and recompute the rest (model/remat.py; benchmarks/train.md: 3% faster than
-  # "kernels" for 11 GiB more).
+  # residuals but KDA's prologue outputs, and recompute the rest (model/remat.py;
+  # benchmarks/train.md: "residuals" was 3% faster than "kernels" for 11 GiB more; the
+  # prologue's second launch costs less than storing q̂, k̂ and G: 2.4 GiB less).
   m.remat = True
-  m.remat_policy = "residuals"
+  m.remat_policy = "residuals_recompute_prologue"
   if arg == "all_mla":
     m.layer_pattern = "A"
   elif arg not in (None, ""):

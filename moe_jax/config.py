@@ -20,7 +20,8 @@ ROUTER_DTYPES = ("", "float32", "bfloat16")   # model.moe.router_dtype; "" = mod
 DISPATCH = ("dropless", "capacity")
 DECODE_DISPATCH = ("auto", "gather", "grouped", "fused")
 GROUPED_MATMULS = ("", "xla", "tokamax", "mosaic")
-REMAT_POLICIES = ("full", "dots", "kernels", "residuals")   # model/remat.py
+REMAT_POLICIES = ("full", "dots", "kernels", "residuals",   # model/remat.py
+                  "residuals_recompute_prologue")
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
 
 

@@ -37,6 +37,10 @@ _TUNE = flags.DEFINE_bool("tune", False, "Time every candidate config and write 
 _TABLE = flags.DEFINE_string("table", gm.TUNED_PATH, "The tuned-config table --tune writes.")
 _BUDGET = flags.DEFINE_float("budget_s", 30.0, "Tuning time per product (seconds).")
 _OUT = flags.DEFINE_string("out", None, "Folder for grouped_matmul.md / .json.")
+_XLA = flags.DEFINE_bool("xla", False, "Also time XLA's own ragged_dot for each product (y, dx: "
+                         "cuDNN's grouped matmul where XLA_FLAGS holds "
+                         "--xla_gpu_experimental_use_ragged_dot_fusion=true; without it XLA "
+                         "emulates it densely, G times the FLOPs).")
 _PEAK_FLOPS = 762e12  # bf16 matmul through JAX, measured on this H200 (shared/device/README.md)
 
 
@@ -108,6 +112,29 @@ def _baseline_fn(product):
   return jax.jit(experts.GPU_PRODUCTS["tokamax"][_PRODUCTS.index(product)])
 
 
+# XLA's ragged_dot_general for each product: dx contracts w's output dim in place (no wᵀ
+# copy); dw is ragged in the contracting dim (the rows).
+_XLA_DIMS = {
+    "y": jax.lax.RaggedDotDimensionNumbers((([1], [1]), ([], [])), [0], [0]),
+    "dx": jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), [0], [0]),
+    "dw": jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), [0], []),
+}
+
+
+def _xla_fn(product):
+  return jax.jit(lambda a, b, sizes: jax.lax.ragged_dot_general(
+      a, b, sizes, _XLA_DIMS[product],
+      preferred_element_type=jnp.float32 if product == "dw" else None))
+
+
+def _xla_cell(x, pct):
+  if x is None:
+    return "—"
+  if "error" in x:
+    return "failed: " + x["error"][:80].replace("|", "/")
+  return f"{x['ms']:.3f} ({x['tflops']:.0f}, {pct(x['tflops']):.0f}%, {x['err']:.1e})"
+
+
 def main(_):
   M, E = _ROWS.value, _EXPERTS.value
   sizes_np = _inputs(M, E)
@@ -149,6 +176,13 @@ def main(_):
       row["mosaic_default"] = {"config": dataclasses.asdict(default), "ms": ms,
                                "tflops": flops / ms / 1e9, "err": err}
       best = (ms, default) if err < 1e-2 else (float("inf"), None)
+      if _XLA.value:
+        try:
+          ms, err = timed(_xla_fn(product))
+          row["xla"] = {"ms": ms, "tflops": flops / ms / 1e9, "err": err}
+        except Exception as e:  # noqa: BLE001 — e.g. no cuDNN plan: recorded, not fatal
+          row["xla"] = {"error": str(e)[:300]}
+        print(f"  {row['key']} xla ragged_dot: {row['xla']}", flush=True)
       if _TUNE.value:
         tried, t0 = [], time.time()
         for cfg in _candidates(product, *key_KN):
@@ -183,8 +217,9 @@ def main(_):
       json.dump(table, fh, indent=1)
   pct = lambda t: 100 * t * 1e12 / _PEAK_FLOPS
   lines = ["| product | baseline | ms (TFLOP/s, % peak) | mosaic, default tile | "
-           "mosaic, tuned tile | tuned config (m, n, k, stages, grid_n) | err vs fp32 |",
-           "|---|---|---|---|---|---|---|"]
+           "mosaic, tuned tile | tuned config (m, n, k, stages, grid_n) | err vs fp32 | "
+           "XLA ragged_dot ms (TFLOP/s, % peak, err) |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in records:
     b, d, t = r["baseline"], r["mosaic_default"], r.get("mosaic_tuned")
     tc = t["config"] if t else None
@@ -194,7 +229,7 @@ def main(_):
         + (f"{t['ms']:.3f} ({t['tflops']:.0f}, {pct(t['tflops']):.0f}%) | "
            f"{tc['block_m']}, {tc['block_n']}, {tc['block_k']}, {tc['stages']}, "
            f"{tc['grid_block_n']} |" if t else "— | — |")
-        + f" {b['err']:.1e} / {d['err']:.1e} |")
+        + f" {b['err']:.1e} / {d['err']:.1e} | {_xla_cell(r.get('xla'), pct)} |")
   table = "\n".join(lines)
   if _OUT.value:
     os.makedirs(_OUT.value, exist_ok=True)

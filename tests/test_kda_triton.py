@@ -220,6 +220,10 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
                                               dict(meta, WITH_STATES=True), triton_gpu.WARPS),
           triton_gpu._kda_recurrence_bwd_triton: ([*st, states, rows(D), S, rows(D), rows(D),
                                                    states, S], meta, triton_gpu.WARPS),
+          triton_gpu._kda_recurrence_grads_triton: (
+              [states, states, rows(D), rows(D), rows(D), rows(D), rows(D), rows(D), rows(C),
+               decay], dict(meta, BK=min(D, triton_gpu.GRADS_BLOCK_K),
+                            BV=min(D, triton_gpu.GRADS_BLOCK_V)), triton_gpu.GRADS_WARPS),
           triton_gpu._kda_tiles_bwd_triton: (tiles, tiles_meta, triton_gpu.TILES_BWD_WARPS),
           triton_gpu._kda_wu_bwd_triton: (wu, wu_meta, triton_gpu.WU_BWD_WARPS),
           prologue_triton._kda_prologue_triton: pro,
@@ -240,6 +244,7 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
   for kernel, (arrays, meta, warps) in _kernel_arrays(4, 8192, 16, D, 64,
                                                       jnp.bfloat16).items():
     fixed = {triton_gpu._kda_tiles_bwd_triton: triton_gpu.TILES_BWD_STAGES,
+             triton_gpu._kda_recurrence_grads_triton: triton_gpu.GRADS_STAGES,
              triton_gpu._kda_wu_bwd_triton: triton_gpu.WU_BWD_STAGES,
              triton_gpu._kda_tiles_triton: triton_gpu.TILES_STAGES,
              triton_gpu._kda_tiles_blocks_triton: triton_gpu.TILES_STAGES,

@@ -130,35 +130,43 @@ def _kernel_launches(fn, *args) -> collections.Counter:
   return counts
 
 
-def test_remat_residuals_policy_runs_each_kernel_forward_once(small_config):
+def test_remat_residuals_policies_run_each_kernel_forward_once(small_config):
   """remat_policy "residuals" saves the kernels' custom-VJP residuals (pallas_kernels/
   residuals.py): the same loss and gradients as "kernels", and the backward pass no longer
-  runs the KDA stage-1 and flash-attention forward kernels a second time. Pallas kernels in
-  interpret mode, packed documents, a KDA and an MLA layer (on the H200 the scanned 1B step
-  launches each forward once too: benchmarks/train.md)."""
+  runs the KDA stage-1 and flash-attention forward kernels a second time.
+  "residuals_recompute_prologue" keeps all but KDA stage 1's q̂, k̂ and G, which the
+  backward rebuilds with a second prologue launch: the same loss and gradients again, twice
+  the prologue launches, no other forward kernel again. Pallas kernels in interpret mode,
+  gate and L2 norm in the prologue, packed documents, a KDA and an MLA layer (on the H200
+  the scanned 1B step launches each forward once too: benchmarks/train.md)."""
   seg = np.concatenate([np.ones((2, 40)), np.full((2, 24), 2)], axis=1)
   batch = _batch(np.arange(128).reshape(2, 64) % 259, seg)
   kw = dict(dtype="float32", layer_pattern="KA", n_layers=2, kda_implementation="pallas_gpu",
-            mla_implementation="gpu", remat=True)
-  kernels = _model(small_config.copy_and_resolve_references(), remat_policy="kernels", **kw)
-  saved = _model(small_config, remat_policy="residuals", **kw)
+            mla_implementation="gpu", remat=True, kda_gate_in_kernel=True)
+  kernels, saved = (_model(small_config.copy_and_resolve_references(), remat_policy=p, **kw)
+                    for p in ("kernels", "residuals"))
+  lean = _model(small_config, remat_policy="residuals_recompute_prologue", **kw)
   variables = nn.meta.unbox(saved.init(jax.random.key(0), batch))
 
   def loss(model):
     return lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
 
   grad = lambda m: jax.value_and_grad(loss(m))
-  (l0, g0), (l1, g1) = (jax.jit(grad(m))(variables["params"]) for m in (kernels, saved))
-  assert np.isfinite(float(l1)) and abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0))
-  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-    assert rel_err(a, b) < 1e-5
-  before = _kernel_launches(grad(kernels), variables["params"])
-  after = _kernel_launches(grad(saved), variables["params"])
+  (l0, g0), (l1, g1), (l2, g2) = (jax.jit(grad(m))(variables["params"])
+                                  for m in (kernels, saved, lean))
+  for l, g in ((l1, g1), (l2, g2)):
+    assert np.isfinite(float(l)) and abs(float(l0) - float(l)) <= 1e-6 * abs(float(l0))
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g0)):
+      assert rel_err(a, b) < 1e-5
+  before, after, lean_n = (_kernel_launches(grad(m), variables["params"])
+                           for m in (kernels, saved, lean))
   assert before["ring_step_fwd"] == 2 * after["ring_step_fwd"] > 0, (before, after)
   for name in ("kda_prologue", "kda_intra_tiles", "kda_intra_solve", "kda_intra_wu"):
     assert before[name] == 2 * after[name] > 0, (name, before, after)
   assert before["ring_step_dq"] == after["ring_step_dq"] > 0
   assert before["kda_intra_wu_bwd"] == after["kda_intra_wu_bwd"] > 0
+  assert lean_n["kda_prologue"] == 2 * after["kda_prologue"], (after, lean_n)
+  assert all(lean_n[n] == after[n] for n in after if n != "kda_prologue"), (after, lean_n)
 
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "triton"])

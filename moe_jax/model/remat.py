@@ -9,6 +9,9 @@
            (pallas_kernels/residuals.py: KDA's stage-1 inputs and outputs, the flash
            attention's output and log-sum-exp): no kernel's forward runs twice, for memory
            (about 1 GB per KDA layer of `long_context_1b` at 8192 × 4).
+  residuals_recompute_prologue  residuals, less KDA stage 1's q̂, k̂ and G (0.27 GB per KDA
+           layer at 8192 × 4 × 16 heads of 64): the backward pass runs KDA's prologue (one
+           launch over q, k and the gate input) again to rebuild them.
 
 Under nn.scan every value the backward pass reads is stored per period (XLA cannot fuse
 a cheap producer into its consumer across the loop), so scanned layers at long context
@@ -30,7 +33,9 @@ def tag(x, name: str):
 
 
 # The names each name-saving policy keeps, on top of the dots.
-SAVED_NAMES = {"kernels": KERNEL_OUTPUTS, "residuals": KERNEL_OUTPUTS + (residuals.NAME,)}
+SAVED_NAMES = {"kernels": KERNEL_OUTPUTS,
+               "residuals": KERNEL_OUTPUTS + (residuals.NAME, residuals.CHEAP),
+               "residuals_recompute_prologue": KERNEL_OUTPUTS + (residuals.NAME,)}
 
 
 def policy(name: str):

@@ -634,7 +634,9 @@ def intra_with_vjp(fwd_call, bwd_call):
   def fwd(q, k, v, G, beta, seg, scale, chunk_size, interpret):
     st, A, T = fwd_call(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
                         interpret=interpret)
-    return st, residuals.tag((q, k, v, G, beta, seg, A, T))
+    # q̂, k̂ and G are the prologue's outputs: a policy may rebuild them with its launch.
+    q, k, G = residuals.tag((q, k, G), residuals.CHEAP)
+    return st, (q, k, *residuals.tag((v,)), G, *residuals.tag((beta, seg, A, T)))
 
   def bwd(scale, chunk_size, interpret, res, d_st):
     q, k, v, G, beta, seg, A, T = res

@@ -2,8 +2,7 @@
 
 pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its time written
 as @triton.jit kernels and called through jax_triton, and the prologue (gate, L2 norm, chunk
-cumsum) in prologue_triton.py; stage 1's triangular solve and stage 2's per-chunk gradient
-kernel stay Pallas.
+cumsum) in prologue_triton.py; stage 1's triangular solve stays Pallas.
 On the H200 the op runs 1.25-1.32x as fast as pallas_gpu forward+backward on every
 benchmark shape (benchmarks/kda.md, 2026-12-03); it is the GPU default where jax_triton is
 installed. Triton pipelines its loops' loads (cp.async, `tl.range(..., num_stages=)`);
@@ -29,8 +28,9 @@ Stage 2:
                               S <- decay * S + Kdᵀ U. Emits O, the final state and, for
                               the backward, each chunk's start state.
   _kda_recurrence_bwd_triton  the same loop in reverse carrying dS: dU0, each chunk's U
-                              and the dS at each chunk's end, for pallas_gpu's gradient
-                              kernel.
+                              and the dS at each chunk's end, for the gradient kernel.
+  _kda_recurrence_grads_triton  grid (K/BK, N, B·H): one chunk's dQg, dKd, dW, dAqk and
+                              d(decay), contracted over V (pallas_gpu's grads kernel).
 
 On a GPU the kernels run through `jax_triton.triton_call`, each compiled on a worker thread
 from the moment it is traced (pallas_kernels/triton_precompile.py); elsewhere Triton's interpreter
@@ -81,6 +81,10 @@ WU_BWD_STAGES = 3
 TILES_BWD_BLOCK_K = 64   # K columns per program of the tiles backward
 TILES_BWD_WARPS = 4
 TILES_BWD_STAGES = 2     # (its loops run ≤ 4 sub-chunks: little to pipeline)
+GRADS_BLOCK_K = 64       # K columns per program of stage 2's per-chunk gradient kernel ...
+GRADS_BLOCK_V = 32       # ... and V columns per step of its loop
+GRADS_WARPS = 8         # (4 warps spill at K = 128: 255 registers)
+GRADS_STAGES = 2
 PROLOGUE_WARPS = 4       # prologue_triton's kernels (one program a chunk, no loop); 8 warps
 PROLOGUE_BWD_WARPS = 4   # were not faster in the op (kda.md, 2026-12-03: -4% to +8%)
 # Shared memory a block may use (opt-in maximum) by compute capability; the default is the
@@ -99,9 +103,18 @@ def _chunk_rows(ptr, row0, n, col, Tp: tl.constexpr, H: tl.constexpr, D: tl.cons
 
 
 @triton.jit
+def _state_block(ptr, i, ik, iv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr):
+  """Block pointer to rows ik·BK … and columns iv·BV … of the i-th [K, V] fp32 state of an
+  array of them."""
+  return tl.make_block_ptr(ptr + i * K * V, (K, V), (V, 1), (ik * BK, iv * BV), (BK, BV),
+                           (1, 0))
+
+
+@triton.jit
 def _state(ptr, i, iv, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
   """Block pointer to columns iv·BV … of the i-th [K, V] fp32 state of an array of them."""
-  return tl.make_block_ptr(ptr + i * K * V, (K, V), (V, 1), (0, iv * BV), (K, BV), (1, 0))
+  return _state_block(ptr, i, 0, iv, K, V, K, BV)
 
 
 @triton.jit
@@ -179,6 +192,49 @@ def _kda_recurrence_bwd_triton(W, U0, Qg, Kd, Aqk, decay, states, dO, dSN,
     dS_KV = tl.dot(tl.trans(Qg_CK), dO_d, acc=dS_KV * decay_K[:, None], input_precision=PREC)
     dS_KV = tl.dot(tl.trans(W_CK), (-dU_CV).to(dt), acc=dS_KV, input_precision=PREC)
   tl.store(_state(dS0, bh, iv, K, V, BV), dS_KV)
+
+
+@triton.jit
+def _kda_recurrence_grads_triton(states, dstates, dO, U, dU0, dW, dQg, dKd, dAqk, ddecay,
+                                 Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                                 V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                                 BV: tl.constexpr, PREC: tl.constexpr,
+                                 NUM_STAGES: tl.constexpr):
+  """The parallel part of stage 2's backward (pallas_gpu._recurrence_grads_kernel), one
+  chunk and BK of K a program, grid (K/BK, N, B·H): with S the chunk's start state and dS
+  the cotangent of its end state, dQg = dO Sᵀ, dKd = U dSᵀ, dW = -dU Sᵀ and
+  d(decay) = Σ_v S ⊙ dS, contracted over V in BV-wide blocks; dAqk = dO Uᵀ (stored by the
+  K block 0 programs). states, dstates [B, H, N, K, V] fp32; dO, U, dU0 [B, Tp, H, V]."""
+  ik = tl.program_id(0)
+  n = tl.program_id(1)
+  bh = tl.program_id(2).to(tl.int64)
+  b, h = bh // H, bh % H
+  N: tl.constexpr = Tp // C
+  dt = U.dtype.element_ty
+  row0 = b * Tp * H + h
+  dQg_CK = tl.full((C, BK), 0.0, tl.float32)
+  dKd_CK = tl.full((C, BK), 0.0, tl.float32)
+  dUS_CK = tl.full((C, BK), 0.0, tl.float32)
+  dAqk_CC = tl.full((C, C), 0.0, tl.float32)
+  dd_K = tl.full((BK,), 0.0, tl.float32)
+  for iv in tl.range(0, V // BV, num_stages=NUM_STAGES):
+    S_KV = tl.load(_state_block(states, bh * N + n, ik, iv, K, V, BK, BV))
+    dS_KV = tl.load(_state_block(dstates, bh * N + n, ik, iv, K, V, BK, BV))
+    dO_CV = tl.load(_chunk_rows(dO, row0, n, iv * BV, Tp, H, V, C, BV)).to(dt)
+    U_CV = tl.load(_chunk_rows(U, row0, n, iv * BV, Tp, H, V, C, BV))
+    dU_CV = tl.load(_chunk_rows(dU0, row0, n, iv * BV, Tp, H, V, C, BV)).to(dt)
+    S_d, dS_d = S_KV.to(dt), dS_KV.to(dt)
+    dQg_CK = tl.dot(dO_CV, tl.trans(S_d), acc=dQg_CK, input_precision=PREC)
+    dKd_CK = tl.dot(U_CV, tl.trans(dS_d), acc=dKd_CK, input_precision=PREC)
+    dUS_CK = tl.dot(dU_CV, tl.trans(S_d), acc=dUS_CK, input_precision=PREC)
+    dAqk_CC = tl.dot(dO_CV, tl.trans(U_CV), acc=dAqk_CC, input_precision=PREC)
+    dd_K += _sum(S_KV * dS_KV, 1)
+  tl.store(_chunk_rows(dQg, row0, n, ik * BK, Tp, H, K, C, BK), dQg_CK.to(dQg.dtype.element_ty))
+  tl.store(_chunk_rows(dKd, row0, n, ik * BK, Tp, H, K, C, BK), dKd_CK.to(dKd.dtype.element_ty))
+  tl.store(_chunk_rows(dW, row0, n, ik * BK, Tp, H, K, C, BK), (-dUS_CK).to(dW.dtype.element_ty))
+  tl.store(ddecay + ((b * N + n) * H + h) * K + ik * BK + tl.arange(0, BK), dd_K)
+  if ik == 0:
+    tl.store(_chunk_rows(dAqk, row0, n, 0, Tp, H, C, C, C), dAqk_CC.to(dAqk.dtype.element_ty))
 
 
 @triton.jit
@@ -714,7 +770,7 @@ def _recurrence_call(st, S0, *, chunk_size, with_states, interpret):
 
 
 def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
-  """The sequential backward in Triton, then pallas_gpu's per-chunk gradient kernel."""
+  """The sequential backward, then the per-chunk gradient kernel."""
   B, Tp, H, K = st["W"].shape
   V = st["U0"].shape[-1]
   C, N, BV, dt = chunk_size, Tp // chunk_size, min(V, BLOCK_V), st["W"].dtype
@@ -726,8 +782,14 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
   args = (st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO, dSN)
   dU0, U, dstates, dS0 = _launch(_kda_recurrence_bwd_triton, (V // BV, B * H), args, out_type,
                                  meta, name="kda_recurrence_bwd_triton", interpret=interpret)
-  return pallas_gpu._recurrence_grads_call(states, dstates, dO, U, dU0, dS0, chunk_size=C,
-                                           interpret=interpret)
+  BK, BVg = min(K, GRADS_BLOCK_K), min(V, GRADS_BLOCK_V)
+  rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
+  out_type = [rows(K), rows(K), rows(K), rows(C), jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  dW, dQg, dKd, dAqk, ddecay = _launch(
+      _kda_recurrence_grads_triton, (K // BK, N, B * H), (states, dstates, dO, U, dU0),
+      out_type, dict(meta, BK=BK, BV=BVg), name="kda_recurrence_grads_triton",
+      interpret=interpret, warps=GRADS_WARPS, stages=GRADS_STAGES)
+  return {"W": dW, "U0": dU0, "Qg": dQg, "Kd": dKd, "Aqk": dAqk, "decay": ddecay}, dS0
 
 
 # Stage 2: Triton's sequential kernels forward and backward, pallas_gpu's per-chunk
