@@ -636,7 +636,8 @@ def intra_with_vjp(fwd_call, bwd_call):
                         interpret=interpret)
     # q̂, k̂ and G are the prologue's outputs: a policy may rebuild them with its launch.
     q, k, G = residuals.tag((q, k, G), residuals.CHEAP)
-    return st, (q, k, *residuals.tag((v,)), G, *residuals.tag((beta, seg, A, T)))
+    v, beta, seg, A, T = residuals.tag((v, beta, seg, A, T))
+    return st, (q, k, v, G, beta, seg, A, T)
 
   def bwd(scale, chunk_size, interpret, res, d_st):
     q, k, v, G, beta, seg, A, T = res

@@ -229,8 +229,10 @@ def _kda_recurrence_grads_triton(states, dstates, dO, U, dU0, dW, dQg, dKd, dAqk
     dUS_CK = tl.dot(dU_CV, tl.trans(S_d), acc=dUS_CK, input_precision=PREC)
     dAqk_CC = tl.dot(dO_CV, tl.trans(U_CV), acc=dAqk_CC, input_precision=PREC)
     dd_K += _sum(S_KV * dS_KV, 1)
-  tl.store(_chunk_rows(dQg, row0, n, ik * BK, Tp, H, K, C, BK), dQg_CK.to(dQg.dtype.element_ty))
-  tl.store(_chunk_rows(dKd, row0, n, ik * BK, Tp, H, K, C, BK), dKd_CK.to(dKd.dtype.element_ty))
+  tl.store(_chunk_rows(dQg, row0, n, ik * BK, Tp, H, K, C, BK),
+           dQg_CK.to(dQg.dtype.element_ty))
+  tl.store(_chunk_rows(dKd, row0, n, ik * BK, Tp, H, K, C, BK),
+           dKd_CK.to(dKd.dtype.element_ty))
   tl.store(_chunk_rows(dW, row0, n, ik * BK, Tp, H, K, C, BK), (-dUS_CK).to(dW.dtype.element_ty))
   tl.store(ddecay + ((b * N + n) * H + h) * K + ik * BK + tl.arange(0, BK), dd_K)
   if ik == 0:
@@ -782,18 +784,29 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
   args = (st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO, dSN)
   dU0, U, dstates, dS0 = _launch(_kda_recurrence_bwd_triton, (V // BV, B * H), args, out_type,
                                  meta, name="kda_recurrence_bwd_triton", interpret=interpret)
-  BK, BVg = min(K, GRADS_BLOCK_K), min(V, GRADS_BLOCK_V)
+  return _recurrence_grads_call(states, dstates, dO, U, dU0, dS0, chunk_size=C,
+                                interpret=interpret)
+
+
+def _recurrence_grads_call(states, dstates, dO, U, dU0, dS0, *, chunk_size, interpret):
+  """pallas_gpu._recurrence_grads_call's contract: the per-chunk cotangents from the
+  sequential kernel's outputs, as the stage-2 backward's (d_st, dS0). Grid (K/BK, N, B·H)."""
+  B, H, N, K, V = states.shape
+  Tp, C, dt = U.shape[1], chunk_size, U.dtype
+  BK, BV = min(K, GRADS_BLOCK_K), min(V, GRADS_BLOCK_V)
   rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
   out_type = [rows(K), rows(K), rows(K), rows(C), jax.ShapeDtypeStruct((B, N, H, K), F32)]
+  meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
+              PREC=_fp32_dots() if dt == F32 else "tf32")
   dW, dQg, dKd, dAqk, ddecay = _launch(
       _kda_recurrence_grads_triton, (K // BK, N, B * H), (states, dstates, dO, U, dU0),
-      out_type, dict(meta, BK=BK, BV=BVg), name="kda_recurrence_grads_triton",
-      interpret=interpret, warps=GRADS_WARPS, stages=GRADS_STAGES)
+      out_type, meta, name="kda_recurrence_grads_triton", interpret=interpret,
+      warps=GRADS_WARPS, stages=GRADS_STAGES)
   return {"W": dW, "U0": dU0, "Qg": dQg, "Kd": dKd, "Aqk": dAqk, "decay": ddecay}, dS0
 
 
-# Stage 2: Triton's sequential kernels forward and backward, pallas_gpu's per-chunk
-# gradient kernel.
+# Stage 2 in Triton: the sequential kernels forward and backward, the per-chunk gradient
+# kernel.
 recurrence = recurrence_with_vjp(_recurrence_call, _recurrence_bwd_call)
 
 
