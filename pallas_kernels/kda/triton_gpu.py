@@ -83,7 +83,7 @@ TILES_BWD_WARPS = 4
 TILES_BWD_STAGES = 2     # (its loops run ≤ 4 sub-chunks: little to pipeline)
 GRADS_BLOCK_K = 64       # K columns per program of stage 2's per-chunk gradient kernel ...
 GRADS_BLOCK_V = 32       # ... and V columns per step of its loop
-GRADS_WARPS = 8         # (4 warps spill at K = 128: 255 registers)
+GRADS_WARPS = 8          # (4 warps spill at K = 128: 255 registers)
 GRADS_STAGES = 2
 PROLOGUE_WARPS = 4       # prologue_triton's kernels (one program a chunk, no loop); 8 warps
 PROLOGUE_BWD_WARPS = 4   # were not faster in the op (kda.md, 2026-12-03: -4% to +8%)
