@@ -6,7 +6,12 @@ chunk_kda, same inputs.
 
 bf16 inputs, K=V=128, bounded gate (lower_bound=-5) computed from raw gate inputs as part of
 the timed function: inside the op as fla's (A_log, dt_bias passed; pallas_gpu's prologue
-kernel), or in XLA before it for "<impl>/xla_gate". Median of --iters runs after warm-up.
+kernel), or in XLA before it for "<impl>/xla_gate". Median of --iters runs after warm-up,
+on scripts/timing.py's two clocks for every row, fla's included: pipelined (fwd_ms: windows
+of calls dispatched back to back, the device's time per call; the ratios' clock) and blocked
+(fwd_ms_blocked: each call waited on). fla's row also has triton's do_bench (_do_bench), the
+clock of fla's own benchmarks and of this table before 2026-12-04, when our rows were
+blocked: that mixed ratio charged our host dispatch and wake-up (about 0.3 ms a call) to us.
 """
 
 import ast
@@ -77,9 +82,11 @@ def floors(B, T, H, C=64):
 
 
 def time_jax(fn, args, iters):
-  """(median ms, output of one call)."""
+  """({"": pipelined ms, "_blocked": blocked ms}, output of one call): scripts/timing.py's
+  two clocks, which time_torch uses for fla too."""
   out = fn(*args)
-  return timing.median_ms(fn, args, iters, warmup=2), out
+  return {"": timing.pipelined_ms(fn, args, iters, warmup=2),
+          "_blocked": timing.median_ms(fn, args, iters, warmup=1)}, out
 
 
 def knob_impl(spec):
@@ -156,9 +163,22 @@ def fla_fns(inp):
   return fwd, fwd_bwd
 
 
-def time_torch(fn):
+def time_torch(fn, iters):
+  """time_jax's clocks for a torch call, and triton's do_bench (CUDA events around each call,
+  L2 flushed between calls: fla's own benchmarks' clock) as "_do_bench"."""
+  import torch
   import triton
-  return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+  wait = lambda _: torch.cuda.synchronize()
+  return {"": timing.host_pipelined_ms(fn, wait, iters), "_blocked":
+          timing.host_median_ms(fn, wait, iters),
+          "_do_bench": triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")}
+
+
+def _ms_fields(fwd, fwd_bwd):
+  """{"fwd_ms": pipelined, "fwd_ms_blocked": ..., "fwd_bwd_ms": ..., ...} from time_jax's or
+  time_torch's clocks."""
+  return {f"{mode}_ms{clock}": ms for mode, by_clock in (("fwd", fwd), ("fwd_bwd", fwd_bwd))
+          for clock, ms in by_clock.items()}
 
 
 def rel(a, b):
@@ -183,7 +203,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
       fwd, fwd_bwd = jax_fns(impl.split("[")[0])
       ms_f, o = time_jax(fwd, args, iters)
       ms_fb, (_, grads) = time_jax(fwd_bwd, args + [do], iters)
-      rows[impl] = {"fwd_ms": ms_f, "fwd_bwd_ms": ms_fb}
+      rows[impl] = _ms_fields(ms_f, ms_fb)
       outs[impl] = np.asarray(o.astype(jnp.float32))
       got = [outs[impl], *(np.asarray(g.astype(jnp.float32)) for g in grads[:5])]
       if first is None:
@@ -202,7 +222,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
     try:
       f, fb = fla_fns(inp)
       o = f().detach().float().cpu().numpy()
-      rows["fla"] = {"fwd_ms": time_torch(f), "fwd_bwd_ms": time_torch(fb)}
+      rows["fla"] = _ms_fields(time_torch(f, iters), time_torch(fb, iters))
       outs["fla"] = o
     except Exception as e:
       rows["fla"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -286,7 +306,8 @@ def run_parallel(shapes, out_dir):
 
 
 def table(results):
-  lines = [f"KDA bf16 K=V=128, {results['device']}, {results['date']}; median ms",
+  lines = [f"KDA bf16 K=V=128, {results['device']}, {results['date']}; median ms, pipelined "
+           "(blocked) clock of scripts/timing.py for every row; fla's do_bench in its row",
            "| BxTxH | impl | fwd ms | fwd+bwd ms | fwd ×fla | fwd+bwd ×fla | fwd tok/s | "
            "%FLOP/%byte floor fwd | %FLOP/%byte floor fwd+bwd | rel err vs fla |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -296,9 +317,13 @@ def table(results):
       if "error" in r:
         lines.append(f"| {shape} | {impl} | error: {r['error'][:80]} |")
         continue
-      ratio = lambda m: (f"{fla[m] / r[m]:.2f}" if m in fla else "-")
+      ratio = lambda m: (f"{fla[m] / r[m]:.2f} ({fla[m + '_blocked'] / r[m + '_blocked']:.2f})"
+                         if m in fla and m + "_blocked" in r else "-")
+      ms = lambda m: (f"{r[m]:.3f} ({r[m + '_blocked']:.3f}"
+                      + (f"; do_bench {r[m + '_do_bench']:.3f}" if m + "_do_bench" in r else "")
+                      + ")") if m + "_blocked" in r else f"{r[m]:.3f}"
       lines.append(
-          f"| {shape} | {impl} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {ratio('fwd_ms')} | "
+          f"| {shape} | {impl} | {ms('fwd_ms')} | {ms('fwd_bwd_ms')} | {ratio('fwd_ms')} | "
           f"{ratio('fwd_bwd_ms')} | {r['fwd_tok_s']:.3g} | {r['fwd_flop_floor_pct']:.1f}/"
           f"{r['fwd_byte_floor_pct']:.1f} | {r['fwd_bwd_flop_floor_pct']:.1f}/"
           f"{r['fwd_bwd_byte_floor_pct']:.1f} | {r.get('rel_err_vs_fla', float('nan')):.2e} |")

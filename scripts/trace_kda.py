@@ -2,6 +2,7 @@
 (xprof's per-op table) and fla's chunk_kda under the torch profiler, same shape and inputs.
 
   python scripts/trace_kda.py --shape=4x8192x16 --impls=triton,pallas_gpu --fla=false --out=$OUT
+  python scripts/trace_kda.py --impls= --fla=true --passes=fwd   # fla's forward kernels only
 
 Each side runs forward and forward+backward 5 times inside its trace; the tables list the
 ops/kernels by total device time (divide by 5 for one call).
@@ -21,6 +22,8 @@ _OUT = flags.FLAGS["out"]  # defined by bench_kda: here the folder for traces an
 # bench_kda's flags: --impls (ours to trace, comma-separated), --fla (fla too; its backward
 # autotunes for minutes a shape).
 _IMPLS, _FLA = flags.FLAGS["impls"], flags.FLAGS["fla"]
+_PASSES = flags.DEFINE_list("passes", ["fwd", "fwd_bwd"], "Which calls to trace: fwd, "
+                             "fwd_bwd (fla's backward autotunes for minutes a shape).")
 _REPS = 5
 
 
@@ -30,6 +33,8 @@ def trace_ours(inp, folder, impl):
           jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
   fwd, fwd_bwd = jax_fns(impl)
   for name, fn, a in (("fwd", fwd, args), ("fwd_bwd", fwd_bwd, args + [bf(inp["do"])])):
+    if name not in _PASSES.value:
+      continue
     jax.block_until_ready(fn(*a))
     d = os.path.join(folder, f"{impl}_{name}")
     with jax.profiler.trace(d):
@@ -43,6 +48,8 @@ def trace_fla(inp):
   from torch.profiler import ProfilerActivity, profile
   f, fb = fla_fns(inp)
   for name, fn in (("fwd", f), ("fwd_bwd", fb)):
+    if name not in _PASSES.value:
+      continue
     for _ in range(3):
       fn()
     torch.cuda.synchronize()
@@ -59,7 +66,7 @@ def main(argv):
   del argv
   B, T, H = map(int, _SHAPE.value.split("x"))
   inp = inputs(B, T, H)
-  for impl in _IMPLS.value.split(","):
+  for impl in filter(None, _IMPLS.value.split(",")):
     trace_ours(inp, _OUT.value or "/tmp/trace_kda", impl)
   if _FLA.value:
     try:

@@ -127,3 +127,28 @@ def test_device_gaps_group_memory_copies_by_their_hlo_op():
       {"ms_per_step": 0.005 / 2, "n_per_step": 0.5, "mb_per_step": 0.0, "kind": "MemcpyD2D",
        "op": "copy_thunk_7"}]
   assert g["copy_arg_names"] == ["bytes_transferred", "hlo_op", "long_name", "num_bytes"]
+
+
+def test_timing_clocks_run_each_call_and_wait_once_a_window():
+  """scripts/timing.py's two clocks, the one pair every library in a comparison is timed
+  with: blocked waits on every call, pipelined on the last call of each window only, and
+  both return a median per call in ms."""
+  import time as time_lib
+  from scripts import timing
+  calls, waits = [], []
+
+  def call():
+    calls.append(1)
+    time_lib.sleep(0.002)
+    return len(calls)
+
+  ms = timing.host_median_ms(call, waits.append, iters=5, warmup=2)
+  assert len(calls) == 7 and waits == list(range(1, 8)) and 2.0 <= ms < 50.0
+  calls.clear(), waits.clear()
+  ms = timing.host_pipelined_ms(call, waits.append, iters=3, calls=4, warmup=1)
+  # one wait for the warm-up call, then one a window, on the window's last call
+  assert len(calls) == 1 + 3 * 4 and waits == [1, 5, 9, 13] and 2.0 <= ms < 50.0
+  f = jax.jit(lambda x: x * 2.0)
+  x = jnp.ones((8,))
+  assert timing.pipelined_ms(f, (x,), iters=2, calls=3) > 0.0
+  assert timing.median_ms(f, (x,), iters=2) > 0.0

@@ -84,6 +84,20 @@ def test_bf16_with_segments_gate_and_l2_norm_in_the_op():
   check_gate_inside_the_op("triton", 2, 100, 2, 32, 32, LB, jnp.bfloat16, 1e-2, 8, 32)
 
 
+@pytest.mark.usefixtures("x64")
+def test_gate_inside_the_op_without_l2_norm_or_padding():
+  """fla's benchmark setting (no L2 norm, no segments, whole chunks): q̂ = q and k̂ = k, so
+  the prologue launches _kda_gate_triton (G only) and its backward _kda_gate_bwd_triton,
+  and dq, dk are the stages' cotangents as they are; outputs and all seven gradients vs
+  fp64."""
+  with mock.patch.object(triton_gpu, "_launch", wraps=triton_gpu._launch) as launch:
+    check_gate_inside_the_op("triton", 1, 64, 2, 32, 32, LB, jnp.float32, 1e-4, 5, 32,
+                             plain=True)
+  names = {c.kwargs["name"] for c in launch.call_args_list}
+  assert {"kda_gate_triton", "kda_gate_bwd_triton"} <= names, names
+  assert not names & {"kda_prologue_triton", "kda_prologue_bwd_triton"}, names
+
+
 def _tiles_bwd_inputs(B, Tp, H, K, C, dtype, rng):
   """The tiles backward's inputs: q, k, a decreasing chunk cumsum G (gates near the bound
   in the first chunk, small after it), a reset inside the first chunk, dA masked to A's
@@ -227,7 +241,12 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
           triton_gpu._kda_tiles_bwd_triton: (tiles, tiles_meta, triton_gpu.TILES_BWD_WARPS),
           triton_gpu._kda_wu_bwd_triton: (wu, wu_meta, triton_gpu.WU_BWD_WARPS),
           prologue_triton._kda_prologue_triton: pro,
-          prologue_triton._kda_prologue_bwd_triton: pro_bwd}
+          prologue_triton._kda_prologue_bwd_triton: pro_bwd,
+          prologue_triton._kda_gate_triton: ([rows(D), per_head, per_head, live, fp32],
+                                             pro_meta, triton_gpu.PROLOGUE_WARPS),
+          prologue_triton._kda_gate_bwd_triton: (
+              [rows(D), per_head, per_head, live, fp32, rows(D), partial, partial], pro_meta,
+              triton_gpu.PROLOGUE_BWD_WARPS)}
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -250,7 +269,9 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
              triton_gpu._kda_tiles_blocks_triton: triton_gpu.TILES_STAGES,
              triton_gpu._kda_wu_triton: triton_gpu.WU_STAGES,   # stage 1's, as launched
              prologue_triton._kda_prologue_triton: 1,            # (no loop)
-             prologue_triton._kda_prologue_bwd_triton: 1}
+             prologue_triton._kda_prologue_bwd_triton: 1,
+             prologue_triton._kda_gate_triton: 1,
+             prologue_triton._kda_gate_bwd_triton: 1}
     stages = fixed.get(kernel) or triton_gpu._fitting_stages(kernel, arrays, meta, warps)
     compiled = triton_gpu.build(kernel, arrays, meta, stages, warps=warps)
     shared = compiled.metadata.shared
@@ -288,6 +309,9 @@ def test_gpu_extreme_gates(gates):
 @pytest.mark.usefixtures("x64")
 def test_gpu_training_path():
   check_gate_inside_the_op("triton", 2, 1000, 16, 128, 128, LB, jnp.bfloat16, 1e-2, 8, 64)
+  # fla's benchmark setting: the gate-only prologue (no L2 norm, no padding)
+  check_gate_inside_the_op("triton", 2, 1024, 16, 128, 128, LB, jnp.bfloat16, 1e-2, 9, 64,
+                           plain=True)
 
 
 @pytest.mark.gpu

@@ -703,8 +703,10 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
   q, k, v, g, beta, live_BxT, reset_BxT = reference.pad_to_chunks(C, q, k, v, g, beta,
                                                                   live_BxT, reset_BxT)
   a_HK, bias_HK = _gate_params(A_log, dt_bias, H, K)
+  # q̂ = q and k̂ = k without the L2 norm and padding: the prologue need not copy them.
+  qk = qk_l2norm or segment_ids is not None or T % C != 0
   q, k, G = prologue(q, k, g, a_HK, bias_HK, live_BxT, dt, gate, lower_bound, qk_l2norm, C,
-                     interpret)
+                     interpret, qk)
   seg = reference.chunk_segments(reset_BxT, C)
   if lower_bound is not None:
     st = stage1(q, k, v, G, beta, seg, scale, chunk_size, interpret)

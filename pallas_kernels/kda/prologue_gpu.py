@@ -117,7 +117,8 @@ def _params(interpret):
 
 
 def _prologue_call(q, k, f, a_HK, bias_HK, live, *, dtype, gate, lower_bound, l2norm,
-                   chunk_size, interpret):
+                   chunk_size, interpret, qk=True):
+  del qk   # these kernels always write q̂ and k̂ (equal to q and k where qk is False)
   if gate not in GATES:
     raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
   B, Tp, H, K = q.shape
@@ -133,7 +134,8 @@ def _prologue_call(q, k, f, a_HK, bias_HK, live, *, dtype, gate, lower_bound, l2
 
 
 def _prologue_bwd_call(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG, *, gate, lower_bound,
-                       l2norm, chunk_size, interpret):
+                       l2norm, chunk_size, interpret, qk=True):
+  del qk
   B, Tp, H, K = q.shape
   C, N = chunk_size, Tp // chunk_size
   rows, per_head, live_spec, per_chunk = _specs(C, K)
@@ -153,12 +155,14 @@ def _prologue_bwd_call(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG, *, gate, lowe
 def prologue_with_vjp(call, bwd_call):
   """The prologue as a custom VJP over these launchers (this module's Pallas kernels, or
   prologue_triton's): call(q, k, f, a_HK, bias_HK, live, dtype=, gate=, lower_bound=,
-  l2norm=, chunk_size=, interpret=) -> (q̂, k̂, G); bwd_call(..., dqn, dkn, dG, gate=, ...)
-  -> (dq, dk, df, per-chunk da and dbias [B, N, H, K] fp32)."""
+  l2norm=, chunk_size=, interpret=, qk=) -> (q̂, k̂, G); bwd_call(..., dqn, dkn, dG, gate=,
+  ...) -> (dq, dk, df, per-chunk da and dbias [B, N, H, K] fp32). qk=False promises q̂ = q
+  and k̂ = k (no L2 norm, no padding, q and k already in `dtype`): a launcher may then return
+  them and dq̂, dk̂ as they are instead of copying them through its kernel."""
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
   def prologue(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_size,
-               interpret):
+               interpret, qk=True):
     """(q̂, k̂ in `dtype`, G fp32), each [B, Tp, H, K]; Tp a multiple of chunk_size.
 
     f is the gate input (the log-decay g itself for gate "none"); a_HK = exp(A_log) and
@@ -166,20 +170,21 @@ def prologue_with_vjp(call, bwd_call):
     """
     return call(q, k, f, a_HK, bias_HK, live, dtype=dtype, gate=gate,
                 lower_bound=lower_bound, l2norm=l2norm, chunk_size=chunk_size,
-                interpret=interpret)
+                interpret=interpret, qk=qk)
 
   def fwd(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm, chunk_size,
-          interpret):
+          interpret, qk=True):
     out = prologue(q, k, f, a_HK, bias_HK, live, dtype, gate, lower_bound, l2norm,
-                   chunk_size, interpret)
+                   chunk_size, interpret, qk)
     return out, residuals.tag((q, k, f, a_HK, bias_HK, live))
 
-  def bwd(dtype, gate, lower_bound, l2norm, chunk_size, interpret, res, cts):
+  def bwd(dtype, gate, lower_bound, l2norm, chunk_size, interpret, qk, res, cts):
     q, k, f, a_HK, bias_HK, live = res
     dqn, dkn, dG = cts
     dq, dk, df, da_BNHK, dbias_BNHK = bwd_call(
         q, k, f, a_HK, bias_HK, live, dqn, dkn, dG.astype(F32), gate=gate,
-        lower_bound=lower_bound, l2norm=l2norm, chunk_size=chunk_size, interpret=interpret)
+        lower_bound=lower_bound, l2norm=l2norm, chunk_size=chunk_size, interpret=interpret,
+        qk=qk)
     da_HK = jnp.sum(da_BNHK, axis=(0, 1)).astype(a_HK.dtype)
     dbias_HK = jnp.sum(dbias_BNHK, axis=(0, 1)).astype(bias_HK.dtype)
     return dq, dk, df, da_HK, dbias_HK, None

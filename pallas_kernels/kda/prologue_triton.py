@@ -14,7 +14,12 @@ version's failure with every gate at the bound).
   forward   q̂ = live·q/‖q‖, k̂ = live·k/‖k‖; g = live·gate(f); G = cumsum of g in the chunk
   backward  dg = reverse cumsum of dG; df, dq, dk elementwise; the gate's parameter
             gradients as per-chunk column sums [B, N, H, K], summed by the caller.
+
+Without the L2 norm and padding (qk=False), q̂ = q and k̂ = k: _kda_gate_triton and
+_kda_gate_bwd_triton do the gate's half alone, and q, k and dq̂, dk̂ pass through unchanged.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -89,15 +94,9 @@ def _normalise_bwd(x, dxn, dx, row0, n, live_C1, Tp: tl.constexpr, H: tl.constex
 
 
 @triton.jit
-def _kda_prologue_triton(q, k, f, a, bias, live, qn, kn, G,
-                         Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                         C: tl.constexpr, GATE: tl.constexpr, LOWER: tl.constexpr,
-                         L2NORM: tl.constexpr, NUM_STAGES: tl.constexpr):
-  """q, k, f [B, Tp, H, K]; a, bias [H, K] fp32; live [B, Tp] int32 -> q̂, k̂ (their dtype),
-  G fp32: one chunk of one (b, h)."""
-  n, b, h, row0, live_C1 = _program(live, Tp, H, C)
-  _normalise(q, qn, row0, n, live_C1, Tp, H, K, C, L2NORM)
-  _normalise(k, kn, row0, n, live_C1, Tp, H, K, C, L2NORM)
+def _gate_cumsum(f, a, bias, live_C1, G, row0, n, h, Tp: tl.constexpr, H: tl.constexpr,
+                 K: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr, LOWER: tl.constexpr):
+  """G = cumsum over the chunk of live·gate(f), fp32."""
   i_K = tl.arange(0, K)
   a_1K = tl.load(a + h * K + i_K)[None, :]
   bias_1K = tl.load(bias + h * K + i_K)[None, :]
@@ -108,16 +107,35 @@ def _kda_prologue_triton(q, k, f, a, bias, live, qn, kn, G,
 
 
 @triton.jit
-def _kda_prologue_bwd_triton(q, k, f, a, bias, live, dqn, dkn, dG, dq, dk, df, da, dbias,
-                             Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                             C: tl.constexpr, GATE: tl.constexpr, LOWER: tl.constexpr,
-                             L2NORM: tl.constexpr, NUM_STAGES: tl.constexpr):
-  """The prologue's cotangents for one chunk: dq, dk, df in their inputs' dtypes; da and
-  dbias (fp32 [B, N, H, K]) this chunk's column sums of dg·dg/da and df."""
-  N: tl.constexpr = Tp // C
+def _kda_prologue_triton(q, k, f, a, bias, live, qn, kn, G,
+                         Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                         C: tl.constexpr, GATE: tl.constexpr, LOWER: tl.constexpr,
+                         L2NORM: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """q, k, f [B, Tp, H, K]; a, bias [H, K] fp32; live [B, Tp] int32 -> q̂, k̂ (their dtype),
+  G fp32: one chunk of one (b, h)."""
   n, b, h, row0, live_C1 = _program(live, Tp, H, C)
-  _normalise_bwd(q, dqn, dq, row0, n, live_C1, Tp, H, K, C, L2NORM)
-  _normalise_bwd(k, dkn, dk, row0, n, live_C1, Tp, H, K, C, L2NORM)
+  _normalise(q, qn, row0, n, live_C1, Tp, H, K, C, L2NORM)
+  _normalise(k, kn, row0, n, live_C1, Tp, H, K, C, L2NORM)
+  _gate_cumsum(f, a, bias, live_C1, G, row0, n, h, Tp, H, K, C, GATE, LOWER)
+
+
+@triton.jit
+def _kda_gate_triton(f, a, bias, live, G, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                     C: tl.constexpr, GATE: tl.constexpr, LOWER: tl.constexpr,
+                     L2NORM: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """_kda_prologue_triton's G alone, where q̂ = q and k̂ = k (qk=False): a copy of q and k
+  is half of the prologue's bytes."""
+  n, b, h, row0, live_C1 = _program(live, Tp, H, C)
+  _gate_cumsum(f, a, bias, live_C1, G, row0, n, h, Tp, H, K, C, GATE, LOWER)
+
+
+@triton.jit
+def _gate_bwd(f, a, bias, live_C1, dG, df, da, dbias, row0, n, b, h, Tp: tl.constexpr,
+              H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, GATE: tl.constexpr,
+              LOWER: tl.constexpr):
+  """dg = reverse cumsum of dG; df in f's dtype; this chunk's column sums of dg·dg/da and df
+  into da and dbias."""
+  N: tl.constexpr = Tp // C
   i_K = tl.arange(0, K)
   dG_CK = tl.load(_chunk_rows(dG, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
   dg_CK = tl.associative_scan(dG_CK, 0, tl.standard._sum_combine, reverse=True)
@@ -138,6 +156,29 @@ def _kda_prologue_bwd_triton(q, k, f, a, bias, live, dqn, dkn, dG, dq, dk, df, d
     tl.store(dbias + part, _sum(df_CK, 0))
 
 
+@triton.jit
+def _kda_prologue_bwd_triton(q, k, f, a, bias, live, dqn, dkn, dG, dq, dk, df, da, dbias,
+                             Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                             C: tl.constexpr, GATE: tl.constexpr, LOWER: tl.constexpr,
+                             L2NORM: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """The prologue's cotangents for one chunk: dq, dk, df in their inputs' dtypes; da and
+  dbias (fp32 [B, N, H, K]) this chunk's column sums of dg·dg/da and df."""
+  n, b, h, row0, live_C1 = _program(live, Tp, H, C)
+  _normalise_bwd(q, dqn, dq, row0, n, live_C1, Tp, H, K, C, L2NORM)
+  _normalise_bwd(k, dkn, dk, row0, n, live_C1, Tp, H, K, C, L2NORM)
+  _gate_bwd(f, a, bias, live_C1, dG, df, da, dbias, row0, n, b, h, Tp, H, K, C, GATE, LOWER)
+
+
+@triton.jit
+def _kda_gate_bwd_triton(f, a, bias, live, dG, df, da, dbias, Tp: tl.constexpr,
+                         H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                         GATE: tl.constexpr, LOWER: tl.constexpr, L2NORM: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
+  """_kda_prologue_bwd_triton's df, da and dbias alone (qk=False: dq = dq̂, dk = dk̂)."""
+  n, b, h, row0, live_C1 = _program(live, Tp, H, C)
+  _gate_bwd(f, a, bias, live_C1, dG, df, da, dbias, row0, n, b, h, Tp, H, K, C, GATE, LOWER)
+
+
 def _meta(q, gate, lower_bound, l2norm, chunk_size):
   if gate not in GATE_CODES:
     raise ValueError(f"gate must be one of {tuple(GATE_CODES)}, got {gate!r}")
@@ -146,31 +187,46 @@ def _meta(q, gate, lower_bound, l2norm, chunk_size):
               LOWER=float(lower_bound or 0.0), L2NORM=bool(l2norm))
 
 
+def _launch(shape, meta, warps, interpret, kernel, args, out_type):
+  """One program per (chunk, b·h), no loop to pipeline; named after the kernel."""
+  B, Tp, H, _ = shape
+  return triton_gpu._launch(kernel, (Tp // meta["C"], B * H), args, out_type, meta,
+                            name=kernel.__name__[1:], interpret=interpret, warps=warps,
+                            stages=1)
+
+
 def prologue_call(q, k, f, a_HK, bias_HK, live, *, dtype, gate, lower_bound, l2norm,
-                  chunk_size, interpret):
-  """prologue_gpu._prologue_call's (q̂, k̂ in `dtype`, G fp32). Grid (N, B·H)."""
+                  chunk_size, interpret, qk=True):
+  """prologue_gpu._prologue_call's (q̂, k̂ in `dtype`, G fp32). Grid (N, B·H). qk=False: q̂
+  and k̂ are q and k, returned as they are, and only G is computed (_kda_gate_triton)."""
   meta = _meta(q, gate, lower_bound, l2norm, chunk_size)
   B, Tp, H, K = q.shape
   out = jax.ShapeDtypeStruct((B, Tp, H, K), dtype)
-  out_type = [out, out, jax.ShapeDtypeStruct((B, Tp, H, K), F32)]
-  return triton_gpu._launch(_kda_prologue_triton, (Tp // chunk_size, B * H),
-                            (q, k, f, a_HK, bias_HK, live.astype(jnp.int32)), out_type, meta,
-                            name="kda_prologue_triton", interpret=interpret,
-                            warps=triton_gpu.PROLOGUE_WARPS, stages=1)
+  G_type = jax.ShapeDtypeStruct((B, Tp, H, K), F32)
+  launch = functools.partial(_launch, q.shape, meta, triton_gpu.PROLOGUE_WARPS, interpret)
+  if not qk and triton_gpu.GATE_ONLY_PROLOGUE:
+    G, = launch(_kda_gate_triton, (f, a_HK, bias_HK, live.astype(jnp.int32)), [G_type])
+    return q.astype(dtype), k.astype(dtype), G
+  return launch(_kda_prologue_triton, (q, k, f, a_HK, bias_HK, live.astype(jnp.int32)),
+                [out, out, G_type])
 
 
 def prologue_bwd_call(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG, *, gate, lower_bound,
-                      l2norm, chunk_size, interpret):
-  """prologue_gpu._prologue_bwd_call's (dq, dk, df, per-chunk da and dbias)."""
+                      l2norm, chunk_size, interpret, qk=True):
+  """prologue_gpu._prologue_bwd_call's (dq, dk, df, per-chunk da and dbias); qk=False: dq and
+  dk are dq̂ and dk̂ in q's and k's dtypes (_kda_gate_bwd_triton for the rest)."""
   meta = _meta(q, gate, lower_bound, l2norm, chunk_size)
   B, Tp, H, K = q.shape
   like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   partial = jax.ShapeDtypeStruct((B, Tp // chunk_size, H, K), F32)
-  args = (q, k, f, a_HK, bias_HK, live.astype(jnp.int32), dqn, dkn, dG)
-  return triton_gpu._launch(_kda_prologue_bwd_triton, (Tp // chunk_size, B * H), args,
-                            [like(q), like(k), like(f), partial, partial], meta,
-                            name="kda_prologue_bwd_triton", interpret=interpret,
-                            warps=triton_gpu.PROLOGUE_BWD_WARPS, stages=1)
+  launch = functools.partial(_launch, q.shape, meta, triton_gpu.PROLOGUE_BWD_WARPS, interpret)
+  live = live.astype(jnp.int32)
+  if not qk and triton_gpu.GATE_ONLY_PROLOGUE:
+    df, da, dbias = launch(_kda_gate_bwd_triton, (f, a_HK, bias_HK, live, dG),
+                           [like(f), partial, partial])
+    return dqn.astype(q.dtype), dkn.astype(k.dtype), df, da, dbias
+  return launch(_kda_prologue_bwd_triton, (q, k, f, a_HK, bias_HK, live, dqn, dkn, dG),
+                [like(q), like(k), like(f), partial, partial])
 
 
 # The prologue with these kernels forward and backward (prologue_gpu.prologue's contract).

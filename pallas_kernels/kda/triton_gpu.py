@@ -87,6 +87,9 @@ GRADS_WARPS = 8          # (4 warps spill at K = 128: 255 registers)
 GRADS_STAGES = 2
 PROLOGUE_WARPS = 4       # prologue_triton's kernels (one program a chunk, no loop); 8 warps
 PROLOGUE_BWD_WARPS = 4   # were not faster in the op (kda.md, 2026-12-03: -4% to +8%)
+GATE_ONLY_PROLOGUE = True   # where q̂ = q and k̂ = k (no L2 norm, no padding): the prologue
+                            # computes G alone; False copies q and k through it (kda.md,
+                            # 2026-12-04)
 # Shared memory a block may use (opt-in maximum) by compute capability; the default is the
 # smallest of these.
 MAX_SHARED = {80: 166912, 87: 166912, 90: 232448, 100: 232448}
