@@ -12,6 +12,8 @@ of calls dispatched back to back, the device's time per call; the ratios' clock)
 (fwd_ms_blocked: each call waited on). fla's row also has triton's do_bench (_do_bench), the
 clock of fla's own benchmarks and of this table before 2026-12-04, when our rows were
 blocked: that mixed ratio charged our host dispatch and wake-up (about 0.3 ms a call) to us.
+Every row also records its wall time with compiles (row_s; fla's first_fwd_s: its first
+call, compiles and any autotuning), what a device call's plan needs.
 """
 
 import ast
@@ -199,6 +201,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
       for impl, _, settings in [knob_impl(k)]]
   for impl, knobs in variants:
     undo = set_knobs(knobs)
+    start = time.perf_counter()
     try:
       fwd, fwd_bwd = jax_fns(impl.split("[")[0])
       ms_f, o = time_jax(fwd, args, iters)
@@ -215,18 +218,23 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
       log.write(traceback.format_exc())
     finally:
       undo()
+    rows[impl]["row_s"] = time.perf_counter() - start   # compiles included: plans device calls
     # Each row as soon as it exists: fla's autotuning (minutes) may outlive a time limit.
     print(f"{B}x{T}x{H}", impl, json.dumps(rows[impl]), flush=True)
     on_row(rows)
   if _FLA.value:
+    start = time.perf_counter()
     try:
       f, fb = fla_fns(inp)
       o = f().detach().float().cpu().numpy()
+      first_fwd_s = time.perf_counter() - start    # fla's compiles (and any autotuning)
       rows["fla"] = _ms_fields(time_torch(f, iters), time_torch(fb, iters))
+      rows["fla"]["first_fwd_s"] = first_fwd_s
       outs["fla"] = o
     except Exception as e:
       rows["fla"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       log.write(traceback.format_exc())
+    rows["fla"]["row_s"] = time.perf_counter() - start
     print(f"{B}x{T}x{H}", "fla", json.dumps(rows["fla"]), flush=True)
   ref = outs.get("fla")
   for impl, o in outs.items():

@@ -62,14 +62,25 @@ undo()
 assert (triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K) == before
 with pytest.raises(ValueError, match="triton_gpu has no 'NOT_A_KNOB'"):
   bench_kda.set_knobs("triton:NOT_A_KNOB=1")
+import io, time
+from absl import flags
+flags.FLAGS(["bench_kda", "--fla=false"])
+start = time.perf_counter()
+rows = bench_kda.bench_shape(1, 64, 1, ["xla"], 2, io.StringIO())
+assert set(rows) == {"xla"}, rows
+row = rows["xla"]
+assert 0 < row["row_s"] <= time.perf_counter() - start, row
+assert all(row[f"{m}_ms{c}"] > 0 for m in ("fwd", "fwd_bwd") for c in ("", "_blocked")), row
 print("ok")
 """
 
 
 def test_bench_kda_knobs_set_either_module_and_undo():
   """bench_kda's --knobs rows: 'triton:' sets triton_gpu's knobs for a triton row, anything
-  else pallas_gpu's; the undo restores them; an unknown knob is a ValueError naming it. In
-  its own process: bench_kda and bench_train both define --out."""
+  else pallas_gpu's; the undo restores them; an unknown knob is a ValueError naming it. And
+  a row at a tiny shape on CPU (xla): both clocks, and its wall time with compiles (row_s,
+  what plans a device call). In its own process: bench_kda and bench_train both define
+  --out."""
   run = subprocess.run([sys.executable, "-c", _KNOB_CHECK], cwd=ROOT, capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
