@@ -3,6 +3,7 @@
 
   python scripts/trace_kda.py --shape=4x8192x16 --impls=triton,pallas_gpu --fla=false --out=$OUT
   python scripts/trace_kda.py --impls= --fla=true --passes=fwd   # fla's forward kernels only
+  python scripts/trace_kda.py --impls=triton --knobs=triton:TRITON_SOLVE=True --fla=false
 
 Each side runs forward and forward+backward 5 times inside its trace; the tables list the
 ops/kernels by total device time (divide by 5 for one call).
@@ -14,20 +15,23 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from scripts.bench_kda import fla_fns, inputs, jax_fns
+from scripts.bench_kda import fla_fns, inputs, jax_fns, knob_impl, set_knobs
 from scripts.xprof_tables import hlo_op_table
 
 _SHAPE = flags.DEFINE_string("shape", "4x8192x16", "BxTxH (K=V=128).")
 _OUT = flags.FLAGS["out"]  # defined by bench_kda: here the folder for traces and tables
 # bench_kda's flags: --impls (ours to trace, comma-separated), --fla (fla too; its backward
-# autotunes for minutes a shape).
-_IMPLS, _FLA = flags.FLAGS["impls"], flags.FLAGS["fla"]
+# autotunes for minutes a shape), --knobs (one more trace per setting, e.g.
+# --knobs=triton:TRITON_SOLVE=True).
+_IMPLS, _FLA, _KNOBS = flags.FLAGS["impls"], flags.FLAGS["fla"], flags.FLAGS["knobs"]
 _PASSES = flags.DEFINE_list("passes", ["fwd", "fwd_bwd"], "Which calls to trace: fwd, "
                              "fwd_bwd (fla's backward autotunes for minutes a shape).")
 _REPS = 5
 
 
-def trace_ours(inp, folder, impl):
+def trace_ours(inp, folder, impl, label=None):
+  """impl's forward and forward+backward under the profiler, in folder/<label>_<pass>."""
+  label = label or impl
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   args = [bf(inp["q"]), bf(inp["k"]), bf(inp["v"]), bf(inp["x"]), bf(inp["beta"]),
           jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
@@ -36,11 +40,11 @@ def trace_ours(inp, folder, impl):
     if name not in _PASSES.value:
       continue
     jax.block_until_ready(fn(*a))
-    d = os.path.join(folder, f"{impl}_{name}")
+    d = os.path.join(folder, f"{label}_{name}")
     with jax.profiler.trace(d):
       for _ in range(_REPS):
         jax.block_until_ready(fn(*a))
-    print(hlo_op_table(d, f"{impl} {name}, {_REPS} calls"), flush=True)
+    print(hlo_op_table(d, f"{label} {name}, {_REPS} calls"), flush=True)
 
 
 def trace_fla(inp):
@@ -66,8 +70,17 @@ def main(argv):
   del argv
   B, T, H = map(int, _SHAPE.value.split("x"))
   inp = inputs(B, T, H)
+  folder = _OUT.value or "/tmp/trace_kda"
   for impl in filter(None, _IMPLS.value.split(",")):
-    trace_ours(inp, _OUT.value or "/tmp/trace_kda", impl)
+    trace_ours(inp, folder, impl)
+  for spec in _KNOBS.value:   # the knob rows of bench_kda, traced
+    impl, _, settings = knob_impl(spec)
+    undo = set_knobs(spec)
+    try:
+      # (no brackets: the trace folder's name is globbed when the table is read)
+      trace_ours(inp, folder, impl, f"{impl}-{settings}".replace("=", "-").replace(",", "_"))
+    finally:
+      undo()
   if _FLA.value:
     try:
       trace_fla(inp)
