@@ -74,8 +74,9 @@ TILES_BY_TILE = None      # _kda_tiles_blocks_triton (only the tiles left of the
                           # each one dot over K): None = from K = 128 up, where it measured
                           # faster (H200, 4×8192×16: 0.85 → 0.74 ms; 0.55 → 0.57 at K = 64)
 TRITON_SOLVE = False      # T from _kda_solve_triton, not pallas_gpu's solve kernel: tested on
-SOLVE_WARPS = 4           # CPU and compiled for sm_90a, not yet timed on the H200 (kda.md,
+                          # CPU and compiled for sm_90a, not yet timed on the H200 (kda.md,
                           # 2026-12-04): off until it is measured faster
+SOLVE_WARPS = 4           # its launch width (sm_90a: 72 registers, no spills)
 WU_BLOCK = 64            # K / V columns per step of the W/U forward (one program a chunk)
 WU_WARPS = 8
 WU_STAGES = 2
