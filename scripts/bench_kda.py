@@ -34,7 +34,8 @@ from pallas_kernels.kda import kda, kda_gate, pallas_gpu
 from scripts import timing
 
 _SHAPES = flags.DEFINE_string("shapes", "1x8192x16,4x8192x16,1x32768x16,1x65536x32,8x4096x32",
-                              "Comma-separated BxTxH.")
+                              "Comma-separated BxTxH, or BxTxHxK for K = V other than 128 "
+                              "(long_context_1b's heads: 64).")
 _IMPLS = flags.DEFINE_string("impls", "triton,pallas_gpu,xla", "Our implementations to time "
                              "(impl/xla_gate: the gate in XLA before the op, the old path).")
 _FLA = flags.DEFINE_bool("fla", True, "Time fla too (its autotuning takes minutes a shape).")
@@ -73,9 +74,17 @@ def inputs(B, T, H, seed=0, dim=_DIM):
   }
 
 
-def floors(B, T, H, C=64):
+def parse_shape(shape):
+  """(B, T, H, K) of 'BxTxH' (K = 128) or 'BxTxHxK'."""
+  dims = tuple(map(int, shape.split("x")))
+  if len(dims) not in (3, 4):
+    raise ValueError(f"shape {shape!r}: expected BxTxH or BxTxHxK")
+  return dims if len(dims) == 4 else dims + (_DIM,)
+
+
+def floors(B, T, H, C=64, dim=_DIM):
   """FLOPs of the chunked algorithm's matmuls and the fewest bytes moved (bf16 tensors)."""
-  K = V = _DIM
+  K = V = dim
   per_chunk = 3 * C * C * K + 2 * C * C * V + 6 * C * K * V
   fwd_flops = B * H * (T // C) * per_chunk
   fwd_bytes = B * T * H * (2 * (3 * K + 2 * V) + 2)
@@ -188,8 +197,8 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
-  inp = inputs(B, T, H)
+def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None, dim=_DIM):
+  inp = inputs(B, T, H, dim=dim)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   args = [bf(inp["q"]), bf(inp["k"]), bf(inp["v"]), bf(inp["x"]), bf(inp["beta"]),
           jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
@@ -240,7 +249,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None):
   for impl, o in outs.items():
     if ref is not None and impl != "fla":
       rows[impl]["rel_err_vs_fla"] = rel(o, ref)
-  fl = floors(B, T, H)
+  fl = floors(B, T, H, dim=dim)
   for r in rows.values():
     if "fwd_ms" in r:
       for mode in ("fwd", "fwd_bwd"):
@@ -264,9 +273,9 @@ def run_shapes(shapes, impls, out_dir):
 
   with open(os.path.join(out_dir, "bench_kda.log"), "w") as log:
     for shape in shapes:
-      B, T, H = map(int, shape.split("x"))
+      B, T, H, D = parse_shape(shape)
       rows = bench_shape(B, T, H, impls, _ITERS.value, log,
-                         on_row=functools.partial(save, shape))
+                         on_row=functools.partial(save, shape), dim=D)
       save(shape, rows)
       print(shape, json.dumps(rows), flush=True)
   return results

@@ -3,7 +3,7 @@
 
   python scripts/trace_kda.py --shape=4x8192x16 --impls=triton,pallas_gpu --fla=false --out=$OUT
   python scripts/trace_kda.py --impls= --fla=true --passes=fwd   # fla's forward kernels only
-  python scripts/trace_kda.py --impls=triton --knobs=triton:TRITON_SOLVE=True --fla=false
+  python scripts/trace_kda.py --impls=triton --knobs=triton:WU_STAGES=3 --fla=false
 
 Each side runs forward and forward+backward 5 times inside its trace; the tables list the
 ops/kernels by total device time (divide by 5 for one call).
@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from scripts.bench_kda import fla_fns, inputs, jax_fns, knob_impl, set_knobs
+from scripts.bench_kda import fla_fns, inputs, jax_fns, knob_impl, parse_shape, set_knobs
 from scripts.xprof_tables import hlo_op_table
 
-_SHAPE = flags.DEFINE_string("shape", "4x8192x16", "BxTxH (K=V=128).")
+_SHAPE = flags.DEFINE_string("shape", "4x8192x16", "BxTxH (K=V=128) or BxTxHxK.")
 _OUT = flags.FLAGS["out"]  # defined by bench_kda: here the folder for traces and tables
 # bench_kda's flags: --impls (ours to trace, comma-separated), --fla (fla too; its backward
 # autotunes for minutes a shape), --knobs (one more trace per setting, e.g.
-# --knobs=triton:TRITON_SOLVE=True).
+# --knobs=triton:WU_STAGES=3).
 _IMPLS, _FLA, _KNOBS = flags.FLAGS["impls"], flags.FLAGS["fla"], flags.FLAGS["knobs"]
 _PASSES = flags.DEFINE_list("passes", ["fwd", "fwd_bwd"], "Which calls to trace: fwd, "
                              "fwd_bwd (fla's backward autotunes for minutes a shape).")
@@ -68,8 +68,8 @@ def trace_fla(inp):
 
 def main(argv):
   del argv
-  B, T, H = map(int, _SHAPE.value.split("x"))
-  inp = inputs(B, T, H)
+  B, T, H, D = parse_shape(_SHAPE.value)
+  inp = inputs(B, T, H, dim=D)
   folder = _OUT.value or "/tmp/trace_kda"
   for impl in filter(None, _IMPLS.value.split(",")):
     trace_ours(inp, folder, impl)

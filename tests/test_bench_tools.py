@@ -62,11 +62,16 @@ undo()
 assert (triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K) == before
 with pytest.raises(ValueError, match="triton_gpu has no 'NOT_A_KNOB'"):
   bench_kda.set_knobs("triton:NOT_A_KNOB=1")
+assert bench_kda.parse_shape("2x64x4") == (2, 64, 4, 128)
+assert bench_kda.parse_shape("2x64x4x64") == (2, 64, 4, 64)
+with pytest.raises(ValueError, match="'2x64': expected BxTxH or BxTxHxK"):
+  bench_kda.parse_shape("2x64")
+assert bench_kda.floors(1, 64, 1, dim=16)["fwd"][1] == 64 * (2 * 5 * 16 + 2)
 import io, time
 from absl import flags
 flags.FLAGS(["bench_kda", "--fla=false"])
 start = time.perf_counter()
-rows = bench_kda.bench_shape(1, 64, 1, ["xla"], 2, io.StringIO())
+rows = bench_kda.bench_shape(1, 64, 1, ["xla"], 2, io.StringIO(), dim=16)
 assert set(rows) == {"xla"}, rows
 row = rows["xla"]
 assert 0 < row["row_s"] <= time.perf_counter() - start, row
@@ -77,8 +82,9 @@ print("ok")
 
 def test_bench_kda_knobs_set_either_module_and_undo():
   """bench_kda's --knobs rows: 'triton:' sets triton_gpu's knobs for a triton row, anything
-  else pallas_gpu's; the undo restores them; an unknown knob is a ValueError naming it. And
-  a row at a tiny shape on CPU (xla): both clocks, and its wall time with compiles (row_s,
+  else pallas_gpu's; the undo restores them; an unknown knob is a ValueError naming it. A
+  shape may name its head width (BxTxHxK). And a row at a tiny shape on CPU (xla, K = 16):
+  both clocks, and its wall time with compiles (row_s,
   what plans a device call). In its own process: bench_kda and bench_train both define
   --out."""
   run = subprocess.run([sys.executable, "-c", _KNOB_CHECK], cwd=ROOT, capture_output=True,

@@ -135,10 +135,9 @@ def test_stage1_equals_the_pallas_kernels(dtype):
   v = jnp.asarray(rng.normal(size=(B, Tp, H, V)) * 0.3, dtype)
   beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
   st, A, T = pallas_gpu.intra_pallas(q, k, v, G, beta, seg, **kw)
-  # both tiles kernels (the second, K >= 128's default); T from pallas_gpu's solve kernel
-  # (the default) and from _kda_solve_triton
-  for by_tile, solve in [(False, False), (True, False), (True, True)]:
-    with mock.patch.multiple(triton_gpu, TILES_BY_TILE=by_tile, TRITON_SOLVE=solve):
+  # both tiles kernels (the second, K >= 128's default)
+  for by_tile in (False, True):
+    with mock.patch.object(triton_gpu, "TILES_BY_TILE", by_tile):
       ours, A_ours, T_ours = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
     assert float(jnp.abs(st["decay"]).max()) > 0.01
     for name, a, b in [("A", A_ours, A), ("T", T_ours, T),
@@ -159,30 +158,6 @@ def test_stage1_equals_the_pallas_kernels(dtype):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     tol = 2 ** -8 if dt == jnp.bfloat16 else 1e-6
     assert np.abs(a - b).max() <= tol * np.abs(b).max(), name
-
-
-def test_solve_equals_the_pallas_kernel_at_every_chunk_size():
-  """T = (I + Diag(β)A)^-1 from _kda_solve_triton against pallas_gpu's solve kernel, fp32,
-  at chunk sizes 16 (one block, no dots) to 128, with a segment reset inside each chunk (A
-  zero across it) and β from 0 to 1: the same substitution and block formulas, so within
-  rounding."""
-  B, Tp, H = 1, 256, 2
-  rng = np.random.default_rng(3)
-  for C in (16, 32, 64, 128):
-    seg = (np.arange(Tp) % C >= C // 2 + 1)
-    t, s = np.arange(Tp)[:, None], np.arange(Tp)[None, :]
-    support = (t // C == s // C) & (t > s) & (seg[:, None] == seg[None, :])
-    A_full = rng.normal(size=(B, H, Tp, Tp)) * 0.3 * support              # [.., t, s]
-    A = jnp.asarray(np.stack([A_full[:, :, t, (t // C) * C:(t // C + 1) * C]
-                              for t in range(Tp)], axis=1), jnp.float32)  # [B, Tp, H, C]
-    beta = jnp.asarray(rng.uniform(0.0, 1.0, size=(B, Tp, H)), jnp.float32)
-    ref = pallas_gpu.solve_call(A, beta, chunk_size=C, interpret=True)
-    T = triton_gpu.solve_call(A, beta, chunk_size=C, interpret=True)
-    assert T.shape == ref.shape and T.dtype == jnp.float32, C
-    _close(T, ref, 1e-6, f"T at chunk {C}")
-    chunks = lambda x: np.asarray(x).reshape(B, Tp // C, C, H, -1).transpose(0, 3, 1, 2, 4)
-    L = np.eye(C) + chunks(beta[..., None]) * chunks(A)              # [B, H, N, C, C]
-    assert np.abs(chunks(T) @ L - np.eye(C)).max() < 1e-5, C         # T is L's inverse
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -254,10 +229,7 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
              triton_gpu.PROLOGUE_BWD_WARPS)
   by_tile = (fwd_tiles[0], {n: v for n, v in fwd_tiles[1].items() if n != "BK"},
              triton_gpu.TILES_WARPS)
-  solve = ([rows(C, jnp.float32), beta, rows(C, jnp.float32)],
-           dict(Tp=Tp, H=H, C=C, PREC="tf32"), triton_gpu.SOLVE_WARPS)
   return {triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
-          triton_gpu._kda_solve_triton: solve,
           triton_gpu._kda_tiles_blocks_triton: by_tile,
           triton_gpu._kda_recurrence_triton: ([*st, S, rows(D), S, states],
                                               dict(meta, WITH_STATES=True), triton_gpu.WARPS),
@@ -297,7 +269,6 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
              triton_gpu._kda_tiles_triton: triton_gpu.TILES_STAGES,
              triton_gpu._kda_tiles_blocks_triton: triton_gpu.TILES_STAGES,
              triton_gpu._kda_wu_triton: triton_gpu.WU_STAGES,   # stage 1's, as launched
-             triton_gpu._kda_solve_triton: 1,                    # (no pipelined loop)
              prologue_triton._kda_prologue_triton: 1,            # (no loop)
              prologue_triton._kda_prologue_bwd_triton: 1,
              prologue_triton._kda_gate_triton: 1,

@@ -2,8 +2,8 @@
 
 pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its time written
 as @triton.jit kernels and called through jax_triton, and the prologue (gate, L2 norm, chunk
-cumsum) in prologue_triton.py; stage 1's triangular solve stays Pallas by default
-(_kda_solve_triton, its Triton form, is behind TRITON_SOLVE until it is timed).
+cumsum) in prologue_triton.py; stage 1's triangular solve stays Pallas (a Triton form,
+substitution in registers, took 3.8x its time on the H200: benchmarks/kda.md, 2026-12-04).
 On the H200 the op runs 1.25-1.32x as fast as pallas_gpu forward+backward on every
 benchmark shape (benchmarks/kda.md, 2026-12-03); it is the GPU default where jax_triton is
 installed. Triton pipelines its loops' loads (cp.async, `tl.range(..., num_stages=)`);
@@ -16,8 +16,6 @@ Stage 1 (bounded gates):
                               program there), K in BK-wide column blocks.
   _kda_tiles_blocks_triton    the same rows tile by tile, only the [16, 16] tiles left of
                               the diagonal, each one dot over all of K (K ≥ 128's choice).
-  _kda_solve_triton           grid (N, B·H): T = (I + Diag(β)A)^-1 of one chunk, as
-                              pallas_gpu._solve_kernel (TRITON_SOLVE; off by default).
   _kda_wu_triton              grid (N, B·H): W, U0, Qg, Kd and the decay from T (bf16
                               inputs: dots on bf16 operands, as fla's recompute_w_u).
   _kda_wu_bwd_triton          grid (N, B·H): dT over column blocks, then dA (for the tiles
@@ -68,15 +66,13 @@ STAGES = 3           # chunks in flight in the recurrence loop, fewer where they
 #   tiles_bwd  64 / 4 / 2               1.13 / 1.96 (Pallas + XLA's add of the W/U parts
 #                                       1.70 / 2.95; 32 columns 1.39 / 2.67)
 TILES_BLOCK_K = 32       # K columns per step of the tiles forward (one program a sub-chunk)
-TILES_WARPS = 2
+TILES_WARPS = 1          # as fla's intra_sub_chunk: 8×4096×32 op forward 3.133 → 2.842 ms,
+                         # 4×8192×16 1.606 → 1.461 (H200, kda.md, thirty-sixth session);
+                         # 247 registers, no spills
 TILES_STAGES = 2
 TILES_BY_TILE = None      # _kda_tiles_blocks_triton (only the tiles left of the diagonal,
                           # each one dot over K): None = from K = 128 up, where it measured
                           # faster (H200, 4×8192×16: 0.85 → 0.74 ms; 0.55 → 0.57 at K = 64)
-TRITON_SOLVE = False      # T from _kda_solve_triton, not pallas_gpu's solve kernel: tested on
-                          # CPU and compiled for sm_90a, not yet timed on the H200 (kda.md,
-                          # 2026-12-04): off until it is measured faster
-SOLVE_WARPS = 4           # its launch width (sm_90a: 72 registers, no spills)
 WU_BLOCK = 64            # K / V columns per step of the W/U forward (one program a chunk)
 WU_WARPS = 8
 WU_STAGES = 2
@@ -338,51 +334,6 @@ def _kda_tiles_blocks_triton(q, k, G, seg, A, Aqk,
     tl.store(_chunk_rows(A, row0, r, c * L, Tp, H, C, L, L), tl.full((L, L), 0.0, tl.float32))
     tl.store(_chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
              tl.full((L, L), 0.0, tl.float32).to(Aqk.dtype.element_ty))
-
-
-@triton.jit
-def _kda_solve_triton(A, beta, T, Tp: tl.constexpr, H: tl.constexpr, C: tl.constexpr,
-                      PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
-  """pallas_gpu._solve_kernel for one chunk (grid (N, B·H)): T = (I + Diag(β)A)^-1, fp32.
-  The S = C/16 diagonal 16×16 blocks by forward substitution, all at once in registers
-  ([S, 16, 16], rows picked with masks); then block row a, top to bottom, from the rows
-  above it, which this program has just stored: T_a,<a = -T_aa (βA)_a,<a T_<a, two dots."""
-  L: tl.constexpr = 16
-  S: tl.constexpr = C // L
-  n = tl.program_id(0)
-  bh = tl.program_id(1).to(tl.int64)
-  b, h = bh // H, bh % H
-  row0 = b * Tp * H + h
-  i_S, i_L, i_C = tl.arange(0, S), tl.arange(0, L), tl.arange(0, C)
-  r_SL = n * C + i_S[:, None] * L + i_L[None, :]                      # rows of block a
-  beta_SL = tl.load(beta + (b * Tp + r_SL) * H + h).to(tl.float32)
-  below = i_L[:, None] > i_L[None, :]
-  N_SLL = beta_SL[:, :, None] * tl.load(
-      A + ((row0 + r_SL * H) * C)[:, :, None] + (i_S[:, None, None] * L + i_L[None, None, :]),
-      mask=below[None, :, :], other=0.0)                                # βA's diagonal blocks
-  T_SLL = tl.broadcast_to(tl.where((i_L[:, None] == i_L[None, :])[None, :, :], 1.0, 0.0),
-                          (S, L, L))
-  for i in range(1, L):   # row i of every block: T_i = e_i - Σ_{j<i} N_ij T_j
-    pick = (i_L == i)[None, :, None]
-    n_SL = _sum(tl.where(pick, N_SLL, 0.0), 1)
-    t_SL = tl.where(i_L[None, :] == i, 1.0, 0.0) - _sum(n_SL[:, :, None] * T_SLL, 1)
-    T_SLL = tl.where(pick, t_SL[:, None, :], T_SLL)
-  rows_C = ((row0 + (n * C + i_C) * H) * C)[:, None] + i_C[None, :]      # T's [C, C] offsets
-  for a in tl.static_range(S):
-    T_aa = _sum(tl.where((i_S == a)[:, None, None], T_SLL, 0.0), 0)
-    row_L = ((row0 + (n * C + a * L + i_L) * H) * C)[:, None]
-    if a > 0:
-      tl.debug_barrier()        # block rows < a, stored below, seen by every thread
-      T_CC = tl.load(T + rows_C, mask=(i_C < a * L)[:, None], other=0.0)
-      beta_L = tl.load(beta + (b * Tp + n * C + a * L + i_L) * H + h).to(tl.float32)
-      N_LC = beta_L[:, None] * tl.load(A + row_L + i_C[None, :],
-                                       mask=(i_C < a * L)[None, :], other=0.0)
-      R_LC = -tl.dot(T_aa, tl.dot(N_LC, T_CC, input_precision=PREC), input_precision=PREC)
-      tl.store(T + row_L + i_C[None, :], R_LC, mask=(i_C < a * L)[None, :])
-    tl.store(T + row_L + a * L + i_L[None, :], T_aa)
-    if a < S - 1:
-      tl.store(T + row_L + i_C[None, :], tl.full((L, C), 0.0, tl.float32),
-               mask=(i_C >= (a + 1) * L)[None, :])
 
 
 @triton.jit
@@ -895,20 +846,10 @@ def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
                  stages=WU_STAGES)
 
 
-def solve_call(A, beta, *, chunk_size, interpret):
-  """pallas_gpu.solve_call's T (fp32) from _kda_solve_triton. Grid (N, B·H)."""
-  B, Tp, H, C = A.shape
-  return _launch(_kda_solve_triton, (Tp // chunk_size, B * H), (A, beta),
-                 [jax.ShapeDtypeStruct(A.shape, F32)],
-                 dict(Tp=Tp, H=H, C=chunk_size, PREC=_fp32_dots()), name="kda_solve_triton",
-                 interpret=interpret, warps=SOLVE_WARPS, stages=1)[0]
-
-
 def intra_triton(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
   """Stage 1's forward: (stage-1 outputs, A, T) as pallas_gpu.intra_pallas returns them."""
   A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=chunk_size, interpret=interpret)
-  solve = solve_call if TRITON_SOLVE else pallas_gpu.solve_call
-  T = solve(A, beta, chunk_size=chunk_size, interpret=interpret)
+  T = pallas_gpu.solve_call(A, beta, chunk_size=chunk_size, interpret=interpret)
   W, U0, Qg, Kd, decay = wu_call(T, q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
                                  interpret=interpret)
   return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
