@@ -76,9 +76,10 @@ def inputs(B, T, H, seed=0, dim=_DIM):
 
 def parse_shape(shape):
   """(B, T, H, K) of 'BxTxH' (K = 128) or 'BxTxHxK'."""
-  dims = tuple(map(int, shape.split("x")))
-  if len(dims) not in (3, 4):
-    raise ValueError(f"shape {shape!r}: expected BxTxH or BxTxHxK")
+  parts = shape.split("x")
+  if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+    raise ValueError(f"--shapes entry {shape!r}: expected BxTxH or BxTxHxK, positive integers")
+  dims = tuple(map(int, parts))
   return dims if len(dims) == 4 else dims + (_DIM,)
 
 
@@ -203,6 +204,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None, dim=_DIM):
   args = [bf(inp["q"]), bf(inp["k"]), bf(inp["v"]), bf(inp["x"]), bf(inp["beta"]),
           jnp.asarray(inp["A_log"]), jnp.asarray(inp["dt_bias"])]
   do = bf(inp["do"])
+  label = f"{B}x{T}x{H}" + (f"x{dim}" if dim != _DIM else "")
   rows, outs = {}, {}
   first = None   # (row, its output and gradients): every later row is checked against it
   variants = [(impl, "") for impl in impls] + [
@@ -229,7 +231,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None, dim=_DIM):
       undo()
     rows[impl]["row_s"] = time.perf_counter() - start   # compiles included: plans device calls
     # Each row as soon as it exists: fla's autotuning (minutes) may outlive a time limit.
-    print(f"{B}x{T}x{H}", impl, json.dumps(rows[impl]), flush=True)
+    print(label, impl, json.dumps(rows[impl]), flush=True)
     on_row(rows)
   if _FLA.value:
     start = time.perf_counter()
@@ -244,7 +246,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None, dim=_DIM):
       rows["fla"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
       log.write(traceback.format_exc())
     rows["fla"]["row_s"] = time.perf_counter() - start
-    print(f"{B}x{T}x{H}", "fla", json.dumps(rows["fla"]), flush=True)
+    print(label, "fla", json.dumps(rows["fla"]), flush=True)
   ref = outs.get("fla")
   for impl, o in outs.items():
     if ref is not None and impl != "fla":

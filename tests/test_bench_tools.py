@@ -64,8 +64,9 @@ with pytest.raises(ValueError, match="triton_gpu has no 'NOT_A_KNOB'"):
   bench_kda.set_knobs("triton:NOT_A_KNOB=1")
 assert bench_kda.parse_shape("2x64x4") == (2, 64, 4, 128)
 assert bench_kda.parse_shape("2x64x4x64") == (2, 64, 4, 64)
-with pytest.raises(ValueError, match="'2x64': expected BxTxH or BxTxHxK"):
-  bench_kda.parse_shape("2x64")
+for bad in ("2x64", "2x64x4x64x1", "2xax4", "2x0x4"):
+  with pytest.raises(ValueError, match=f"--shapes entry '{bad}': expected BxTxH or BxTxHxK"):
+    bench_kda.parse_shape(bad)
 assert bench_kda.floors(1, 64, 1, dim=16)["fwd"][1] == 64 * (2 * 5 * 16 + 2)
 import io, time
 from absl import flags
