@@ -8,7 +8,6 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from configs import tiny
 from moe_jax.data import pipeline
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
