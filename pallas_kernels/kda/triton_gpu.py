@@ -60,7 +60,8 @@ WARPS = 4
 STAGES = 3           # chunks in flight in the recurrence loop, fewer where they do not fit
 # Stage 1 (H200, 4×8192×16, scripts/profile_kda_stages.py --triton_stage1; benchmarks/kda.md,
 # 2026-12-03), ms at K = V = 64 / 128 against pallas_gpu's kernels:
-#   tiles      32 / 2 warps / 2 stages  0.466 / 0.757 (Pallas 0.524 / 0.775; 4 warps 0.56-1.20)
+#   tiles      32 / 2 warps / 2 stages  0.466 / 0.757 (Pallas 0.524 / 0.775; 4 warps 0.56-1.20;
+#                                       1 warp since, measured in the op: TILES_WARPS)
 #   wu         32 / 4 / 2               0.447 / 0.662 (Pallas 0.711 / 0.940)
 #   wu_bwd     32 / 4 / 3               0.984 / 1.684 (Pallas 1.40 / 2.19; 8 warps 1.3-2.5)
 #   tiles_bwd  64 / 4 / 2               1.13 / 1.96 (Pallas + XLA's add of the W/U parts
