@@ -152,6 +152,10 @@ def get_config(arg=None):
   # no Triton GEMM fusions, cuBLAS for every product (11-18 s off; benchmarks/train.md);
   # no dynamic-slice fusions, which ran KDA's Triton kernels twice in the scanned layers
   # (1B: 11.5 ms of kernel time a step and 6 s of compile off).
+  # The train step as two programs, gradients then update (train/step.py jit_step_halves):
+  # XLA optimises a program on one thread, so the halves compile side by side (the 1B's
+  # cold compile on the H200: 28.5 s against 36.5 for the one program).
+  t.split_step = True
   t.xla_flags = ("--xla_gpu_autotune_level=1 --xla_gpu_enable_triton_gemm=false "
                  "--xla_gpu_enable_dynamic_slice_fusion=false")
   g = t.guard = ml_collections.ConfigDict()  # divergence guard (moe_jax/train/guard.py)

@@ -160,6 +160,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _positive_int("checkpoint.every_steps", c.checkpoint.every_steps)
   _positive_int("checkpoint.max_to_keep", c.checkpoint.max_to_keep)
   _validate_guard(c.train.guard)
+  if not isinstance(c.train.get("split_step"), bool):
+    _fail("train.split_step", c.train.get("split_step"), "True or False")
   if "rl" in c:
     _validate_rl(c)
   for axis in MESH_AXES:

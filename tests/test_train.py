@@ -6,6 +6,7 @@ import sys
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.data import pipeline
@@ -106,7 +107,9 @@ def test_resume_is_exact(small_config, tmp_path):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
 
-def test_nonfinite_gradient_is_skipped_and_counted(small_config):
+def test_split_step_equals_one_program_and_skips_a_nonfinite_gradient(small_config):
+  """The two-program step (train.split_step, what train.py runs) against the one-program
+  step on a good batch; then a NaN gradient is skipped and counted, and training goes on."""
   c = small_config
   mesh = make_mesh(c.mesh)
   srcs = pipeline.sources(c)
@@ -115,9 +118,19 @@ def test_nonfinite_gradient_is_skipped_and_counted(small_config):
   model = HybridMoE(state_lib.frozen_model_config(c))
   state, shardings = state_lib.create_train_state(model, optim.make_optimizer(c), batch, mesh,
                                                   jax.random.key(0))
-  train_step = step_lib.jit_train_step(c, shardings, state_lib.batch_sharding(mesh))
+  batch_sh = state_lib.batch_sharding(mesh)
+  want, want_m = step_lib.jit_train_step(c, shardings, batch_sh)(jax.tree.map(jnp.copy, state),
+                                                                  batch)
+  train_step = step_lib.SplitStep(*step_lib.jit_step_halves(c, shardings, batch_sh))
   state, m = train_step(state, batch)  # one good step so the moments are non-trivial
-  assert int(m["skipped_updates"]) == 0
+  assert int(m["skipped_updates"]) == 0 and int(state.step) == 1
+  assert sorted(m) == sorted(want_m)
+  for k in m:
+    np.testing.assert_allclose(np.asarray(m[k]), np.asarray(want_m[k]), rtol=1e-5, atol=1e-7,
+                               err_msg=k)
+  for a, b in zip(jax.tree.leaves((state.params, state.opt_state, state.router)),
+                  jax.tree.leaves((want.params, want.opt_state, want.router))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
   before = jax.device_get(state)
 
   bad = dict(next(batches))

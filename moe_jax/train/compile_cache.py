@@ -166,15 +166,37 @@ def _abstract(x):
   return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
-def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | None = None,
-             donate: tuple = (), timings: dict | None = None):
-  """`jitted`, traced on `args` (arrays or ShapeDtypeStructs with shardings) and compiled,
-  called as jitted(*args) is. With the store off (enable("")), just lower and compile. With
-  it on, the trace is loaded from the store when it holds one under the same key (module
-  doc), else exported and stored; either way the Program compiles the exported call.
-  `known` names output subtrees by an example of their structure; `donate` lists donated argument
-  positions; `devices` are the program's devices in mesh order. `timings` gets "lower"
-  (trace + export, or the load), "compile", and "executable": "loaded" or "traced"."""
+class Lowered:
+  """A program traced (or loaded) and lowered, not yet compiled. `out_info`: its outputs
+  as ShapeDtypeStructs, in the jitted function's output structure."""
+
+  def __init__(self, lowered, out_info, timings: dict, wrap=None):
+    self._lowered, self.out_info, self._timings, self._wrap = lowered, out_info, timings, wrap
+
+  def compile(self):
+    """The executable (a Program where the store is on); timings gets "compile"."""
+    t = time.perf_counter()
+    executable = self._lowered.compile()
+    self._timings["compile"] = time.perf_counter() - t
+    return self._wrap(executable) if self._wrap else executable
+
+
+def compiled(jitted, args: tuple, **kwargs):
+  """`lower(jitted, args, **kwargs).compile()`: `jitted` traced on `args` and compiled,
+  called as jitted(*args) is."""
+  return lower(jitted, args, **kwargs).compile()
+
+
+def lower(jitted, args: tuple, *, name: str, config, devices, known: dict | None = None,
+          donate: tuple = (), timings: dict | None = None) -> Lowered:
+  """`jitted` traced on `args` (arrays or ShapeDtypeStructs with shardings) and lowered.
+  With the store off (enable("")), just lower. With it on, the trace is loaded from the
+  store when it holds one under the same key (module doc), else exported and stored;
+  either way the exported call is lowered (and later compiled, which jax's cache answers
+  on a restart). `known` names output subtrees by an example of their structure; `donate`
+  lists donated argument positions; `devices` are the program's devices in mesh order.
+  `timings` gets "lower" (trace + export, or the load), "executable": "loaded" or
+  "traced", and "compile" once compiled."""
   timings = {} if timings is None else timings
   known = {k: jax.tree.structure(v) for k, v in (known or {}).items()}
   leaves, in_tree = jax.tree.flatten(args)
@@ -184,7 +206,7 @@ def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | N
   t = time.perf_counter()
   timings["executable"] = "traced"
   if not _STORE["dir"]:
-    return _lower_and_compile(jitted, args, timings, t)
+    return _lowered(jitted, args, timings, t)
   base = os.path.join(_STORE["dir"], f"{name}-{key(name, config, args, list(devices))}")
   exported = out_tree = None
   if os.path.exists(base + ".json"):
@@ -211,20 +233,20 @@ def compiled(jitted, args: tuple, *, name: str, config, devices, known: dict | N
     except Exception as e:  # e.g. a kernel's custom call not in _KERNEL_TARGETS: no store
       logging.warning("compile_cache: %s cannot be exported (%s: %s); compiling it directly",
                       name, type(e).__name__, e)
-      return _lower_and_compile(jitted, args, timings, t)
+      return _lowered(jitted, args, timings, t)
     out_tree = box["out_tree"]
     _store(base, exported, jax.tree.unflatten(out_tree, [0] * out_tree.num_leaves), known)
   call = jax.jit(exported.call, donate_argnums=donated)
-  return Program(_lower_and_compile(call, abstract, timings, t), in_tree, out_tree)
+  lowered = call.lower(*abstract)
+  timings["lower"] = time.perf_counter() - t
+  return Lowered(lowered, jax.tree.unflatten(out_tree, jax.tree.leaves(lowered.out_info)),
+                 timings, lambda executable: Program(executable, in_tree, out_tree))
 
 
-def _lower_and_compile(jitted, args, timings: dict, t: float):
+def _lowered(jitted, args, timings: dict, t: float) -> Lowered:
   lowered = jitted.lower(*args)
   timings["lower"] = time.perf_counter() - t
-  t = time.perf_counter()
-  executable = lowered.compile()
-  timings["compile"] = time.perf_counter() - t
-  return executable
+  return Lowered(lowered, lowered.out_info, timings)
 
 
 def _store(base: str, exported, out_example, known: dict):

@@ -195,20 +195,40 @@ def start(c, mesh, model, tx, example_batch, manager, train_iter, start_from=Non
   (Init waiting for the step's lowering, so that its trace leaves the GIL to the step's,
   measured slower on the H200: the two XLA compiles then overlap; benchmarks/train.md.)
 
+  With train.split_step the step is two programs (step.jit_step_halves): the update half
+  traces and compiles on this second thread while the gradient half compiles on a third.
+
   Returns (state, resumed step or None, state shardings, batch sharding, compiled train
-  step, timings: seconds "init_or_restore", "lower", "compile", "wall", and "executable":
+  step, timings: seconds "init_or_restore", "lower", "compile" (the gradient half's, with
+  the update half's as "update_lower", "update_compile"), "wall", and "executable":
   "traced", or "loaded" from compile_cache's store)."""
   t0 = time.perf_counter()
   abstract, state_sh, init = state_lib.train_state_plan(model, tx, example_batch, mesh, c)
   batch_sh = state_lib.batch_sharding(mesh)
   batch = state_lib.abstract_batch(c, example_batch, batch_sh)
-  jitted = step_lib.jit_train_step(c, state_sh, batch_sh)
   timings = {}
+  common = dict(config=c, devices=list(mesh.devices.flat), known={"state": abstract})
 
   def compile_step():
-    return compile_cache.compiled(jitted, (abstract, batch), name="train_step", config=c,
-                                  devices=mesh.devices.flat, known={"state": abstract},
-                                  donate=(0,), timings=timings)
+    if not c.train.split_step:
+      return compile_cache.compiled(step_lib.jit_train_step(c, state_sh, batch_sh),
+                                    (abstract, batch), name="train_step", donate=(0,),
+                                    timings=timings, **common)
+    grad_fn, update_fn = step_lib.jit_step_halves(c, state_sh, batch_sh)
+    grads = compile_cache.lower(grad_fn, (abstract, batch), name="train_grads",
+                                timings=timings, **common)
+    grads_abstract, out_abstract = grads.out_info
+    with concurrent.futures.ThreadPoolExecutor(1) as second:   # both halves compile at once
+      grads_compiling = second.submit(grads.compile)
+      update_timings = {}
+      update = compile_cache.lower(update_fn, (abstract, grads_abstract, out_abstract),
+                                   name="train_update", donate=(0,), timings=update_timings,
+                                   **common).compile()
+      grads = grads_compiling.result()
+    timings.update({f"update_{k}": v for k, v in update_timings.items()})
+    if update_timings["executable"] != timings["executable"]:
+      timings["executable"] = "traced"
+    return step_lib.SplitStep(grads, update)
 
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     compiling = pool.submit(compile_step)
