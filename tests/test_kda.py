@@ -2,6 +2,8 @@
 gradients w.r.t. q, k, v, g, beta, initial_state — plus segments, extreme gates, the gate,
 and input validation. Pallas kernels run in interpret mode on CPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,24 @@ def _loss_and_grads(fn, args, S0, w_o, w_S):
   return jax.value_and_grad(loss, argnums=range(6))(*args, S0)
 
 
+def _outputs_and_grads(fn, args, S0, w_o, w_S):
+  """((o, S), gradients w.r.t. all six inputs of Σ o·w_o + Σ S·w_S): one forward and one
+  backward (the same gradients as _loss_and_grads, whose loss casts o and S to float64)."""
+  (o, S), pullback = jax.vjp(fn, *args, S0)
+  return (o, S), pullback((jnp.asarray(w_o, o.dtype), jnp.asarray(w_S, S.dtype)))
+
+
+@functools.cache
+def _spec_case(B, T, H, K, V, seed, weights_seed):
+  """The float64 spec's (inputs, w_o, w_S, (o, S), gradients) for a shape: computed once for
+  all the implementations a test compares with it."""
+  (q, k, v, g, beta), S0 = _inputs(B, T, H, K, V, seed=seed)
+  rng = np.random.default_rng(weights_seed)
+  w_o, w_S = rng.normal(size=(B, T, H, V)), rng.normal(size=(B, H, K, V))
+  out, grads = _outputs_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
+  return (q, k, v, g, beta), S0, w_o, w_S, out, grads
+
+
 def _spec(q, k, v, g, beta, S0):
   return reference.kda_recurrent(q, k, v, g, beta, initial_state=S0)
 
@@ -60,16 +80,11 @@ CASES = [  # (B, T, H, K, V, chunk): T = 1, T < chunk (16 of 32; 17 of 64, one 1
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}K{}V{}C{}".format(*c))
 def test_fp32_matches_fp64_spec_with_gradients(impl, case):
   B, T, H, K, V, chunk = case
-  (q, k, v, g, beta), S0 = _inputs(B, T, H, K, V, seed=T)
-  rng = np.random.default_rng(1)
-  w_o, w_S = rng.normal(size=(B, T, H, V)), rng.normal(size=(B, H, K, V))
-  ref_val, ref_grads = _loss_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
+  (q, k, v, g, beta), S0, w_o, w_S, (o_ref, S_ref), ref_grads = _spec_case(B, T, H, K, V, T, 1)
   f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
-  o, S = _impl(impl, chunk)(*f32, S0.astype(jnp.float32))
-  o_ref, S_ref = _spec(q, k, v, g, beta, S0)
+  (o, S), grads = _outputs_and_grads(_impl(impl, chunk), f32, S0.astype(jnp.float32), w_o, w_S)
   assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V) and o.dtype == jnp.float32
   assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
-  _, grads = _loss_and_grads(_impl(impl, chunk), f32, S0.astype(jnp.float32), w_o, w_S)
   for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
     assert np.isfinite(np.asarray(a)).all(), name
     assert rel_err(a, b) <= 1e-4, name
@@ -78,16 +93,11 @@ def test_fp32_matches_fp64_spec_with_gradients(impl, case):
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
 def test_bf16_inputs_within_1e2(impl):
   B, T, H, K, V = 2, 100, 2, 64, 32
-  (q, k, v, g, beta), S0 = _inputs(B, T, H, K, V, seed=11)
-  rng = np.random.default_rng(2)
-  w_o, w_S = rng.normal(size=(B, T, H, V)), rng.normal(size=(B, H, K, V))
-  _, ref_grads = _loss_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
-  o_ref, _ = _spec(q, k, v, g, beta, S0)
+  (q, k, v, g, beta), S0, w_o, w_S, (o_ref, _), ref_grads = _spec_case(B, T, H, K, V, 11, 2)
   bf = tuple(x.astype(jnp.bfloat16) for x in (q, k, v, beta))
   args = (bf[0], bf[1], bf[2], g.astype(jnp.float32), bf[3])
-  o, _ = _impl(impl, 64)(*args, S0.astype(jnp.float32))
+  (o, _), grads = _outputs_and_grads(_impl(impl, 64), args, S0.astype(jnp.float32), w_o, w_S)
   assert o.dtype == jnp.bfloat16 and rel_err(o, o_ref) <= 1e-2
-  _, grads = _loss_and_grads(_impl(impl, 64), args, S0.astype(jnp.float32), w_o, w_S)
   for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
     assert rel_err(a, b) <= 1e-2, name
 

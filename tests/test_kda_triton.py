@@ -18,7 +18,8 @@ from pallas_kernels.kda import (kda, pallas_gpu, prologue_gpu, prologue_triton, 
 from scripts.kernel_registers import triton_report
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
-from tests.test_kda import LB, _impl, _inputs, _loss_and_grads, _spec, check_gate_inside_the_op
+from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,
+                             check_gate_inside_the_op)
 
 
 @pytest.mark.usefixtures("x64")
@@ -27,16 +28,12 @@ def test_fp32_matches_fp64_spec_with_gradients():
   state; outputs, final state and all six gradients. (B = 2, chunk 32 and packed segments:
   the bf16 test below.)"""
   B, T, H, K, V, chunk = 1, 130, 2, 32, 64, 64
-  (q, k, v, g, beta), S0 = _inputs(B, T, H, K, V, seed=T)
-  rng = np.random.default_rng(1)
-  w_o, w_S = rng.normal(size=(B, T, H, V)), rng.normal(size=(B, H, K, V))
-  _, ref_grads = _loss_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
-  o_ref, S_ref = _spec(q, k, v, g, beta, S0)
+  (q, k, v, g, beta), S0, w_o, w_S, (o_ref, S_ref), ref_grads = _spec_case(B, T, H, K, V, T, 1)
   f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
-  o, S = _impl("triton", chunk)(*f32, S0.astype(jnp.float32))
+  (o, S), grads = _outputs_and_grads(_impl("triton", chunk), f32, S0.astype(jnp.float32),
+                                     w_o, w_S)
   assert o.shape == (B, T, H, V) and S.shape == (B, H, K, V) and o.dtype == jnp.float32
   assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
-  _, grads = _loss_and_grads(_impl("triton", chunk), f32, S0.astype(jnp.float32), w_o, w_S)
   for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
     assert np.isfinite(np.asarray(a)).all(), name
     assert rel_err(a, b) <= 1e-4, name
