@@ -28,9 +28,9 @@ def get_config(arg=None):
   m.moe.num_experts = 32
   m.moe.top_k = 6
   m.moe.expert_hidden = 1024
-  # The "residuals" policy of long_context_1b keeps about 1 GB per KDA layer more; with
-  # ≈ 69 GB of state this config stays on "kernels" until a run on the H200 says otherwise.
-  m.remat_policy = "kernels"
+  # long_context_1b's remat policy (residuals_recompute_prologue): no flash or KDA stage-1
+  # forward runs twice. On the H200: 101 GiB peak against 93 with "kernels", kernels 458
+  # against 469 ms a step (benchmarks/train.md, 2026-12-04).
   c.data.seq_len = 8192
   c.data.batch_size = 2
   return c
