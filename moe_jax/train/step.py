@@ -122,9 +122,6 @@ class SplitStep:
     """Each program's compiled HLO, the gradient half first."""
     return [self.grads.as_text(), self.update.as_text()]
 
-  def as_text(self) -> str:
-    return "\n".join(self.hlo_texts())
-
 
 def eval_step(params, router_vars, batch, *, apply_fn, model_cfg=None):
   """Sums over the batch: NLL (nats), predicted tokens, predicted bytes, correct predictions.
