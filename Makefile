@@ -1,6 +1,8 @@
 # Bootstrap a .venv on Python >= 3.12 and run the two README commands.
 #   make train   set up if needed, then train the tiny model on the embedded corpus
-#   make test    set up if needed, then run the test suite
+#   make test    set up if needed, then run the test suite's first tier (every module and
+#                kernel; under 10 minutes on 2 cores)
+#   make test-all  the whole suite: the first tier and the long end-to-end runs (`slow`)
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +18,7 @@ CANDIDATES := $(shell command -v python3.12 python3.13 2>/dev/null) \
               $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12 $(PYENV_ROOT)/versions/3.13*/bin/python3.13)
 FOUND_PY := $(firstword $(foreach p,$(CANDIDATES),$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 12); print("$(p)")' 2>/dev/null)))
 
-.PHONY: setup train test clean
+.PHONY: setup train test test-all clean
 
 setup: $(VENV)/.installed
 
@@ -36,8 +38,13 @@ $(VENV)/.installed: setup.py
 train: setup
 	$(PY) scripts/train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
+PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15
+
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15 tests
+	$(PYTEST) -m "not slow" tests
+
+test-all: setup
+	$(PYTEST) tests
 
 clean:
 	rm -rf $(VENV) workdir *.egg-info

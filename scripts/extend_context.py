@@ -26,8 +26,7 @@ from moe_jax.train import compile_cache, stages, xla_flags
 from moe_jax.train.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/stages.py:cpu", "Stages config.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Stage workdirs and results go here.",
-                               required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Stage workdirs and results go here.")
 _CONTROL = flags.DEFINE_bool("control", True, "Also train the control run (final length only).")
 _EVAL = flags.DEFINE_bool("eval", True, "Run the extrapolation evals at the end.")
 
@@ -168,4 +167,5 @@ def report(sc, workdir: str, results: dict) -> str:
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("workdir")   # not at import (tests import scripts)
   app.run(main)

@@ -18,8 +18,7 @@ from moe_jax.infer.generate import complete
 from moe_jax.infer.workdir import load
 from moe_jax.train import state as state_lib
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json, checkpoints/).",
-                               required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (config.json, checkpoints/).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt; repeat the flag for a batch.")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "One prompt per line.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per prompt.")
@@ -60,4 +59,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("workdir")   # not at import (tests import scripts)
   app.run(main)

@@ -15,8 +15,7 @@ from moe_jax.rl.trainer import train_grpo
 from moe_jax.train import compile_cache, xla_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo.py:cpu", "Config file[:arg].")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.",
-                               required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
 
 
 def main(argv):
@@ -31,4 +30,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("workdir")   # not at import (tests import scripts)
   app.run(main)

@@ -11,8 +11,8 @@ import os
 import numpy as np
 from absl import app, flags
 
-_RUNS = flags.DEFINE_string("runs", None, "label=workdir, comma-separated.", required=True)
-_OUT = flags.DEFINE_string("out", None, "PNG to write.", required=True)
+_RUNS = flags.DEFINE_string("runs", None, "label=workdir, comma-separated.")
+_OUT = flags.DEFINE_string("out", None, "PNG to write.")
 _SMOOTH = flags.DEFINE_integer("smooth", 10, "Moving-average window for per-step curves.")
 
 
@@ -83,4 +83,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flags_as_required(["runs", "out"])   # not at import (tests import scripts)
   app.run(main)

@@ -11,7 +11,7 @@ from moe_jax.data import image_tasks, images
 
 _TASK = flags.DEFINE_enum("task", "digits", image_tasks.TASKS, "Image task.")
 _INDEX = flags.DEFINE_integer("index", 0, "Document index within the held-out split.")
-_OUT = flags.DEFINE_string("out", None, "Path ending in .png or .npy.", required=True)
+_OUT = flags.DEFINE_string("out", None, "Path ending in .png or .npy.")
 
 
 def main(argv):
@@ -26,4 +26,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("out")   # not at import (tests import scripts)
   app.run(main)

@@ -12,9 +12,9 @@ import os
 import numpy as np
 from absl import app, flags
 
-_RUN = flags.DEFINE_string("run", None, "Workdir of configs/multimodal.py:cpu.", required=True)
-_CONTROL = flags.DEFINE_string("control", None, "Workdir of :text_control.", required=True)
-_OUT = flags.DEFINE_string("out", None, "PNG to write.", required=True)
+_RUN = flags.DEFINE_string("run", None, "Workdir of configs/multimodal.py:cpu.")
+_CONTROL = flags.DEFINE_string("control", None, "Workdir of :text_control.")
+_OUT = flags.DEFINE_string("out", None, "PNG to write.")
 
 
 def _read(workdir, name):
@@ -67,4 +67,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flags_as_required(["run", "control", "out"])   # not at import (tests import scripts)
   app.run(main)

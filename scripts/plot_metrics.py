@@ -11,9 +11,8 @@ import os
 
 from absl import app, flags
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with metrics_*.jsonl.",
-                               required=True)
-_OUT = flags.DEFINE_string("out", None, "PNG to write.", required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory with metrics_*.jsonl.")
+_OUT = flags.DEFINE_string("out", None, "PNG to write.")
 _TITLE = flags.DEFINE_string("title", "", "Plot title (default: the workdir's name).")
 _UNIGRAM = flags.DEFINE_float("unigram_bits", None, "Draw the byte-unigram entropy line.")
 
@@ -52,4 +51,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flags_as_required(["workdir", "out"])   # not at import (tests import scripts)
   app.run(main)

@@ -20,8 +20,7 @@ from moe_jax import config as config_lib
 from moe_jax.data import pipeline, prepared, tokenizers
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file[:arg].")
-_OUTPUT = flags.DEFINE_string("output", None, "Directory for the shards and meta.json.",
-                              required=True)
+_OUTPUT = flags.DEFINE_string("output", None, "Directory for the shards and meta.json.")
 _ROWS_PER_SHARD = flags.DEFINE_integer("rows_per_shard", 4096, "Packed rows per shard.")
 
 
@@ -53,4 +52,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("output")   # not at import (tests import scripts)
   app.run(main)

@@ -12,8 +12,7 @@ from moe_jax.train import compile_cache, xla_flags
 from moe_jax.train.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file[:arg].")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.",
-                               required=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and logs go here.")
 # Multi-process runs (moe_jax/parallel/distributed.py); else JAX_COORDINATOR_ADDRESS etc.
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 0, "Processes in the run.")
@@ -32,4 +31,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("workdir")   # not at import (tests import scripts)
   app.run(main)

@@ -23,7 +23,7 @@ _LIBRARY = flags.DEFINE_enum("library", "sentencepiece", tokenizer_training.LIBR
                              "sentencepiece (writes a .model) or hf (writes a tokenizer.json).")
 _MODEL = flags.DEFINE_enum("model", "bpe", tokenizer_training.MODELS, "Tokenizer model.")
 _VOCAB = flags.DEFINE_integer("vocab_size", 2048, "Vocabulary size, specials included.")
-_OUTPUT = flags.DEFINE_string("output", None, "Where to write the tokenizer.", required=True)
+_OUTPUT = flags.DEFINE_string("output", None, "Where to write the tokenizer.")
 _MAX_DOCS = flags.DEFINE_integer("max_documents", 0, "Train on at most this many documents, "
                                  "an even sample of the train split (0 = all).")
 
@@ -50,4 +50,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.mark_flag_as_required("output")   # not at import (tests import scripts)
   app.run(main)

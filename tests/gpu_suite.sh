@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test suite natively on a GPU machine, with a per-file table (benchmarks/gpu_tests.md).
 #   bash tests/gpu_suite.sh [pytest args]      (default: tests; WORKERS=8 xdist processes)
+#   HALF=kernels bash tests/gpu_suite.sh       the kernel and inference files (KERNELS below)
+#   HALF=rest bash tests/gpu_suite.sh          every other tests/test_*.py
+# The two halves together are every test file, each half within one 10-minute device call.
 # On the project's lent H200 (no network), carry .whl (../shared/device/wheels.sh) and this
 # installs it first. Workers share the GPU: conftest turns JAX's 75% preallocation off, and
 # the suite's time is mostly compiles, which several processes run side by side.
@@ -12,6 +15,17 @@ if [ -d "$wheels" ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+KERNELS="test_kda.py test_kda_triton.py test_kda_tpu.py test_kda_triton_lowering.py test_infer.py
+  test_gpu_kernels.py test_cached_attention.py test_mla.py test_ring_step.py test_few_rows.py
+  test_grouped_dw.py test_grouped_mgpu.py test_decode_experts.py test_xla_flags.py
+  test_triton_precompile.py test_jax_triton_compat.py test_platform.py test_layer_stack.py"
+case "${HALF:-}" in
+  "") ;;
+  kernels) set -- $(for f in $KERNELS; do echo "tests/$f"; done) "$@" ;;
+  rest) set -- $(cd tests && for f in test_*.py; do [[ " "$KERNELS" " == *[[:space:]]$f[[:space:]]* ]] \
+                   || echo "tests/$f"; done) "$@" ;;
+  *) echo "HALF must be kernels, rest or unset, got '$HALF'" >&2; exit 2 ;;
+esac
 out=${OUT:-/tmp/gpu_suite}; mkdir -p "$out"
 start=$(date +%s)
 # SIGINT at the time limit: pytest still prints its summary and writes the junit report.

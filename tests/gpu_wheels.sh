@@ -20,8 +20,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 python3 -m pip download -q --no-deps --only-binary=:all: -d .whl_gpu \
   jaxtyping==0.3.11 wadler_lindig==0.1.8    # tokamax's KDA (tests/test_kda_tpu.py)
 for f in /tmp/moe_jax_nb_wheels/*.whl; do
-  case $(basename "$f") in   # in the image already, or optional (debugpy: the kernel's debugger)
-    attrs-*|packaging-*|psutil-*|pygments-*|python_dateutil-*|typing_extensions-*|tzdata-*|debugpy-*) ;;
+  case $(basename "$f") in   # in the image already, or optional (debugpy: the kernel's debugger; jedi: completion)
+    attrs-*|packaging-*|psutil-*|pygments-*|python_dateutil-*|typing_extensions-*|tzdata-*|debugpy-*|jedi-*) ;;
     *) cp "$f" .whl_gpu/ ;;
   esac
 done

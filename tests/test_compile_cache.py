@@ -92,6 +92,7 @@ def test_a_changed_config_or_shape_is_traced_and_a_bad_entry_is_replaced(store, 
   assert timings["executable"] == "loaded"
 
 
+@pytest.mark.slow
 def test_a_restarted_run_loads_init_and_step_and_trains_identically(store, small_config, tmp_path):
   """Two fresh runs of 3 steps: the second loads both programs and matches bit for bit."""
   c = small_config

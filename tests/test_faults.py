@@ -35,6 +35,7 @@ def _truncate_files(folder):
         fh.truncate(os.path.getsize(path) // 2)
 
 
+@pytest.mark.slow
 def test_unreadable_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
   c = _config(8, 2)
   ckpts = tmp_path / "checkpoints"
@@ -64,6 +65,7 @@ print("PREEMPTED", out.get("preempted"))
 """
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_step_and_resumes_exactly(tmp_path):
   workdir = tmp_path / "preempted"
   proc = subprocess.Popen([sys.executable, "-c", _TRAIN, str(workdir)], cwd=ROOT,
@@ -162,6 +164,7 @@ except checkpoint.CheckpointSaveError as e:
 """
 
 
+@pytest.mark.slow
 def test_failed_save_stops_with_a_clear_error_and_keeps_earlier_checkpoints(tmp_path):
   proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], cwd=ROOT,
                         env=subprocess_env(), capture_output=True, text=True, timeout=600)

@@ -168,10 +168,11 @@ def test_cached_prefill_attention_matches_reference():
   assert rel_err(got.astype(jnp.float32), ref) < 1e-2
 
 
-def test_latent_decode_matches_materialised_attention():
-  """16 decode rows per sequence over a 32K latent cache of rank 256 (long_context_1b's),
-  rows filled to different lengths."""
-  B, Q, R, S = 4, 16, 256, 32768
+@pytest.mark.parametrize("Q,R", [(16, 256), (32, 512)])
+def test_latent_decode_matches_materialised_attention(Q, R):
+  """Decode rows (heads × new tokens) over a 32K latent cache, rows filled to different
+  lengths: long_context_1b's 16 heads at rank 256, Kimi-48B's 32 heads at rank 512."""
+  B, S = 4, 32768
   kq, kc = jax.random.split(jax.random.key(3), 2)
   q = jax.random.normal(kq, (B, Q, R)) * R ** -0.5
   c = jax.random.normal(kc, (B, S, R))

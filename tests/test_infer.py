@@ -164,6 +164,7 @@ def test_sampling_respects_top_k_and_top_p():
       sampling.validate(**{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **bad})
 
 
+@pytest.mark.slow
 def test_generate_script_on_a_trained_checkpoint(tmp_path):
   c = make_small_config()
   c.schedule.total_steps, c.schedule.warmup_steps = 2, 1
@@ -198,3 +199,29 @@ def test_latent_moe_decode_reproduces_full_forward():
   _, cache = prefill(make_step(model), variables, cache, tokens[:, :4], prompt, chunk=4)
   errs, _ = _decode_errors(step, variables, cache, tokens, full, prompt, lengths)
   assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch):
+  """Kimi-Linear-48B's MLA shapes (32 heads, kv_lora_rank 512, qk 128, v 128, no q LoRA):
+  token-by-token decode through the split-cache latent kernel at rank 512 (32 query rows a
+  step) gives the full forward's logits; a cache of 4 chunks of 1024 positions."""
+  monkeypatch.setattr(latent_decode, "CHUNK", 1024)
+  calls = count_calls(monkeypatch, latent_decode, "latent_decode_attention")
+  c = make_small_config()
+  c.model.update({"dtype": "float32", "n_layers": 1, "layer_pattern": "A", "d_model": 256,
+                  "n_heads": 32, "mla_q_lora_rank": 0, "mla_kv_lora_rank": 512,
+                  "mla_qk_head_dim": 128, "mla_v_head_dim": 128, "mla_implementation": "gpu"})
+  model = inference_model(frozen_model_config(c))
+  T, lengths = 24, np.array([24, 17])
+  tokens = np.random.default_rng(2).integers(0, 256, (2, T)).astype(np.int32)
+  batch = {"tokens": tokens, "segment_ids": (np.arange(T)[None] < lengths[:, None]).astype(np.int32)}
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  full, _ = jax.jit(model.apply)(variables, batch)
+  step = jax.jit(make_step(model))
+  prompt = np.array([8, 5])
+  cache = init_cache(model.cfg, 2, 4096)
+  _, cache = prefill(make_step(model), variables, cache, tokens[:, :8], prompt, chunk=8)
+  errs, _ = _decode_errors(step, variables, cache, tokens, full, prompt, lengths)
+  assert calls, "decode did not take the latent kernel"
+  assert len(errs) == (lengths - prompt).sum() and np.isfinite(errs).all() and max(errs) < 1e-4

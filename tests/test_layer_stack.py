@@ -41,6 +41,7 @@ def test_plan(n_layers):
   assert layer_stack.plan(state_lib.frozen_model_config(_config(True, attn_res="full"))).n == 0
 
 
+@pytest.mark.slow
 def test_scanned_train_step_equals_unrolled(tmp_path):
   """The unrolled model's train state, checkpointed in its per-layer layout (the layout
   before scan_layers), restores into the scanned model (head layer 0, two periods 1-4, tail

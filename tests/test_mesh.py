@@ -91,6 +91,7 @@ def _two_process_losses(tmp_path):
   return json.loads(losses)
 
 
+@pytest.mark.slow
 def test_sharded_training_equals_one_device(tmp_path):
   """On fake CPU devices, the same 5 losses as one device (the small config has an MoE
   layer) from: data=2 × fsdp=2 over two processes (each loading its half of every batch,

@@ -130,6 +130,7 @@ def _kernel_launches(fn, *args) -> collections.Counter:
   return counts
 
 
+@pytest.mark.slow
 def test_remat_residuals_policies_run_each_kernel_forward_once(small_config):
   """remat_policy "residuals" saves the kernels' custom-VJP residuals (pallas_kernels/
   residuals.py): the same loss and gradients as "kernels", and the backward pass no longer
@@ -217,6 +218,7 @@ print("RESULT", json.dumps({"loss": [float(l1), float(l2)], "grads": max(
 """
 
 
+@pytest.mark.slow
 def test_heads_split_over_tensor_equal_one_device():
   """Two fake CPU devices, mesh tensor=2 (KDA and MLA heads split): the same loss and
   gradients as one device. The KDA op's per-head gate parameters go through per_device

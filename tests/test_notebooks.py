@@ -16,6 +16,10 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 # kernel gets XLA's optimised CPU code (conftest.FAST_CPU_COMPILE: 160 s against 59 s for 03,
 # 51 against 42 s for 01; 05 is the other way, 55 against 64 s).
 RUNTIME_BOUND = ("01_quickstart.ipynb", "03_moe_balancing.ipynb")
+# The quick one (02) stays in `make test`; the rest are the second tier (`make test-all`).
+QUICK = ("02_bounded_decay.ipynb",)
+_PARAMS = [pytest.param(p, marks=() if os.path.basename(p) in QUICK else pytest.mark.slow)
+           for p in NOTEBOOKS]
 
 
 def test_the_five_notebooks_are_there_without_outputs():
@@ -28,7 +32,7 @@ def test_the_five_notebooks_are_there_without_outputs():
         assert not cell.outputs and cell.execution_count is None, f"{path}: strip outputs"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+@pytest.mark.parametrize("path", _PARAMS, ids=os.path.basename)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
   from nbclient import NotebookClient
   if os.path.basename(path) in RUNTIME_BOUND:

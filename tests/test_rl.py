@@ -112,6 +112,7 @@ def moe_policy():
   return cfg, model, variables
 
 
+@pytest.mark.slow
 def test_tool_output_prompt_and_padding_get_zero_gradient(moe_policy):
   cfg, model, variables = moe_policy
   task = _EchoTool()
@@ -281,6 +282,7 @@ def _tiny_grpo_config(tmp_path):
   return c
 
 
+@pytest.mark.slow
 def test_grpo_runs_and_resumes_exactly(tmp_path):
   c = _tiny_grpo_config(tmp_path)
   warm = tmp_path / "warm"

@@ -106,6 +106,7 @@ def test_handover_carries_state_and_a_killed_stage_resumes_exactly(straight, tmp
   assert done["s128"]["step"] == 3
 
 
+@pytest.mark.slow
 def test_extrapolation_evals():
   c = make_small_config()
   model = extrapolation.inference_model(c.model)

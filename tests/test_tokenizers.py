@@ -113,6 +113,7 @@ def test_bits_per_byte_counts_the_same_bytes_for_every_tokenizer(trained, stdlib
   assert abs(byte_bytes - sp_bytes) / total < 0.01 and sp_tokens < 0.7 * byte_tokens
 
 
+@pytest.mark.slow
 def test_a_run_with_a_learned_tokenizer_sizes_the_model_and_generates_through_it(
     trained, tmp_path):
   """A JSONL corpus, a SentencePiece tokenizer: model.vocab_size follows the tokenizer, the

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moe_jax.data import pipeline
 from moe_jax.model.transformer import HybridMoE
@@ -31,6 +32,7 @@ print("OUT", json.dumps({k: out[k] for k in ("history", "max_vio_history", "val_
 """
 
 
+@pytest.mark.slow
 def test_tiny_training_lowers_loss(tmp_path):
   """30 steps of the real `tiny` (MoE) config (only logging/eval cadence changed). In a
   subprocess with XLA's optimised CPU code: its time is in running (0.9 s a step against
@@ -87,6 +89,7 @@ def test_route_probe_counts_changed_top_k_sets(small_config):
   assert probe.observe(8, s) is None
 
 
+@pytest.mark.slow
 def test_resume_is_exact(small_config, tmp_path):
   """3 steps, checkpoint, fresh objects restore and run 3 more == 6 straight steps."""
   c = small_config

@@ -9,7 +9,7 @@ the filled length; chunks past it exit at once) and writes its partial (max, sum
 a small XLA step merges the partials. The latent is read once per step, and the filled
 length is read inside the kernel, so the step has no loop that the host has to drive.
 
-  grid (B, ⌈S / CHUNK⌉), rows [Q, R] per program, key blocks of BLOCK_K positions.
+  grid (B, ⌈S / CHUNK⌉), rows [Q, R] per program, key blocks of `launch_knobs(R)` positions.
 """
 
 import functools
@@ -24,9 +24,21 @@ from pallas_kernels.attention.tiles import tile_dim
 F32 = jnp.float32
 
 CHUNK = 4096      # cache positions per program
-BLOCK_K = 64      # positions per step of a program's online softmax
-NUM_WARPS = 4
+BLOCK_K = 64      # positions per step of a program's online softmax, at R <= WIDE_RANK
+NUM_WARPS = 4     # at R <= WIDE_RANK
 NUM_STAGES = 2
+WIDE_RANK = 256   # above it, fewer positions a step and more warps: see `launch_knobs`
+
+
+def launch_knobs(R: int) -> tuple[int, int]:
+  """(positions a step, warps) at latent rank R. A program holds its [Q, R] fp32 accumulator
+  and a [block_k, R] cache block in registers; at R = 512 (Kimi-48B's kv_lora_rank) the
+  rank-256 tiles would need twice the registers a thread has, so the block shrinks and the
+  warps grow with R, holding both per thread where they are at rank 256."""
+  if R <= WIDE_RANK:
+    return BLOCK_K, NUM_WARPS
+  scale = R // WIDE_RANK
+  return max(16, BLOCK_K // scale), min(16, NUM_WARPS * scale)
 
 
 def _kernel(kv_len_ref, pos_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, block_k, chunk):
@@ -83,20 +95,21 @@ def latent_decode_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B, *, interpret=
                      f">= 16, got R={R}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  block_k, num_warps = launch_knobs(R)
   Qp = max(16, pl.next_power_of_2(Q))   # matmul tiles need ≥ 16 rows
   q_BxQxR = jnp.pad(q_BxQxR.astype(ckv_BxSxR.dtype), ((0, 0), (0, Qp - Q), (0, 0)))
   pos_BxQ = jnp.pad(pos_BxQ.astype(jnp.int32), ((0, 0), (0, Qp - Q)), constant_values=-1)
-  if S < BLOCK_K:
-    ckv_BxSxR = jnp.pad(ckv_BxSxR, ((0, 0), (0, BLOCK_K - S), (0, 0)))
-    S = BLOCK_K
+  if S < block_k:
+    ckv_BxSxR = jnp.pad(ckv_BxSxR, ((0, 0), (0, block_k - S), (0, 0)))
+    S = block_k
   # Whole key blocks per chunk, and no more chunk than the cache needs.
-  chunk = min(max(BLOCK_K, CHUNK // BLOCK_K * BLOCK_K), pl.cdiv(S, BLOCK_K) * BLOCK_K)
+  chunk = min(max(block_k, CHUNK // block_k * block_k), pl.cdiv(S, block_k) * block_k)
   n_chunks = pl.cdiv(S, chunk)
-  params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS,
+  params = None if interpret else pltriton.CompilerParams(num_warps=num_warps,
                                                           num_stages=NUM_STAGES)
   part = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, c: (b, c) + (0,) * len(shape))
   m_BxCxQ, l_BxCxQ, acc_BxCxQxR = pl.pallas_call(
-      functools.partial(_kernel, block_k=BLOCK_K, chunk=chunk),
+      functools.partial(_kernel, block_k=block_k, chunk=chunk),
       grid=(B, n_chunks),
       in_specs=[pl.BlockSpec((1,), lambda b, c: (b,)),
                 pl.BlockSpec((None, Qp), lambda b, c: (b, 0)),

@@ -36,7 +36,8 @@ Stage 2:
 On a GPU the kernels run through `jax_triton.triton_call`, each compiled on a worker thread
 from the moment it is traced (pallas_kernels/triton_precompile.py); elsewhere Triton's interpreter
 runs them on host arrays inside a `jax.pure_callback` (CPU tests). Both need the `triton`
-package (3.6, the GPU machine's); jax_triton only on the GPU.
+package (3.6, the GPU machine's); jax_triton only on the GPU, loaded by
+pallas_kernels/jax_triton_compat.py (whatever imported it first, tokamax included).
 """
 
 import functools
@@ -48,7 +49,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from pallas_kernels import triton_precompile
+from pallas_kernels import jax_triton_compat, triton_precompile
 from pallas_kernels.kda import pallas_gpu
 from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
@@ -724,19 +725,6 @@ def _fitting_stages(kernel, arrays, meta, warps):
   return 1
 
 
-@functools.cache
-def _jax_triton():
-  """jax_triton (the GPU's custom call; imported only there). Its 0.4.1 imports TMA_TF32
-  from Triton's NVIDIA driver, which Triton 3.6 (the GPU machine's, torch's) lacks; the
-  failed import silently stubs out jax_triton's whole NVIDIA backend. The constant is read
-  only for TMA tensor descriptors of fp32 rounded to TF32, which these kernels do not use."""
-  import triton.backends.nvidia.driver as driver
-  if not hasattr(driver, "TMA_TF32"):
-    driver.TMA_TF32 = 0
-  import jax_triton
-  return jax_triton
-
-
 def _launch(kernel, grid, args, out_type, meta, *, name, interpret, warps=None, stages=None):
   """jax_triton's call at `warps` (WARPS) and `stages` pipeline stages, or without them the
   deepest pipeline up to STAGES that fits (the recurrences: a stage holds whole [C, K] and
@@ -751,8 +739,9 @@ def _launch(kernel, grid, args, out_type, meta, *, name, interpret, warps=None, 
     stages = _fitting_stages(kernel, [*args, *out_type], meta, warps)
   call = dict(kernel=kernel, out_type=out_type, grid=grid, name=name, num_warps=warps,
               num_stages=stages, NUM_STAGES=stages, **meta)
-  triton_precompile.submit(_jax_triton(), args, **call)   # compiles while the trace goes on
-  return _jax_triton().triton_call(*args, **call)
+  jax_triton = jax_triton_compat.load()
+  triton_precompile.submit(jax_triton, args, **call)   # compiles while the trace goes on
+  return jax_triton.triton_call(*args, **call)
 
 
 def _fp32_dots():
