@@ -1,12 +1,13 @@
 """Staged context extension (scripts/extend_context.py, moe_jax/train/stages.py).
 
   :cpu  the tiny model on package-length stdlib documents with 20% passkey and MQAR rows,
-        256 → 1K → 4K at 4096 tokens per step (the 2-core CPU, ≈ 10 min)
+        128 → 512 → 1K at 2048 tokens per step, then the control run straight at 1K and
+        the evals to 8× (the 2-core CPU, under 10 min in all)
   :1b   configs/long_context_1b.py, 8K → 64K → 256K → 1M (the method's layout; GPUs)
 
   python scripts/extend_context.py --config=configs/stages.py:cpu --workdir=workdir/stages
   python scripts/extend_context.py --config=configs/stages.py:cpu --workdir=... \
-      --config.stages.s1k.steps=100 --config.carry_optimizer=False
+      --config.stages.s512.steps=100 --config.carry_optimizer=False
 
 Each stage: seq_len, steps, tokens_per_step (the batch is tokens_per_step / seq_len, so
 it shrinks as the length grows), its own schedule (re-warmup, then cosine decay to
@@ -49,10 +50,11 @@ def get_config(arg="cpu"):
     run.eval.every_steps = 100
     run.eval.num_batches = 4
     run.checkpoint.every_steps = 50
-    sc.stages.s256 = _stage(256, 240, 4096, 3e-3, 20)
-    sc.stages.s1k = _stage(1024, 60, 4096, 1.5e-3, 10)
-    sc.stages.s4k = _stage(4096, 30, 4096, 1e-3, 5)
-    sc.stage_names = "s256,s1k,s4k"
+    sc.stages.s128 = _stage(128, 160, 2048, 3e-3, 20)
+    sc.stages.s512 = _stage(512, 40, 2048, 1.5e-3, 10)
+    sc.stages.s1k = _stage(1024, 24, 2048, 1e-3, 5)
+    sc.stage_names = "s128,s512,s1k"
+    ev.chunk = 512
   elif arg == "1b":
     run = long_context_1b.get_config()
     run.data.source = "stdlib_packages"

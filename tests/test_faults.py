@@ -116,6 +116,7 @@ def _guarded(total_steps, max_rollbacks):
   return c
 
 
+@pytest.mark.slow
 def test_loss_spike_rolls_back_and_skips_the_batch(tmp_path, monkeypatch, capsys):
   _poison(monkeypatch, lambda i: i == 9)          # batch 9 trains step 10
   out = train_and_evaluate(_guarded(14, 2), str(tmp_path), progress=False)

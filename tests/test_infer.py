@@ -179,6 +179,24 @@ def test_generate_script_on_a_trained_checkpoint(tmp_path):
   assert "=== 'def f(x):'" in proc.stdout and "=== 'import'" in proc.stdout
 
 
+def _prefill_then_decode_errors(c, lengths, prompt, cache_len, seed):
+  """An inference model of config c with random weights: prefill each row's prompt (one
+  chunk), then decode its true tokens one at a time up to its length. (the model's
+  variables, relative errors of the decoded logits against the full forward's)."""
+  model = inference_model(frozen_model_config(c))
+  T = int(lengths.max())
+  tokens = np.random.default_rng(seed).integers(0, 256, (len(lengths), T)).astype(np.int32)
+  batch = {"tokens": tokens, "segment_ids": (np.arange(T)[None] < lengths[:, None]).astype(np.int32)}
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  full, _ = jax.jit(model.apply)(variables, batch)
+  P = int(prompt.max())
+  cache = init_cache(model.cfg, len(lengths), cache_len)
+  _, cache = prefill(make_step(model), variables, cache, tokens[:, :P], prompt, chunk=P)
+  errs, _ = _decode_errors(jax.jit(make_step(model)), variables, cache, tokens, full, prompt,
+                           lengths)
+  return variables, errs
+
+
 def test_latent_moe_decode_reproduces_full_forward():
   """Latent MoE (model.moe.latent_dim) at inference: prefill + token-by-token decode give the
   full forward's logits (decode takes the gathered-experts path, the full forward the
@@ -186,18 +204,9 @@ def test_latent_moe_decode_reproduces_full_forward():
   c = make_small_config()
   c.model.update({"dtype": "float32", "n_layers": 2, "layer_pattern": "KA"})
   c.model.moe.latent_dim = 24
-  model = inference_model(frozen_model_config(c))
-  T, lengths = 12, np.array([12, 9])
-  tokens = np.random.default_rng(1).integers(0, 256, (2, T)).astype(np.int32)
-  batch = {"tokens": tokens, "segment_ids": (np.arange(T)[None] < lengths[:, None]).astype(np.int32)}
-  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  lengths, prompt = np.array([12, 9]), np.array([4, 3])
+  variables, errs = _prefill_then_decode_errors(c, lengths, prompt, cache_len=16, seed=1)
   assert "latent_down" in variables["params"]["layer_1"]["ffn"]
-  full, _ = jax.jit(model.apply)(variables, batch)
-  step = jax.jit(make_step(model))
-  prompt = np.array([4, 3])
-  cache = init_cache(model.cfg, 2, 16)
-  _, cache = prefill(make_step(model), variables, cache, tokens[:, :4], prompt, chunk=4)
-  errs, _ = _decode_errors(step, variables, cache, tokens, full, prompt, lengths)
   assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
 
 
@@ -212,16 +221,7 @@ def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch):
   c.model.update({"dtype": "float32", "n_layers": 1, "layer_pattern": "A", "d_model": 256,
                   "n_heads": 32, "mla_q_lora_rank": 0, "mla_kv_lora_rank": 512,
                   "mla_qk_head_dim": 128, "mla_v_head_dim": 128, "mla_implementation": "gpu"})
-  model = inference_model(frozen_model_config(c))
-  T, lengths = 24, np.array([24, 17])
-  tokens = np.random.default_rng(2).integers(0, 256, (2, T)).astype(np.int32)
-  batch = {"tokens": tokens, "segment_ids": (np.arange(T)[None] < lengths[:, None]).astype(np.int32)}
-  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
-  full, _ = jax.jit(model.apply)(variables, batch)
-  step = jax.jit(make_step(model))
-  prompt = np.array([8, 5])
-  cache = init_cache(model.cfg, 2, 4096)
-  _, cache = prefill(make_step(model), variables, cache, tokens[:, :8], prompt, chunk=8)
-  errs, _ = _decode_errors(step, variables, cache, tokens, full, prompt, lengths)
+  lengths, prompt = np.array([24, 17]), np.array([8, 5])
+  _, errs = _prefill_then_decode_errors(c, lengths, prompt, cache_len=4096, seed=2)
   assert calls, "decode did not take the latent kernel"
   assert len(errs) == (lengths - prompt).sum() and np.isfinite(errs).all() and max(errs) < 1e-4

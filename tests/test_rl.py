@@ -151,6 +151,7 @@ def test_tool_output_prompt_and_padding_get_zero_gradient(moe_policy):
   assert (g_RxT[ep.train_mask == 1] > 0).mean() > 0.95
 
 
+@pytest.mark.slow
 def test_rollout_logprobs_equal_training_forward_with_replay(moe_policy):
   cfg, model, variables = moe_policy
   rl = grpo_config.get_config("cpu").rl

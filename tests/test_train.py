@@ -114,6 +114,7 @@ def test_resume_is_exact(small_config, tmp_path):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_split_step_equals_one_program_and_skips_a_nonfinite_gradient(small_config):
   """The two-program step (train.split_step, what train.py runs) against the one-program
   step on a good batch; then a NaN gradient is skipped and counted, and training goes on."""
