@@ -143,7 +143,7 @@ def test_stage_config_errors():
   sc.stages.s1k.tokens_per_step = 1000
   with pytest.raises(ValueError, match="stages.s1k.tokens_per_step=1000 must be a multiple"):
     stages.stage_config(sc, "s1k")
-  sc.stage_names = "s256,s2k"
+  sc.stage_names = "s128,s2k"
   with pytest.raises(ValueError, match="names 's2k', which is not one of stages"):
     stages.stage_names(sc)
   with pytest.raises(ValueError, match="configs/stages.py arg must be one of"):
