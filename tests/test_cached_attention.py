@@ -76,6 +76,8 @@ def test_lowers_to_triton(h200, D, Dv):  # noqa: F811
     (2, 4, 32, 300, [[90] * 4, [250] * 4], [91, 251]),
     (1, 6, 16, 40, [[3, 3, 4, 4, 5, 5]], [6]),
     (2, 2, 32, 200, [[10, 10], [0, 0]], [11, 0]),
+    # A rank above 256: fewer positions a step (launch_knobs), several of them per chunk.
+    (1, 4, 512, 300, [[150, 150, 299, 299]], [280]),
 ])
 def test_latent_decode_equals_materialised_attention(B, Q, R, S, pos, kv_len, monkeypatch):
   monkeypatch.setattr(ld, "CHUNK", 128)

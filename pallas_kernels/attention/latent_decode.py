@@ -32,9 +32,9 @@ WIDE_RANK = 256   # above it, fewer positions a step and more warps: see `launch
 
 def launch_knobs(R: int) -> tuple[int, int]:
   """(positions a step, warps) at latent rank R. A program holds its [Q, R] fp32 accumulator
-  and a [block_k, R] cache block in registers; at R = 512 (Kimi-48B's kv_lora_rank) the
-  rank-256 tiles would need twice the registers a thread has, so the block shrinks and the
-  warps grow with R, holding both per thread where they are at rank 256."""
+  and a [block_k, R] cache block in registers, so above rank 256 the block shrinks and the
+  warps grow with R: each thread holds about what it holds at rank 256. At R = 512
+  (Kimi-48B's kv_lora_rank) that is 32 positions on 8 warps (benchmarks/gpu_tests.md)."""
   if R <= WIDE_RANK:
     return BLOCK_K, NUM_WARPS
   scale = R // WIDE_RANK
