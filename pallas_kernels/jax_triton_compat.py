@@ -17,17 +17,13 @@ import types
 
 def patch_driver() -> None:
   """Gives Triton's NVIDIA driver the `TMA_TF32` that jax-triton 0.4.1 imports (0: no
-  rounding), so that jax_triton's own import finds its backend."""
+  rounding), where Triton is installed. Call it before importing jax_triton, or a package
+  that imports it (tokamax), so that the import finds the backend."""
+  if importlib.util.find_spec("triton") is None:
+    return
   import triton.backends.nvidia.driver as driver
   if not hasattr(driver, "TMA_TF32"):
     driver.TMA_TF32 = 0
-
-
-def before_import() -> None:
-  """`patch_driver` where Triton's NVIDIA backend is installed: call it before importing a
-  package that imports jax_triton (tokamax), so that its import finds the backend too."""
-  if importlib.util.find_spec("triton") is not None:
-    patch_driver()
 
 
 def is_stubbed(jax_triton) -> bool:

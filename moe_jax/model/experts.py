@@ -79,7 +79,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
       raise ValueError(f"model.moe.grouped_matmul='tokamax' on GPU takes bfloat16/float16 "
                        f"inputs, got {x_MxK.dtype}; use '' (xla for float32) or "
                        f"model.dtype='bfloat16'")
-    jax_triton_compat.before_import()
+    jax_triton_compat.patch_driver()
     import tokamax  # heavy optional dependency: the gpu/tpu extras install it
 
     if on_gpu:
@@ -100,7 +100,7 @@ _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
 
 
 def _tokamax_y(x_MxK, w_GxKxN, group_sizes_G):
-  jax_triton_compat.before_import()
+  jax_triton_compat.patch_driver()
   import tokamax
   return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, implementation="mosaic")
 
