@@ -6,7 +6,8 @@ settings that let one suite run on CPU and on a GPU.
   on a GPU it turns XLA's and the Pallas kernels' float32 dots from TF32 into IEEE fp32
   (Pallas's Triton lowering reads the precision JAX records on each dot). Tests of the
   default (TF32 / bf16) path say so and set their own tolerance.
-* `@pytest.mark.gpu` tests run the real kernels at realistic sizes; they skip off GPU.
+* `@pytest.mark.gpu` tests run the real kernels at realistic sizes; they skip off GPU, and
+  on a GPU they and the `slow` tier are collected first.
 * Several test processes can share one GPU: JAX's 75% preallocation is off.
 * Fake multi-device runs are subprocesses on the CPU platform (`cpu_devices_env`).
 * One persistent compilation cache per session, in a fresh temporary folder: pytest
@@ -52,6 +53,11 @@ def pytest_unconfigure(config):
 
 def pytest_collection_modifyitems(config, items):
   if ON_GPU:
+    # Longest first: the slow tier and the realistic-size kernel tests. gpu_suite.sh hands
+    # tests out round-robin (xdist --dist load), so these start at once on separate workers
+    # and none is left to run alone at the end of a half's time limit.
+    items.sort(key=lambda item: not (item.get_closest_marker("slow")
+                                     or item.get_closest_marker("gpu")))
     return
   skip = pytest.mark.skip(reason=f"needs a GPU (backend is {jax.default_backend()})")
   for item in items:

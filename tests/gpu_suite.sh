@@ -33,8 +33,9 @@ case "${HALF:-}" in
 esac
 out=${OUT:-/tmp/gpu_suite}; mkdir -p "$out"
 start=$(date +%s)
+# --dist load: round-robin, so the long tests conftest collects first start on separate workers.
 # SIGINT at the time limit: pytest still prints its summary and writes the junit report.
-timeout -s INT -k 30 "${SUITE_TIMEOUT:-3000}" python3 -m pytest -v -n "${WORKERS:-8}" --dist worksteal -rfE --tb=short \
+timeout -s INT -k 30 "${SUITE_TIMEOUT:-3000}" python3 -m pytest -v -n "${WORKERS:-8}" --dist load -rfE --tb=short \
   -o addopts="-p no:cacheprovider" --junitxml="$out/junit.xml" "${@:-tests}" 2>&1 \
   | grep --line-buffered -v "Autotuning cache miss" > "$out/pytest_gpu.txt"
 echo "wall $(( $(date +%s) - start )) s"
