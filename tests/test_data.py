@@ -84,6 +84,21 @@ def test_user_corpus_from_glob(tmp_path):
     corpus.glob_paths("/nonexistent/*.txt")
 
 
+def test_train_passes_count_reads_of_a_finite_split(tmp_path):
+  for i in range(20):
+    (tmp_path / f"doc{i}.txt").write_bytes(bytes([65 + i]) * 200)   # 200 bytes each
+  c = tiny.get_config()
+  c.data.source, c.data.paths, c.data.seq_len, c.data.val_percent = "files", str(
+      tmp_path / "*.txt"), 64, 20
+  c.data.batch_size, c.schedule.total_steps = 4, 30
+  train = pipeline.sources(c)["train"]
+  n_train = len(corpus.split_paths(corpus.glob_paths(c.data.paths), 20)["train"])
+  assert len(train) * 64 >= n_train * 200 > (len(train) - 1) * 64   # packed, no padding row
+  assert pipeline.train_passes(train, c) == pytest.approx(30 * 4 / len(train))
+  c.data.source = "mqar"   # generated: no passes
+  assert pipeline.train_passes(train, c) is None
+
+
 def test_mqar_rows_answer_each_query():
   rows = mqar.MQARRows(seq_len=64, num_pairs=8, vocab=64, seed=3)
   ex = rows[5]

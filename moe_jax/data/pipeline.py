@@ -163,6 +163,16 @@ def _process(index, count) -> tuple[int, int]:
           jax.process_count() if count is None else count)
 
 
+def train_passes(source, c: ml_collections.ConfigDict) -> float | None:
+  """How many times schedule.total_steps of data.batch_size rows read a finite train split
+  (a document or prepared source); None for generated sources. Above 1 a large model can
+  memorise the split, and its validation loss turns up (benchmarks/gpu_tests.md, the
+  1B's 2000 steps on the stdlib corpus)."""
+  if c.data.source not in (*config_lib.DOCUMENT_SOURCES, "prepared"):
+    return None
+  return c.schedule.total_steps * c.data.batch_size / max(len(source), 1)
+
+
 def unigram_entropy_bits(rows) -> float:
   """Byte-unigram entropy of a split's text, in bits per byte (from the byte histogram a
   text or prepared split keeps; else from the byte tokens of its packed rows)."""

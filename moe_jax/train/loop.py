@@ -83,6 +83,11 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   eval_ds = eval_sets["validation"]
   unigram = (None if c.data.source in ("mqar", "tasks")
              else pipeline.unigram_entropy_bits(sources["validation"]))
+  passes = pipeline.train_passes(sources["train"], c)
+  if passes is not None:
+    print(f"moe_jax: train split {len(sources['train']):,} rows of {c.data.seq_len}; "
+          f"{c.schedule.total_steps:,} steps x {c.data.batch_size} rows read it "
+          f"{passes:.3g} times", flush=True)
 
   # Model, optimizer, state.
   model = HybridMoE(state_lib.frozen_model_config(c))
