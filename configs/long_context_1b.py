@@ -1,11 +1,11 @@
-"""≈1B-total hybrid MoE for long-context inference benchmarks (scripts/bench_long_context.py).
+"""≈1B-total hybrid MoE for long-context inference benchmarks (benchmarks/bench_long_context.py).
 
 16 layers at d_model 1024, 3:1 KDA:MLA, 16 heads of 64; MLA latent rank 256; layer 0 a
 dense SwiGLU, then MoE with 32 experts (hidden 704) top-4 + 1 shared. Variant `:all_mla`
 replaces every mixer by MLA (the full-attention baseline).
 
   python scripts/param_count.py --config=configs/long_context_1b.py
-  python scripts/bench_long_context.py --out=$OUT
+  python -m benchmarks.bench_long_context --out=$OUT
 """
 
 from configs import base

@@ -1,4 +1,4 @@
-"""The routing-stability experiment (scripts/moe_stability.py, benchmarks/moe_stability.md):
+"""The routing-stability experiment (benchmarks/moe_stability.py, benchmarks/moe_stability.md):
 configs/tiny.py at a learning rate high enough to shake the router, in four arms.
 
   standard       the MoE on d_model, no routing kit (no router clip, no init regulariser,

@@ -5,7 +5,7 @@ latent 512); layer 0 a dense SwiGLU (8192), then MoE with 32 experts (hidden 102
 + 1 shared. fp32 params + AdamW moments + gradients ≈ 69 GB; 8192 tokens × 2 rows a step.
 
   python scripts/param_count.py --config=configs/single_h200.py
-  python scripts/bench_train.py --rows=h200_dropless --out=$OUT
+  python -m benchmarks.bench_train --rows=h200_dropless --out=$OUT
 """
 
 from configs import long_context_1b

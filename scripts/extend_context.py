@@ -167,5 +167,5 @@ def report(sc, workdir: str, results: dict) -> str:
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("workdir")   # not at import (tests import scripts)
+  flags.mark_flag_as_required("workdir")   # not at import (tests/test_scripts.py)
   app.run(main)

@@ -51,5 +51,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["workdir", "out"])   # not at import (tests import scripts)
+  flags.mark_flags_as_required(["workdir", "out"])   # not at import (tests/test_scripts.py)
   app.run(main)

@@ -1,4 +1,4 @@
-"""Tokenize and pack a corpus once into ArrayRecord shards (moe_jax/data/prepared.py), so a
+"""Tokenize and pack a corpus once into ArrayRecord shards (moe_jax/data/prepare.py writes them, prepared.py reads them), so a
 large corpus is not re-tokenized at the start of every run.
 
   python scripts/prepare_data.py --config=configs/tiny.py --output=workdir/stdlib_prepared \
@@ -16,28 +16,11 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from moe_jax import config as config_lib
-from moe_jax.data import pipeline, prepared, tokenizers
+from moe_jax.data.prepare import prepare
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Config file[:arg].")
 _OUTPUT = flags.DEFINE_string("output", None, "Directory for the shards and meta.json.")
 _ROWS_PER_SHARD = flags.DEFINE_integer("rows_per_shard", 4096, "Packed rows per shard.")
-
-
-def prepare(c, output: str, rows_per_shard: int = 4096) -> dict:
-  """Writes `output` from config c's document source; returns meta.json's contents."""
-  if c.data.source not in config_lib.DOCUMENT_SOURCES:
-    raise ValueError(f"data.source must be one of {config_lib.DOCUMENT_SOURCES} to prepare, "
-                     f"got {c.data.source!r}")
-  tok = tokenizers.load(c.data.tokenizer)
-  docs = pipeline.text_documents(c)
-  rows = pipeline.text_rows(c, docs, with_bytes=True)   # shards always hold byte counts
-  meta = {"tokenizer": config_lib.tokenizer_spec(c.data.tokenizer), "seq_len": c.data.seq_len, "pad": tok.pad,
-          "vocab_size": tok.vocab_size, "source": c.data.source, "paths": c.data.paths,
-          "byte_hist": {k: r.byte_hist.tolist() for k, r in rows.items()},
-          "documents": {k: len(v) for k, v in docs.items()}}
-  prepared.write(output, rows, meta, rows_per_shard)
-  return prepared.read_meta(output)
 
 
 def main(argv):
@@ -52,5 +35,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("output")   # not at import (tests import scripts)
+  flags.mark_flag_as_required("output")   # not at import (tests/test_scripts.py)
   app.run(main)

@@ -31,5 +31,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flag_as_required("workdir")   # not at import (tests import scripts)
+  flags.mark_flag_as_required("workdir")   # not at import (tests/test_scripts.py)
   app.run(main)

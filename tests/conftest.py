@@ -17,8 +17,10 @@ settings that let one suite run on CPU and on a GPU.
   (a JAX_COMPILATION_CACHE_DIR already set is used instead, and kept).
 """
 
+import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -70,6 +72,17 @@ def subprocess_env(**extra) -> dict:
   was there kept: packages installed with --target live there)."""
   path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
   return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def load_script(name: str):
+  """scripts/<name>.py as a module (scripts/ is a folder of entry points, not a package);
+  loaded once a process, as its absl flags can be defined only once."""
+  key = f"scripts_{name}"
+  if key not in sys.modules:
+    spec = importlib.util.spec_from_file_location(key, os.path.join(ROOT, "scripts", f"{name}.py"))
+    sys.modules[key] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[key])
+  return sys.modules[key]
 
 
 def xla_flags_without(*prefixes: str) -> str:

@@ -1,6 +1,6 @@
 """The benchmark's kernel attribution: GPU profiles name every XLA fusion's op "XlaModule",
-so scripts/bench_train.py reads each kernel's named scope from the compiled HLO; and
-scripts/bench_kda.py's knob rows."""
+so benchmarks/bench_train.py reads each kernel's named scope from the compiled HLO; and
+benchmarks/bench_kda.py's knob rows."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from scripts import bench_train, xprof_tables
+from benchmarks import bench_train, xprof_tables
 from tests.conftest import ROOT
 
 
@@ -35,10 +35,10 @@ def test_fusion_kernels_map_to_their_named_scope():
 
 
 def test_kernel_registers_dumps_every_kda_kernel_with_its_launch_width(tmp_path):
-  """scripts/kernel_registers.py's CPU half: one Triton IR file per KDA kernel (forward and
+  """benchmarks/kernel_registers.py's CPU half: one Triton IR file per KDA kernel (forward and
   backward), each with the num_warps the code ships (pallas_gpu.WARPS, the prologue's)."""
   from pallas_kernels.kda import pallas_gpu, prologue_gpu
-  from scripts import kernel_registers
+  from benchmarks import kernel_registers
   fn, args = kernel_registers.kda_kernels(64)
   kernels = kernel_registers.dump_ttir(fn, args, str(tmp_path))
   shipped = {f"kda_intra_{n}": w for n, w in pallas_gpu.WARPS.items()}
@@ -52,7 +52,7 @@ def test_kernel_registers_dumps_every_kda_kernel_with_its_launch_width(tmp_path)
 _KNOB_CHECK = """
 import pytest
 from pallas_kernels.kda import pallas_gpu, triton_gpu
-from scripts import bench_kda
+from benchmarks import bench_kda
 assert bench_kda.knob_impl("triton:WU_BLOCK=32")[::2] == ("triton", "WU_BLOCK=32")
 assert bench_kda.knob_impl("BLOCK_K=64")[::2] == ("pallas_gpu", "BLOCK_K=64")
 before = triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K
@@ -148,11 +148,11 @@ def test_device_gaps_group_memory_copies_by_their_hlo_op():
 
 
 def test_timing_clocks_run_each_call_and_wait_once_a_window():
-  """scripts/timing.py's two clocks, the one pair every library in a comparison is timed
+  """benchmarks/timing.py's two clocks, the one pair every library in a comparison is timed
   with: blocked waits on every call, pipelined on the last call of each window only, and
   both return a median per call in ms."""
   import time as time_lib
-  from scripts import timing
+  from benchmarks import timing
   calls, waits = [], []
 
   def call():

@@ -9,8 +9,7 @@ import pytest
 
 from configs import tiny
 from moe_jax import config as config_lib
-from moe_jax.data import corpus, pipeline, records, tokenizers
-from scripts import prepare_data
+from moe_jax.data import corpus, pipeline, prepare, records, tokenizers
 
 FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -101,7 +100,7 @@ def prepared_corpus(tmp_path_factory):
                                   model="bpe", vocab_size=300, output=str(root / "tok.model"))
   c = _config("files", str(root / "*.txt"), seq_len=32)
   c.data.tokenizer = spec
-  meta = prepare_data.prepare(c, str(root / "prepared"), rows_per_shard=16)
+  meta = prepare.prepare(c, str(root / "prepared"), rows_per_shard=16)
   return c, str(root / "prepared"), meta
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from pallas_kernels.kda import (kda, pallas_gpu, prologue_gpu, prologue_triton, reference,
                                 triton_gpu)
-from scripts.kernel_registers import triton_report
+from benchmarks.kernel_registers import triton_report
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
 from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,

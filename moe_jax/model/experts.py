@@ -133,7 +133,7 @@ def _mosaic_dx(dy_MxN, w_GxKxN, group_sizes_G):
 
 # The GPU implementations' three products, (y, dx, dw), each f(a, b, group_sizes):
 #   y = x·w[g],  dx = dy·w[g]ᵀ,  dw[g] = x_gᵀ·dy_g
-# (scripts/bench_grouped_matmul.py times them)
+# (benchmarks/bench_grouped_matmul.py times them)
 GPU_PRODUCTS = {
     "tokamax": (_tokamax_y, _tokamax_dx, _tokamax_dw),
     "mosaic": (grouped_mgpu.ragged_dot, _mosaic_dx, grouped_mgpu.ragged_dw),

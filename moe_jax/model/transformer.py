@@ -53,7 +53,7 @@ class Block(nn.Module):
     mixer = MIXERS[kind](cfg, name="mixer")
     h_BxTxD = rms_norm(cfg, "mixer_norm")(attn_res.read(cfg, res, "mixer_res"))
     # Named scopes tag every op (and its backward) for the per-phase profile
-    # (scripts/bench_train.py).
+    # (benchmarks/bench_train.py).
     with jax.named_scope("kda" if kind == "K" else "mla"):
       if cache is None:
         y_BxTxD = mixer(h_BxTxD, segment_ids_BxT)

@@ -18,7 +18,7 @@ segment mask, the few the diagonal crosses also the causal one. Blocks before th
 after the last that can share a document with the tile (per-block min/max segment ids) are
 skipped: packed short documents cost their own triangles, not the row's. Scores are scaled
 into log2 units so the softmax uses exp2. Each kernel's tiles (Tiles: rows, loop block,
-warps, stages) are a module constant, measured by scripts/bench_attention.py.
+warps, stages) are a module constant, measured by benchmarks/bench_attention.py.
 """
 
 import dataclasses
@@ -49,7 +49,7 @@ class Tiles:
     return f"{self.rows}x{self.loop} w{self.warps} s{self.stages}"
 
 
-# The fastest of scripts/bench_attention.py's sweep at [4, 8192, 16, 64] bf16 on the H200
+# The fastest of benchmarks/bench_attention.py's sweep at [4, 8192, 16, 64] bf16 on the H200
 # (benchmarks/attention.md, 2026-12-02): forward 2.08 ms against 2.42 at 64 × 64; dk/dv
 # is 1.3-1.6× slower with 128-row or 32-wide tiles.
 FWD = Tiles(128, 64)

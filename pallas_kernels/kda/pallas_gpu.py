@@ -23,8 +23,8 @@ _tiles_bwd_kernel (the anchored [16, 16] tiles transposed, grid (B, H, N·K/BLOC
 stage 2 by the recurrence kernels (chunk states recomputed, not stored by the forward).
 A and T are kept from stage 1's forward.
 
-The launch knobs below were chosen by scripts/profile_kda_stages.py and
-scripts/bench_kda.py --knobs on the H200 (benchmarks/kda.md).
+The launch knobs below were chosen by benchmarks/profile_kda_stages.py and
+benchmarks/bench_kda.py --knobs on the H200 (benchmarks/kda.md).
 """
 
 import functools
@@ -614,7 +614,7 @@ recurrence = recurrence_with_vjp(_recurrence_call, _recurrence_bwd_call)
 
 def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
   """reference.chunk_intra in fp32, outputs stored like the kernel's (input dtype): the
-  stage 1 of unbounded gates, and the XLA baseline in scripts/profile_kda_stages.py."""
+  stage 1 of unbounded gates, and the XLA baseline in benchmarks/profile_kda_stages.py."""
   out = reference.chunk_intra(q.astype(F32), k.astype(F32), v.astype(F32), G, beta, seg,
                               scale=scale, chunk_size=chunk_size, bounded=bounded)
   return {n: x.astype(q.dtype) if n != "decay" else x for n, x in out.items()}

@@ -55,11 +55,11 @@ from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
 F32 = jnp.float32
 
-# Launch knobs (chosen on the H200 by scripts/profile_kda_stages.py --triton; kda.md).
+# Launch knobs (chosen on the H200 by benchmarks/profile_kda_stages.py --triton; kda.md).
 BLOCK_V = 32         # V columns per program (64 was not faster once pipelined)
 WARPS = 4
 STAGES = 3           # chunks in flight in the recurrence loop, fewer where they do not fit
-# Stage 1 (H200, 4×8192×16, scripts/profile_kda_stages.py --triton_stage1; benchmarks/kda.md,
+# Stage 1 (H200, 4×8192×16, benchmarks/profile_kda_stages.py --triton_stage1; benchmarks/kda.md,
 # 2026-12-03), ms at K = V = 64 / 128 against pallas_gpu's kernels:
 #   tiles      32 / 2 warps / 2 stages  0.466 / 0.757 (Pallas 0.524 / 0.775; 4 warps 0.56-1.20;
 #                                       1 warp since, measured in the op: TILES_WARPS)

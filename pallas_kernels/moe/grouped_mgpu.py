@@ -8,7 +8,7 @@ swizzled shared memory, wgmma into a register accumulator, persistent over the S
 Rows are sorted by group; rows past sum(sizes) are padding. Adapted from jax's
 pallas/ops/gpu/ragged_dot_mgpu.py and transposed_ragged_dot_mgpu.py. What differs:
 * the tile shape is a per-call `Config`, tuned per product and shape on the H200
-  (`TUNED`, written by scripts/bench_grouped_matmul.py --tune; benchmarks/moe.md);
+  (`TUNED`, written by benchmarks/bench_grouped_matmul.py --tune; benchmarks/moe.md);
 * the grid is the device's SM count, and off a GPU (`interpret`) Pallas's Mosaic GPU
   interpreter runs them (CPU tests);
 * ragged_dw selects the rows of its group in its first and last row block of both operands,

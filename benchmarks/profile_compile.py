@@ -1,14 +1,14 @@
 """Where the train step's cold compile goes: XLA's own trace events (passes, autotuning,
 LLVM, ptxas, Triton) during `compile()`, summed by name, with a fresh compilation cache.
 
-  python scripts/profile_compile.py --row=1b_dropless [--set=k=v ...] [--out=$OUT]
+  python -m benchmarks.profile_compile --row=1b_dropless [--set=k=v ...] [--out=$OUT]
 
-The row is one of scripts/bench_train.py's ROWS; --set and --out are its flags (with --out
+The row is one of benchmarks/bench_train.py's ROWS; --set and --out are its flags (with --out
 given, the summary goes to <out>/compile_<row>.json). Printed: trace+lower and compile seconds
 and the 40 event names with the most time (inclusive; nested events overlap, and XLA runs
 some stages on several threads, so a name's total can exceed the wall time).
 
-  python scripts/profile_compile.py --row=1b_dropless --part=grads+update
+  python -m benchmarks.profile_compile --row=1b_dropless --part=grads+update
 
 times (no profiler) a part of the step instead: its gradient half, its update half, both
 compiled at once on two threads (what train.split_step waits for), the one-program step
@@ -30,9 +30,9 @@ from moe_jax.data import pipeline
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import compile_cache, optim, state as state_lib, step as step_lib, xla_flags
-from scripts import bench_train
+from benchmarks import bench_train
 
-_ROW = flags.DEFINE_string("row", "1b_dropless", "A row of scripts/bench_train.py.")
+_ROW = flags.DEFINE_string("row", "1b_dropless", "A row of benchmarks/bench_train.py.")
 _PART = flags.DEFINE_enum(
     "part", "step", ["step", "train_step", "grads", "update", "grads+update", "forward"],
     "What to compile: 'step', the one-program train step, profiled; the others are timed "

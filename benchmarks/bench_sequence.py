@@ -1,7 +1,7 @@
 """Sequence parallelism on the GPUs of one host: ring attention and KDA state passing vs the
 single-device ops, forward+backward.
 
-  python scripts/bench_sequence.py [--lengths=65536,262144] [--out=$OUT]
+  python -m benchmarks.bench_sequence [--lengths=65536,262144] [--out=$OUT]
 
 Mesh: every local device on the `sequence` axis (2 on nvidia-h200-x2). Batch 1, bf16, one
 document per row. Attention: 16 heads of 64 (the MLA shape of configs/long_context_1b.py),
@@ -29,7 +29,7 @@ from moe_jax.parallel import ring_attention as ring_attention_lib
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.kda import kda
-from scripts.timing import median_ms
+from benchmarks.timing import median_ms
 
 _LENGTHS = flags.DEFINE_string("lengths", "65536,262144", "Total sequence lengths.")
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed runs (median).")

@@ -1,7 +1,7 @@
 """The attention kernels over a cache, Pallas vs the XLA block loops of model/mla.py.
 
-  python scripts/bench_cached_attention.py [--filled=8192,65536,262144] [--out=$OUT]
-  python scripts/bench_cached_attention.py --decode [--filled=65536,262144,1048576]
+  python -m benchmarks.bench_cached_attention [--filled=8192,65536,262144] [--out=$OUT]
+  python -m benchmarks.bench_cached_attention --decode [--filled=65536,262144,1048576]
 
 Prefill (default):
 One prefill chunk of T queries (the last T of `filled` positions) against a cache of
@@ -23,7 +23,7 @@ from absl import app, flags
 from moe_jax.model import mla
 from pallas_kernels.attention import cached_attention as ca
 from pallas_kernels.attention import latent_decode as ld
-from scripts.timing import median_ms
+from benchmarks.timing import median_ms
 
 _FILLED = flags.DEFINE_string("filled", "8192,65536,262144", "Filled cache lengths.")
 _T = flags.DEFINE_integer("chunk", 8192, "Queries per call (the prefill chunk).")

@@ -2,7 +2,7 @@
 and chart-QA answer accuracy over training, text bits/byte of both runs, and each MoE layer's
 expert load on image patches vs text as a plot.
 
-  python scripts/multimodal_report.py --run=workdir/mm --control=workdir/mm_text \\
+  python -m benchmarks.multimodal_report --run=workdir/mm --control=workdir/mm_text \\
       --out=benchmarks/multimodal.png
 """
 
@@ -67,5 +67,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["run", "control", "out"])   # not at import (tests import scripts)
+  flags.mark_flags_as_required(["run", "control", "out"])   # not at import (tests/test_scripts.py)
   app.run(main)

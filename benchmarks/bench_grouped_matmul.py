@@ -5,7 +5,7 @@ per-group reference. With --tune it times every candidate tile config of the Mos
 per product and writes the fastest correct one to --table (grouped_mgpu_tuned.json, which
 the kernels read at import).
 
-  python scripts/bench_grouped_matmul.py --tune --out=$OUT     # long_context_1b's shapes
+  python -m benchmarks.bench_grouped_matmul --tune --out=$OUT     # long_context_1b's shapes
 
 bf16, --rows rows (long_context_1b: 4 × 8192 tokens × top-4) in --experts groups, sizes
 Dirichlet(0.5)-skewed with one empty group and 100 padding rows (NaN) past the groups.
@@ -25,7 +25,7 @@ from absl import app, flags
 
 from moe_jax.model import experts
 from pallas_kernels.moe import grouped_mgpu as gm
-from scripts import timing
+from benchmarks import timing
 
 _ROWS = flags.DEFINE_integer("rows", 131072, "Rows (tokens × top-k) of the timed products.")
 _EXPERTS = flags.DEFINE_integer("experts", 32, "Groups.")

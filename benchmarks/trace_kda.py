@@ -1,9 +1,9 @@
 """Where KDA's time goes, kernel by kernel: our implementations under the JAX profiler
 (xprof's per-op table) and fla's chunk_kda under the torch profiler, same shape and inputs.
 
-  python scripts/trace_kda.py --shape=4x8192x16 --impls=triton,pallas_gpu --fla=false --out=$OUT
-  python scripts/trace_kda.py --impls= --fla=true --passes=fwd   # fla's forward kernels only
-  python scripts/trace_kda.py --impls=triton --knobs=triton:WU_STAGES=3 --fla=false
+  python -m benchmarks.trace_kda --shape=4x8192x16 --impls=triton,pallas_gpu --fla=false --out=$OUT
+  python -m benchmarks.trace_kda --impls= --fla=true --passes=fwd   # fla's forward kernels only
+  python -m benchmarks.trace_kda --impls=triton --knobs=triton:WU_STAGES=3 --fla=false
 
 Each side runs forward and forward+backward 5 times inside its trace; the tables list the
 ops/kernels by total device time (divide by 5 for one call).
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from scripts.bench_kda import fla_fns, inputs, jax_fns, knob_impl, parse_shape, set_knobs
-from scripts.xprof_tables import hlo_op_table
+from benchmarks.bench_kda import fla_fns, inputs, jax_fns, knob_impl, parse_shape, set_knobs
+from benchmarks.xprof_tables import hlo_op_table
 
 _SHAPE = flags.DEFINE_string("shape", "4x8192x16", "BxTxH (K=V=128) or BxTxHxK.")
 _OUT = flags.FLAGS["out"]  # defined by bench_kda: here the folder for traces and tables

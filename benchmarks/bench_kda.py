@@ -1,13 +1,13 @@
 """KDA speed on the GPU: triton (the default), pallas_gpu and xla vs flash-linear-attention's
 chunk_kda, same inputs.
 
-  python scripts/bench_kda.py --out=$OUT [--shapes=1x8192x16,4x8192x16] [--impls=triton,pallas_gpu,xla]
+  python -m benchmarks.bench_kda --out=$OUT [--shapes=1x8192x16,4x8192x16] [--impls=triton,pallas_gpu,xla]
       [--jobs=2 --shape_timeout=280]   # one process per shape, two GPUs at a time
 
 bf16 inputs, K=V=128, bounded gate (lower_bound=-5) computed from raw gate inputs as part of
 the timed function: inside the op as fla's (A_log, dt_bias passed; pallas_gpu's prologue
 kernel), or in XLA before it for "<impl>/xla_gate". Median of --iters runs after warm-up,
-on scripts/timing.py's two clocks for every row, fla's included: pipelined (fwd_ms: windows
+on benchmarks/timing.py's two clocks for every row, fla's included: pipelined (fwd_ms: windows
 of calls dispatched back to back, the device's time per call; the ratios' clock) and blocked
 (fwd_ms_blocked: each call waited on). fla's row also has triton's do_bench (_do_bench), the
 clock of fla's own benchmarks and of this table before 2026-12-04, when our rows were
@@ -31,8 +31,9 @@ import numpy as np
 from absl import app, flags
 
 from pallas_kernels.kda import kda, kda_gate, pallas_gpu
-from scripts import timing
+from benchmarks import timing
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo
 _SHAPES = flags.DEFINE_string("shapes", "1x8192x16,4x8192x16,1x32768x16,1x65536x32,8x4096x32",
                               "Comma-separated BxTxH, or BxTxHxK for K = V other than 128 "
                               "(long_context_1b's heads: 64).")
@@ -94,7 +95,7 @@ def floors(B, T, H, C=64, dim=_DIM):
 
 
 def time_jax(fn, args, iters):
-  """({"": pipelined ms, "_blocked": blocked ms}, output of one call): scripts/timing.py's
+  """({"": pipelined ms, "_blocked": blocked ms}, output of one call): benchmarks/timing.py's
   two clocks, which time_torch uses for fla too."""
   out = fn(*args)
   return {"": timing.pipelined_ms(fn, args, iters, warmup=2),
@@ -294,9 +295,9 @@ def run_parallel(shapes, out_dir):
       if slot not in running and pending:
         shape = pending.pop(0)
         sub = os.path.join(out_dir, f"shape_{shape}")
-        cmd = [sys.executable, sys.argv[0], f"--shapes={shape}", "--jobs=1", f"--out={sub}"]
+        cmd = [sys.executable, "-m", "benchmarks.bench_kda", f"--shapes={shape}", "--jobs=1", f"--out={sub}"]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot))
-        running[slot] = (subprocess.Popen(cmd + flags_kept, env=env), shape, sub,
+        running[slot] = (subprocess.Popen(cmd + flags_kept, env=env, cwd=_ROOT), shape, sub,
                          time.monotonic())
     time.sleep(1)
     for slot, (proc, shape, sub, t0) in list(running.items()):
@@ -326,7 +327,7 @@ def run_parallel(shapes, out_dir):
 
 def table(results):
   lines = [f"KDA bf16 K=V=128, {results['device']}, {results['date']}; median ms, pipelined "
-           "(blocked) clock of scripts/timing.py for every row; fla's do_bench in its row",
+           "(blocked) clock of benchmarks/timing.py for every row; fla's do_bench in its row",
            "| BxTxH | impl | fwd ms | fwd+bwd ms | fwd ×fla | fwd+bwd ×fla | fwd tok/s | "
            "%FLOP/%byte floor fwd | %FLOP/%byte floor fwd+bwd | rel err vs fla |",
            "|---|---|---|---|---|---|---|---|---|---|"]

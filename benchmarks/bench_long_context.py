@@ -1,9 +1,9 @@
 """Long-context inference on one GPU: prefill tokens/s and decode ms/token, hybrid vs all-MLA.
 
-  python scripts/bench_long_context.py --out=$OUT [--contexts=8192,65536,262144,1048576]
+  python -m benchmarks.bench_long_context --out=$OUT [--contexts=8192,65536,262144,1048576]
 
 configs/long_context_1b.py (≈1.15B total, 3:1 KDA:MLA, MoE) and its `:all_mla` variant,
-bf16, batch --batch (1), random weights (scripts/random_variables.py) and tokens. Each
+bf16, batch --batch (1), random weights (benchmarks/random_variables.py) and tokens. Each
 variant preallocates one cache for the longest context (attention only visits the filled
 part), so its prefill step and decode loop compile once, before timing. Per context: the prompt is prefilled in chunks of
 --prefill_chunk, then --decode_tokens tokens are decoded greedily. Peak device memory is
@@ -25,7 +25,7 @@ from configs import long_context_1b
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import decode, inference_model, make_step
 from moe_jax.train.state import frozen_model_config
-from scripts.random_variables import random_variables
+from benchmarks.random_variables import random_variables
 
 _CONTEXTS = flags.DEFINE_string("contexts", "8192,65536,262144,1048576", "Prompt lengths.")
 _VARIANTS = flags.DEFINE_string("variants", "hybrid,all_mla", "hybrid | all_mla")

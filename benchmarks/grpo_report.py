@@ -1,7 +1,7 @@
 """Curves and a table of GRPO runs side by side (benchmarks/grpo.md): reward, sampled
 accuracy, held-out pass@1 per task (greedy and sampled), routing mismatch, clip fraction.
 
-  python scripts/grpo_report.py --runs="replay on=workdir/grpo,replay off=workdir/grpo_noreplay" \
+  python -m benchmarks.grpo_report --runs="replay on=workdir/grpo,replay off=workdir/grpo_noreplay" \
       --out=benchmarks/grpo.png
 """
 
@@ -83,5 +83,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["runs", "out"])   # not at import (tests import scripts)
+  flags.mark_flags_as_required(["runs", "out"])   # not at import (tests/test_scripts.py)
   app.run(main)

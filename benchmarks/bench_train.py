@@ -1,8 +1,8 @@
 """Times the real train step (the one scripts/train.py runs) and writes benchmarks/train.md
 and benchmarks/train.json.
 
-  python scripts/bench_train.py --rows=1b_dropless,1b_capacity,h200_dropless --out=$OUT
-  python scripts/bench_train.py --rows=tiny_cpu --out=benchmarks       # CPU, CI scale
+  python -m benchmarks.bench_train --rows=1b_dropless,1b_capacity,h200_dropless --out=$OUT
+  python -m benchmarks.bench_train --rows=tiny_cpu --out=benchmarks       # CPU, CI scale
 
 Per row, two fresh processes share a new compilation cache: the cold one (empty cache)
 measures launch → first step (imports, data, init, trace+lower, compile, the step), then
@@ -37,9 +37,10 @@ import tempfile  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from scripts.xprof_tables import (device_gaps, hlo_ops, op_of, tool_rows,  # noqa: E402
-                                  trace_events)
+from benchmarks.xprof_tables import (device_gaps, hlo_ops, op_of, tool_rows,  # noqa: E402
+                                     trace_events)
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repo
 _ROWS = flags.DEFINE_list("rows", ["tiny_cpu"], "Rows to measure (ROWS).")
 _OUT = flags.DEFINE_string("out", "benchmarks", "Where train.md and train.json go (and logs).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steady steps (after 3 warm-up steps).")
@@ -310,7 +311,7 @@ def run_row(name: str, steps: int, extra) -> list[dict]:
   modes = ("cold", "warm") if name in _WARM.value or "all" in _WARM.value else ("cold",)
   for mode in modes:
     result = os.path.join(cache, f"{mode}.json")
-    cmd = [sys.executable, __file__, f"--child={name}", f"--mode={mode}", f"--cache_dir={cache}",
+    cmd = [sys.executable, "-m", "benchmarks.bench_train", f"--child={name}", f"--mode={mode}", f"--cache_dir={cache}",
            f"--result={result}", f"--steps={steps}", f"--out={_OUT.value}",
            f"--logs={logs}", f"--xla_flags={_XLA_FLAGS.value}",
            f"--start_only={_START_ONLY.value}",
@@ -321,7 +322,7 @@ def run_row(name: str, steps: int, extra) -> list[dict]:
                                       f"{_XLA_FLAGS.value}"}
     if ROWS[name][2] == "gpu":
       env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=_ROOT)
     log = os.path.join(logs, f"{name}_{mode}.log")
     with open(log, "w") as f:
       f.write(proc.stdout + proc.stderr)
@@ -349,7 +350,7 @@ def _scaling(by_row: dict, row: str) -> str:
 
 def markdown(records: list[dict], extra) -> str:
   date = time.strftime("%Y-%m-%d")
-  lines = [f"## {date}: `scripts/bench_train.py` " + (f"(--set {' '.join(extra)})" if extra
+  lines = [f"## {date}: `benchmarks/bench_train.py` " + (f"(--set {' '.join(extra)})" if extra
                                                         else ""), ""]
   head = ("| row | device | tokens/step | cold: init ‖ (lower + compile) = wall; launch→1st step "
           "s | warm: same | step ms (blocked; pipelined) | tokens/s | × 1 device | MFU "

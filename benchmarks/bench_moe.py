@@ -1,8 +1,8 @@
 """MoE layer speed on the GPU: router + dispatch + routed experts + combine, forward and
 forward+backward, dropless vs capacity paths, next to a dense SwiGLU of the same active FLOPs.
 
-  python scripts/bench_moe.py --out=$OUT [--experts=64,256] [--paths=dropless,capacity1.0]
-  python scripts/bench_moe.py --out=$OUT --paths=dropless,latent1024,latent512   # latent MoE
+  python -m benchmarks.bench_moe --out=$OUT [--experts=64,256] [--paths=dropless,capacity1.0]
+  python -m benchmarks.bench_moe --out=$OUT --paths=dropless,latent1024,latent512   # latent MoE
 
 bf16, tokens = 16384, d_model = 2048, expert hidden 1024, top-8, no shared expert
 (the dense baseline is what a shared expert costs). FLOPs counted are the useful
@@ -25,7 +25,7 @@ from absl import app, flags
 from configs import base
 from moe_jax.model.moe import MoE
 from moe_jax.train.state import frozen_model_config
-from scripts import timing
+from benchmarks import timing
 
 _EXPERTS = flags.DEFINE_string("experts", "64,256", "Comma-separated expert counts.")
 _PATHS = flags.DEFINE_string("paths", "dropless,capacity1.0,capacity1.25",

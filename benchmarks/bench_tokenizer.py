@@ -1,7 +1,7 @@
 """Bits per byte with a learned BPE tokenizer against the byte tokenizer, on the embedded
 stdlib corpus (benchmarks/tokenizers.md).
 
-  python scripts/bench_tokenizer.py --workdir=workdir/bench_tokenizer [--steps=300]
+  python -m benchmarks.bench_tokenizer --workdir=workdir/bench_tokenizer [--steps=300]
 
 Trains a SentencePiece BPE tokenizer on the train split, then the tiny config twice (bytes,
 BPE) for the same steps and rows of the same token length (so BPE sees ≈ 2.6× the bytes),

@@ -1,7 +1,7 @@
 """Where decode time goes: one jitted decode step (T = 1) for models of only KDA or only MLA
 layers, and the KDA op alone, on the long_context_1b shapes.
 
-  python scripts/profile_decode.py [--layers=4] [--filled=8192] [--batch=8]
+  python -m benchmarks.profile_decode [--layers=4] [--filled=8192] [--batch=8]
       [--decode_matmul=pallas] [--decode_dispatch=fused] [--trace_dir=DIR]
 """
 
@@ -17,9 +17,9 @@ from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import inference_model, make_step
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.kda import kda
-from scripts.random_variables import random_variables
-from scripts.timing import median_ms
-from scripts.xprof_tables import hlo_op_table
+from benchmarks.random_variables import random_variables
+from benchmarks.timing import median_ms
+from benchmarks.xprof_tables import hlo_op_table
 
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
 _FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")

@@ -1,6 +1,6 @@
 """Where the dropless MoE layer's time goes on the GPU: each stage alone, forward+backward.
 
-  python scripts/profile_moe_stages.py [--num_experts=64]
+  python -m benchmarks.profile_moe_stages [--num_experts=64]
 
 Same shapes as bench_moe.py (16384 tokens, d_model 2048, hidden 1024, top-8, bf16). Stages:
 router (fp32 logits, sigmoid, top-k), dispatch (sort, repeat, gather to sorted order),
@@ -17,8 +17,8 @@ from absl import app, flags
 from moe_jax.model import experts, router
 from moe_jax.model.moe import (MoE, combine, inverse_permutation, permute_rows, repeat_rows,
                                sort_by_group)
-from scripts import timing
-from scripts.bench_moe import _D, _F, _K, _N, _PEAK_FLOPS, layer_config
+from benchmarks import timing
+from benchmarks.bench_moe import _D, _F, _K, _N, _PEAK_FLOPS, layer_config
 
 _EXPERTS = flags.DEFINE_integer("num_experts", 64, "Routed experts E.")
 

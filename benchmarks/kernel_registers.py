@@ -5,7 +5,7 @@ does), their Triton IR is compiled to PTX by the `triton` package and ptxas -v r
 registers, stack and spills for sm_90a.
 
   (the triton package, 3.6 as on the GPU machine, comes with `pip install -e '.[dev]'`)
-  python scripts/kernel_registers.py --op=kda --dim=64 --warps=kda_intra_tiles_bwd=8
+  python -m benchmarks.kernel_registers --op=kda --dim=64 --warps=kda_intra_tiles_bwd=8
 
 Launch widths are the ones the code ships (read from the lowering) unless --warps sets
 one. Spills or 255 registers at a kernel's width mean fewer resident warps and local-memory

@@ -1,8 +1,8 @@
 """The routing-stability experiment (issue 23): standard vs latent MoE, each with and without
 the routing kit (configs/moe_stability.py), over several seeds, on CPU.
 
-  python scripts/moe_stability.py --out=benchmarks      # 4 arms × 3 seeds × 200 steps
-  python scripts/moe_stability.py --out=benchmarks --lr=3e-2
+  python -m benchmarks.moe_stability --out=benchmarks      # 4 arms × 3 seeds × 200 steps
+  python -m benchmarks.moe_stability --out=benchmarks --lr=3e-2
 
 Writes <out>/moe_stability_lr<lr>.json (every run's curves), appends a table to
 <out>/moe_stability.md and draws <out>/moe_stability_lr<lr>.png (loss, routing fluctuation

@@ -1,6 +1,6 @@
 """Where pallas_gpu's KDA time goes: each kernel timed alone, under each launch width.
 
-  python scripts/profile_kda_stages.py --shape=4x8192x16 --warps=1,2,4,8
+  python -m benchmarks.profile_kda_stages --shape=4x8192x16 --warps=1,2,4,8
 
 Stage 1 kernels (tiles, solve, wu forward; wu_bwd, tiles_bwd backward) each at every
 --warps, then at each --blocks column width rolled and unrolled; then stage 2 (the
@@ -22,7 +22,7 @@ import numpy as np
 from absl import app, flags
 
 from pallas_kernels.kda import pallas_gpu as P, prologue_gpu, reference
-from scripts.bench_kda import inputs, set_knobs
+from benchmarks.bench_kda import inputs, set_knobs
 
 _SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH.")
 _DIM = flags.DEFINE_integer("dim", 128, "K = V (long_context_1b's heads: 64).")

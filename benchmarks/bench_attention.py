@@ -2,7 +2,7 @@
 called by causal.py): each kernel's tiles swept at one shape, side by side with a baseline
 copy of the module and with cuDNN, and each variant's error against fp32 attention in XLA.
 
-  python scripts/bench_attention.py [--shape=4,8192,16,64] [--baseline=old/ring_step.py] \
+  python -m benchmarks.bench_attention [--shape=4,8192,16,64] [--baseline=old/ring_step.py] \
       [--out=$OUT]
 
 Packed documents (segment ids; lengths exponential with mean --doc_len), bf16. The forward
@@ -24,7 +24,7 @@ from absl import app, flags
 
 from pallas_kernels.attention import ring_step
 from pallas_kernels.attention.ring_step import Tiles
-from scripts.timing import median_ms
+from benchmarks.timing import median_ms
 
 _SHAPE = flags.DEFINE_list("shape", ["4", "8192", "16", "64"], "B, T, H, D (= Dv).")
 _DOC_LEN = flags.DEFINE_integer("doc_len", 2048, "Mean packed document length.")
