@@ -71,7 +71,7 @@ def ptxas_report(ttir_path, num_warps):
 
 def triton_report(compiled, out_dir):
   """(registers, spill-store bytes) a thread of a native Triton kernel compiled by the
-  triton package (triton_gpu.build / compile_for: as jax_triton builds it)."""
+  triton package (triton_launch.build / compile_for: as jax_triton builds it)."""
   return _ptxas(compiled.asm["ptx"], os.path.join(out_dir, f"{compiled.name}.ptx"))
 
 

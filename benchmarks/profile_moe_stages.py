@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from moe_jax.model import experts, router
-from moe_jax.model.moe import (MoE, combine, inverse_permutation, permute_rows, repeat_rows,
-                               sort_by_group)
+from moe_jax.model.dispatch import (combine, inverse_permutation, permute_rows, repeat_rows,
+                                     sort_by_group)
+from moe_jax.model.moe import MoE
 from benchmarks import timing
 from benchmarks.bench_moe import _D, _F, _K, _N, _PEAK_FLOPS, layer_config
 

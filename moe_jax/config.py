@@ -1,38 +1,17 @@
-"""Config validation: every bad field fails here, before any tracing or compile."""
-
-import os
+"""Config validation: every bad field fails here, before any tracing or compile. The entry
+points call validate() (train_and_evaluate, train_grpo, the scripts); what the fields mean
+is in fields.py, which the rest of the package reads."""
 
 import ml_collections
 
-MIXERS = {"K": "KDA linear attention", "A": "gated MLA full attention"}
-DTYPES = ("float32", "bfloat16")
-SOURCES = ("stdlib", "stdlib_packages", "files", "jsonl", "parquet", "array_record", "prepared",
-           "mqar", "tasks")
-DOCUMENT_SOURCES = ("stdlib", "stdlib_packages", "files", "jsonl", "parquet", "array_record")
-GLOB_SOURCES = ("files", "jsonl", "parquet", "array_record")   # data.paths is a glob
-TOKENIZER_KINDS = ("bytes", "sentencepiece:<model file>", "hf:<tokenizer.json>")
-SYNTHETIC_TASKS = ("passkey", "mqar")
-SCHEDULES = ("cosine", "wsd")
-MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
-BALANCERS = ("none", "aux_loss", "loss_free", "quantile_ema", "quantile_exact")
-ROUTER_SCORES = ("sigmoid", "softmax")
-ROUTER_DTYPES = ("", "float32", "bfloat16")   # model.moe.router_dtype; "" = model.dtype
-DISPATCH = ("dropless", "capacity")
-DECODE_DISPATCH = ("auto", "gather", "grouped", "fused")
-GROUPED_MATMULS = ("", "xla", "tokamax", "mosaic")
-REMAT_POLICIES = ("full", "dots", "kernels", "residuals",   # model/remat.py
-                  "residuals_recompute_prologue")
-MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD
-
-
-# The MoE routing params a config may name (optim.router_clip_params, model.moe.init_reg_params).
-ROUTING_PARAMS = ("router_kernel", "latent_down", "latent_norm", "latent_up")
-INIT_REG_PARAMS = ("router_kernel", "latent_down")
-
-
-def param_names(spec: str) -> tuple[str, ...]:
-  """"router_kernel,latent_down" → ("router_kernel", "latent_down")."""
-  return tuple(n.strip() for n in spec.split(",") if n.strip())
+from moe_jax.data import image_tasks as tasks_lib, prepared, tokenizer
+from moe_jax.fields import (BALANCERS, DECODE_DISPATCH, DISPATCH, DOCUMENT_SOURCES, DTYPES,
+                            GLOB_SOURCES, GROUPED_MATMULS, INIT_REG_PARAMS, MESH_AXES, MIN_VOCAB,
+                            MIXERS, REMAT_POLICIES, ROUTER_DTYPES, ROUTER_SCORES, ROUTING_PARAMS,
+                            SCHEDULES, SOURCES, SYNTHETIC_TASKS, image_tasks, param_names,
+                            parse_tokenizer, synthetic_tasks, tokenizer_spec)
+from moe_jax.parallel import ring_attention
+from moe_jax.rl import advantages, environments, loss, rewards
 
 
 def _fail(field, value, accepted):
@@ -47,11 +26,6 @@ def _positive_int(field, value):
 def _non_negative_int(field, value):
   if not isinstance(value, int) or isinstance(value, bool) or value < 0:
     _fail(field, value, "a non-negative integer")
-
-
-def synthetic_tasks(data: ml_collections.ConfigDict) -> list[str]:
-  """data.synthetic_tasks as a list ("passkey,mqar" → ["passkey", "mqar"])."""
-  return [t for t in data.synthetic_tasks.split(",") if t]
 
 
 def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -107,7 +81,6 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("data.source", d.source, f"one of {SOURCES}")
   _validate_corpus(c)
   if d.source == "tasks" or "rl" in c:
-    from moe_jax.rl import environments  # noqa: PLC0415 (the task registry; light, no jax)
     environments.make_tasks(d)
   _positive_int("data.seq_len", d.seq_len)
   _positive_int("data.batch_size", d.batch_size)
@@ -119,7 +92,6 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if d.seq_len % shards:
     _fail("data.seq_len", d.seq_len, f"a multiple of mesh.sequence = {shards}")
   per_shard = d.seq_len // shards
-  from moe_jax.parallel import ring_attention  # here: the parallel package imports this module
   if ("A" in pattern and shards > 1 and per_shard > ring_attention.SUB
       and per_shard % ring_attention.MIN_SUB):
     _fail("data.seq_len", d.seq_len, f"such that seq_len / mesh.sequence ({per_shard}) is at "
@@ -197,7 +169,6 @@ def _validate_corpus(c: ml_collections.ConfigDict):
     if "rl" in c:
       _fail("data.tokenizer", tok, "'bytes' for GRPO (its tasks are byte-level)")
   if d.source == "prepared":
-    from moe_jax.data import prepared  # noqa: PLC0415 (reads meta.json only)
     meta = prepared.read_meta(d.paths)
     if d.seq_len != meta["seq_len"]:
       _fail("data.seq_len", d.seq_len, f"{meta['seq_len']}, as {d.paths!r} was prepared with "
@@ -207,31 +178,8 @@ def _validate_corpus(c: ml_collections.ConfigDict):
             "(or prepare the corpus again)")
 
 
-def parse_tokenizer(spec) -> tuple[str, str]:
-  """data.tokenizer → (kind, file): ("bytes", "") or ("sentencepiece" | "hf", path)."""
-  if spec == "bytes":
-    return "bytes", ""
-  kind, _, path = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-  if kind not in ("sentencepiece", "hf") or not path:
-    _fail("data.tokenizer", spec, f"one of {TOKENIZER_KINDS}")
-  return kind, path
-
-
-def tokenizer_spec(spec: str) -> str:
-  """data.tokenizer with its file made absolute ("hf:tok.json" → "hf:/abs/tok.json"), so a
-  run's config.json and a prepared corpus name the file wherever they are read."""
-  kind, path = parse_tokenizer(spec)
-  return spec if kind == "bytes" else f"{kind}:{os.path.abspath(os.path.expanduser(path))}"
-
-
-def image_tasks(data: ml_collections.ConfigDict) -> list[str]:
-  """data.image_tasks as a list ("digits,charts" → ["digits", "charts"])."""
-  return [t.strip() for t in data.image_tasks.split(",") if t.strip()]
-
-
 def _validate_vision(c: ml_collections.ConfigDict):
   """model.vision (model/vision.py) and the image documents of data.image_fraction."""
-  from moe_jax.data import image_tasks as tasks_lib, tokenizer  # noqa: PLC0415 (numpy only)
   v, d = c.model.vision, c.data
   if not isinstance(v.patch_size, int) or isinstance(v.patch_size, bool) or v.patch_size < 0:
     _fail("model.vision.patch_size", v.patch_size, "0 (text only) or a positive integer")
@@ -272,7 +220,6 @@ def _validate_vision(c: ml_collections.ConfigDict):
 
 def _validate_rl(c: ml_collections.ConfigDict):
   """GRPO's fields (configs/grpo.py, moe_jax/rl/)."""
-  from moe_jax.rl import advantages, loss, rewards  # noqa: PLC0415 (rl imports config)
   rl = c.rl
   for f in ("steps", "prompts_per_step", "max_prompt_tokens", "max_new_tokens", "max_turns",
             "max_tool_tokens", "passes", "eval_every", "eval_prompts"):

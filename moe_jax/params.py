@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from moe_jax.fields import is_moe
 from moe_jax.model import layer_stack
 from moe_jax.model.transformer import HybridMoE, mixer_kind
 from moe_jax.train.state import frozen_model_config
@@ -54,7 +55,7 @@ def count(c: ml_collections.ConfigDict) -> dict:
     total[_component(cfg, keys)] += leaf.size
   active = dict(total)
   active["embedding"] = cfg.d_model
-  if cfg.moe.num_experts:
+  if is_moe(cfg):
     active["routed_experts"] = total["routed_experts"] * cfg.moe.top_k // cfg.moe.num_experts
   return {"total": dict(total), "active": active, "total_sum": sum(total.values()),
           "active_sum": sum(active.values())}

@@ -18,7 +18,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from moe_jax import config as config_lib
+from moe_jax import fields
 from moe_jax.data import pipeline
 from moe_jax.eval import extrapolation
 from moe_jax.infer.workdir import load
@@ -131,7 +131,7 @@ def main(argv):
   if not _EVAL.value:
     return
   docs = pipeline.text_documents(stages.stage_config(sc, names[-1]))["validation"]
-  tasks = tuple(config_lib.synthetic_tasks(sc.run.data))
+  tasks = tuple(fields.synthetic_tasks(sc.run.data))
   results = {}
   for run, run_dir in runs.items():
     c, variables, _ = load(run_dir)

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.kernel_registers import triton_report
+from pallas_kernels import triton_launch
 from pallas_kernels.kda import (kda, pallas_gpu, prologue_gpu, prologue_triton, reference,
                                 triton_gpu)
-from benchmarks.kernel_registers import triton_report
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
 from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,
@@ -87,7 +88,7 @@ def test_gate_inside_the_op_without_l2_norm_or_padding():
   the prologue launches _kda_gate_triton (G only) and its backward _kda_gate_bwd_triton,
   and dq, dk are the stages' cotangents as they are; outputs and all seven gradients vs
   fp64."""
-  with mock.patch.object(triton_gpu, "_launch", wraps=triton_gpu._launch) as launch:
+  with mock.patch.object(triton_launch, "launch", wraps=triton_launch.launch) as launch:
     check_gate_inside_the_op("triton", 1, 64, 2, 32, 32, LB, jnp.float32, 1e-4, 5, 32,
                              plain=True)
   names = {c.kwargs["name"] for c in launch.call_args_list}
@@ -251,9 +252,9 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
 def test_compiles_for_h200_within_registers_and_shared_memory(D):
   """The kernels in bf16, built as jax_triton builds them for sm_90a (Triton 3.6, the GPU
   machine's, and ptxas) at the shipped knobs and pipeline depths (stage 1's fixed, the
-  recurrences' as _fitting_stages picks them): within the H200's 227 KB of shared memory
+  recurrences' as fitting_stages picks them): within the H200's 227 KB of shared memory
   (3 stages of the K = V = 128 backward asked for 237 KB and failed to launch; shared_for,
-  which _fitting_stages asks, reads the same number), no spills
+  which fitting_stages asks, reads the same number), no spills
   (the state [K, BLOCK_V] would go through local memory every chunk) and at least 2 stages
   in flight. (fp32,
   IEEE dots off the training path, spills and gets 1 stage at K = 128; its builds take
@@ -270,14 +271,15 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
              prologue_triton._kda_prologue_bwd_triton: 1,
              prologue_triton._kda_gate_triton: 1,
              prologue_triton._kda_gate_bwd_triton: 1}
-    stages = fixed.get(kernel) or triton_gpu._fitting_stages(kernel, arrays, meta, warps)
-    compiled = triton_gpu.build(kernel, arrays, meta, stages, warps=warps)
+    stages = fixed.get(kernel) or triton_launch.fitting_stages(kernel, arrays, meta, warps,
+                                                               triton_gpu.STAGES)
+    compiled = triton_launch.build(kernel, arrays, meta, stages, warps)
     shared = compiled.metadata.shared
-    # _fitting_stages's lighter check (passes up to LLVM IR) reads the same bytes
-    signature = triton_gpu._signature(kernel, arrays, meta, stages)
-    assert triton_gpu.shared_for(kernel, *signature, warps, stages) == shared, kernel.__name__
+    # fitting_stages's lighter check (passes up to LLVM IR) reads the same bytes
+    signature = triton_launch.signature(kernel, arrays, meta, stages)
+    assert triton_launch.shared_for(kernel, *signature, warps, stages) == shared, kernel.__name__
     regs, spilled = triton_report(compiled, tempfile.mkdtemp())
-    assert shared <= triton_gpu.MAX_SHARED[90], (kernel.__name__, stages, shared)
+    assert shared <= triton_launch.MAX_SHARED[90], (kernel.__name__, stages, shared)
     assert stages >= 2 or fixed.get(kernel) == 1, (kernel.__name__, stages)
     assert 0 < regs <= 255 and spilled == 0, (kernel.__name__, stages, regs, spilled)
 

@@ -7,7 +7,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from moe_jax import config as config_lib
+from moe_jax import fields
 from moe_jax.data import (corpus, image_tasks, mqar, packing, passkey, prepared, records,
                           task_rows, tokenizers)
 
@@ -72,7 +72,7 @@ def synthetic_sources(c: ml_collections.ConfigDict, seed: int) -> list:
   d = c.data
   make = {"passkey": lambda: passkey.PasskeyRows(d.seq_len, seed=seed),
           "mqar": lambda: mqar.MQARRows(d.seq_len, d.mqar_num_pairs, d.mqar_vocab, seed=seed)}
-  return [make[t]() for t in config_lib.synthetic_tasks(d)]
+  return [make[t]() for t in fields.synthetic_tasks(d)]
 
 
 def sources(c: ml_collections.ConfigDict) -> dict:
@@ -83,7 +83,7 @@ def sources(c: ml_collections.ConfigDict) -> dict:
   rows = _sources(c)
   v = c.model.vision
   if c.data.image_fraction:
-    tasks = config_lib.image_tasks(c.data)
+    tasks = fields.image_tasks(c.data)
     rows["train"] = MixedRows(rows["train"], [image_tasks.TrainRows(
         tasks, v.patch_size, v.channels, c.data.seq_len, c.data.shuffle_seed)],
                               c.data.image_fraction)
@@ -168,7 +168,7 @@ def train_passes(source, c: ml_collections.ConfigDict) -> float | None:
   (a document or prepared source); None for generated sources. Above 1 a large model can
   memorise the split, and its validation loss turns up (benchmarks/gpu_tests.md, the
   1B's 2000 steps on the stdlib corpus)."""
-  if c.data.source not in (*config_lib.DOCUMENT_SOURCES, "prepared"):
+  if c.data.source not in (*fields.DOCUMENT_SOURCES, "prepared"):
     return None
   return c.schedule.total_steps * c.data.batch_size / max(len(source), 1)
 

@@ -12,7 +12,7 @@ import os
 import ml_collections
 import numpy as np
 
-from moe_jax import config as config_lib
+from moe_jax import fields
 from moe_jax.data import tokenizer as byte_tokenizer
 
 MAX_VOCAB = 1 << 20
@@ -118,7 +118,7 @@ class HFTokenizer(_Subword):
 
 def load(spec: str):
   """"bytes" | "sentencepiece:<model file>" | "hf:<tokenizer.json>" → a tokenizer."""
-  kind, path = config_lib.parse_tokenizer(spec)
+  kind, path = fields.parse_tokenizer(spec)
   if kind == "bytes":
     return ByteTokenizer()
   if not os.path.isfile(path):
@@ -137,6 +137,6 @@ def configure(c: ml_collections.ConfigDict):
   size). Returns the tokenizer."""
   tok = load(c.data.tokenizer)
   if c.data.tokenizer != "bytes":
-    c.data.tokenizer = config_lib.tokenizer_spec(c.data.tokenizer)
+    c.data.tokenizer = fields.tokenizer_spec(c.data.tokenizer)
     c.model.vocab_size = tok.vocab_size
   return tok

@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 
 from moe_jax.data import images as images_lib, tokenizer, tokenizers
+from moe_jax.fields import is_moe
 from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
 from moe_jax.model import layer_stack
@@ -32,7 +33,7 @@ from moe_jax.model.transformer import HybridMoE
 def inference_model(model_cfg) -> HybridMoE:
   """The same model with dropless MoE dispatch: no token is ever dropped at inference."""
   c = ml_collections.ConfigDict(model_cfg.to_dict())
-  if c.moe.num_experts:
+  if is_moe(c):
     c.moe.dispatch = "dropless"
   c.remat = False
   c.scan_layers = False   # each layer's weights and cache read in place (model/layer_stack.py)

@@ -25,6 +25,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from moe_jax.fields import is_moe
+
 PERIODS = "periods"
 
 
@@ -57,7 +59,7 @@ def plan(cfg) -> Plan:
 
 
 def _start(cfg) -> int:
-  return min(cfg.moe.first_dense, cfg.n_layers) if cfg.moe.num_experts else 0
+  return min(cfg.moe.first_dense, cfg.n_layers) if is_moe(cfg) else 0
 
 
 def _take(x, i):

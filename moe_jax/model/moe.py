@@ -19,83 +19,19 @@ With an `expert` mesh axis > 1, `parallel/expert.py` exchanges tokens between
 expert shards with all-to-all instead.
 """
 
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_jax.config import param_names
+from moe_jax.fields import param_names
 from moe_jax.model import experts, layer_stack, router
+from moe_jax.model.dispatch import (capacity, combine, inverse_permutation, permute_rows,
+                                     repeat_rows, sort_by_group, take_rows)
 from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_norm
+from moe_jax.parallel import expert as expert_parallel
 from moe_jax.parallel.mesh import axis_size
 from pallas_kernels import platform
 from pallas_kernels.moe import decode_experts
-
-
-def sort_by_group(group_A, num_groups: int):
-  """(stable order, group sizes, rank of each sorted element within its group).
-
-  Elements with group id ≥ num_groups (padding) sort last and are not counted.
-  """
-  order_A = jnp.argsort(group_A, stable=True)
-  sizes_G = jnp.bincount(group_A, length=num_groups)
-  starts_G = jnp.cumsum(sizes_G) - sizes_G
-  group_sorted_A = group_A[order_A]
-  rank_A = jnp.arange(group_A.shape[0]) - starts_G[jnp.minimum(group_sorted_A, num_groups - 1)]
-  return order_A, sizes_G, rank_A
-
-
-def inverse_permutation(order_A):
-  return jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0]))
-
-
-def take_rows(x_RxD, idx_M):
-  """x[idx] for an idx without repeats; out-of-range entries give zero rows.
-
-  Declaring the indices unique makes the backward a plain scatter instead of an
-  atomic scatter-add; tokens are repeated k times up front (`repeat_rows`) so
-  every gather here is one-to-one.
-  """
-  return x_RxD.at[idx_M].get(mode="fill", fill_value=0, unique_indices=True)
-
-
-@jax.custom_vjp
-def permute_rows(x_AxD, order_A, inverse_A):
-  """x[order] for a permutation `order` of the rows, with `inverse` its inverse: the backward
-  is the gather g[inverse], not take_rows' scatter (a zeroed buffer, a fill select and a
-  scatter, each over every row: 6.9 ms of the 1B train step's 15 MoE layers on the H200)."""
-  return x_AxD.at[order_A].get(mode="promise_in_bounds", unique_indices=True)
-
-
-def _permute_rows_fwd(x_AxD, order_A, inverse_A):
-  return permute_rows(x_AxD, order_A, inverse_A), (order_A, inverse_A)
-
-
-def _permute_rows_bwd(res, g_AxD):
-  order_A, inverse_A = res
-  return (g_AxD.at[inverse_A].get(mode="promise_in_bounds", unique_indices=True),
-          None, None)
-
-
-permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
-
-
-def repeat_rows(x_NxD, k: int):
-  """[N·k, D]: row n·k + j is x[n] (the token of assignment (n, j)); backward is a sum over k."""
-  N, D = x_NxD.shape
-  return jnp.broadcast_to(x_NxD[:, None], (N, k, D)).reshape(N * k, D)
-
-
-def combine(y_AxD, w_NxK, dtype):
-  """Σ_k w[n,k] · y[n,k] in fp32, where assignment a = n·k + j."""
-  N, K = w_NxK.shape
-  y_NxKxD = y_AxD.reshape(N, K, -1).astype(jnp.float32)
-  return jnp.einsum("nkd,nk->nd", y_NxKxD, w_NxK.astype(jnp.float32)).astype(dtype)
-
-
-def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
-  return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
 
 
 def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=""):
@@ -191,8 +127,6 @@ def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
   E = gate_up_ExDx2xF.shape[0]
   ep = axis_size("expert")
   if ep > 1:
-    from moe_jax.parallel import expert as expert_parallel  # it imports this module
-
     return expert_parallel.moe_ffn(
         x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, expert_shards=ep,
         capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,

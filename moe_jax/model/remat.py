@@ -21,7 +21,7 @@ need a policy; measured choices are in benchmarks/train.md.
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from moe_jax.config import REMAT_POLICIES
+from moe_jax.fields import REMAT_POLICIES
 from pallas_kernels import residuals
 
 KERNEL_OUTPUTS = ("kda_out", "mla_out", "moe_h", "moe_y")

@@ -14,7 +14,7 @@ since it is computed under jit on sharded arrays).
 import jax
 import jax.numpy as jnp
 
-from moe_jax.config import ROUTER_DTYPES
+from moe_jax.fields import ROUTER_DTYPES
 
 BIAS_BALANCERS = ("loss_free", "quantile_ema", "quantile_exact")
 

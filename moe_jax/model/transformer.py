@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moe_jax.fields import is_moe
 from moe_jax.model import attn_res, layer_stack, remat, vision
 from moe_jax.model.kda import KDAMixer
 from moe_jax.model.layers import SwiGLU, dtype_of, embed_lookup, lp, rms_norm
@@ -16,11 +17,6 @@ MIXERS = {"K": KDAMixer, "A": MLAMixer}
 def mixer_kind(cfg, layer: int) -> str:
   """The pattern string applies cyclically: "KKKA" over 8 layers is KKKAKKKA."""
   return cfg.layer_pattern[layer % len(cfg.layer_pattern)]
-
-
-def is_moe(cfg, layer: int) -> bool:
-  """MoE FFN from layer `moe.first_dense` on (never when moe.num_experts == 0)."""
-  return cfg.moe.num_experts > 0 and layer >= cfg.moe.first_dense
 
 
 def make_ffn(cfg, layer: int) -> nn.Module:

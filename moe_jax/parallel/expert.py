@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.model import experts
-from moe_jax.model.moe import (capacity, combine, inverse_permutation, permute_rows,
-                                 repeat_rows, sort_by_group, take_rows)
+from moe_jax.model.dispatch import (capacity, combine, inverse_permutation, permute_rows,
+                                     repeat_rows, sort_by_group, take_rows)
 
 TOKEN_AXES = ("data", "fsdp", "expert", "sequence")
 
@@ -48,7 +48,7 @@ def _exchange(x_MxD, idx_MxK, w_MxK, gate_up_LxDx2xF, down_LxFxD, *, shards, cap
   recv_e_R = jax.lax.all_to_all(send_e_PxS, "expert", 0, 0).reshape(-1)
   local_order_R, sizes_L, _ = sort_by_group(recv_e_R, L)  # empty slots (id L) sort last
   local_inverse_R = inverse_permutation(local_order_R)
-  # The local sort and unsort are permutations: gathers both ways (moe.permute_rows).
+  # The local sort and unsort are permutations: gathers both ways (dispatch.permute_rows).
   y_R = experts.swiglu_grouped(
       permute_rows(recv_x_PxSxD.reshape(-1, D), local_order_R, local_inverse_R), sizes_L,
       gate_up_LxDx2xF, down_LxFxD, implementation)

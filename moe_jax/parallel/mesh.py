@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.config import MESH_AXES
+from moe_jax.fields import MESH_AXES
 
 # Logical names used by the model (see nn.with_logical_partitioning calls) → mesh axes.
 LOGICAL_RULES = (

@@ -27,6 +27,7 @@ from flax import struct
 from tqdm import tqdm
 
 from moe_jax import config as config_lib
+from moe_jax.fields import is_moe
 from moe_jax.infer import workdir as workdir_lib
 from moe_jax.infer.generate import inference_variables
 from moe_jax.model import layer_stack, moe as moe_lib
@@ -48,7 +49,7 @@ class PolicyState(TrainState):
 def policy_model_config(model_cfg) -> ml_collections.FrozenConfigDict:
   """The model config as GRPO trains it: dropless MoE, as the rollouts run."""
   m = ml_collections.ConfigDict(model_cfg.to_dict())
-  if m.moe.num_experts:
+  if is_moe(m):
     m.moe.dispatch = "dropless"
   return ml_collections.FrozenConfigDict(m)
 
@@ -194,7 +195,7 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   terms = rewards.parse(rl.rewards)
   b = budget(rl)
   T = training_length(model_cfg, b)
-  record = bool(model_cfg.moe.num_experts) and rl.record_routes
+  record = is_moe(model_cfg) and rl.record_routes
 
   params = layer_stack.stack(model_cfg, variables["params"])
   router = layer_stack.stack(model_cfg, variables["router"])

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from moe_jax import config as config_lib
 from moe_jax.data import pipeline, tokenizers
+from moe_jax.fields import is_moe
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import checkpoint, compile_cache, metrics, optim
@@ -109,7 +110,7 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   tokens_per_step = c.data.batch_size * c.data.seq_len
   history, max_vio_history, eval_metrics = [], [], None
   fluctuation_history, probe, fluctuation = [], None, None
-  if c.log.route_fluctuation and c.model.moe.num_experts:
+  if c.log.route_fluctuation and is_moe(c.model):
     probe = route_probe.RouteProbe(model.apply, state_sh, batch_sh,
                        state_lib.global_batch(next(iter(eval_ds)), batch_sh))
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from moe_jax.config import param_names
+from moe_jax.fields import is_moe, param_names
 from moe_jax.model import layer_stack
 from moe_jax.train.schedule import make_schedule
 
@@ -35,7 +35,7 @@ def routing_mask(names: tuple[str, ...]):
 def routing_grad_norm(c: ml_collections.ConfigDict, grads) -> dict:
   """{"router_grad_norm": the global norm of the routing params' gradients (those the router
   clip covers, optim.router_clip_params), before any clip} for an MoE model, else {}."""
-  if not c.model.moe.num_experts:
+  if not is_moe(c.model):
     return {}
   mask = routing_mask(param_names(c.optim.router_clip_params))(grads)
   return {"router_grad_norm": optax.tree.norm(

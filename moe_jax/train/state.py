@@ -11,6 +11,7 @@ from flax.training import train_state
 from jax._src import config as jax_config
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from moe_jax.fields import is_moe
 from moe_jax.parallel.mesh import LOGICAL_RULES
 from moe_jax.train import compile_cache
 
@@ -32,7 +33,7 @@ def init_model(model: nn.Module) -> nn.Module:
   (no Pallas or tokamax kernel is lowered and compiled only to be thrown away)."""
   c = ml_collections.ConfigDict(model.cfg.to_dict())
   c.kda_implementation, c.mla_implementation = "xla", "xla"
-  if c.moe.num_experts:
+  if is_moe(c):
     c.moe.grouped_matmul = "xla"
   return model.clone(cfg=ml_collections.FrozenConfigDict(c))
 

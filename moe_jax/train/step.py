@@ -8,6 +8,7 @@ import numpy as np
 import optax
 
 from moe_jax.data import tokenizer
+from moe_jax.fields import is_moe
 from moe_jax.model import layer_stack, moe, router as router_lib, vision
 from moe_jax.train import optim
 
@@ -129,7 +130,7 @@ def eval_step(params, router_vars, batch, *, apply_fn, model_cfg=None):
   For a multimodal MoE model (model_cfg given, batch with patches) also each MoE layer's
   assignments per expert on image patches and on text (every other live position), from
   the top-k ids the layers sow."""
-  by_modality = (model_cfg is not None and model_cfg.moe.num_experts > 0
+  by_modality = (model_cfg is not None and is_moe(model_cfg)
                  and "patches" in batch)
   nll_BxT, logits_BxTxV, aux = _nll(params, router_vars, apply_fn, batch,
                                     ("intermediates",) if by_modality else ())

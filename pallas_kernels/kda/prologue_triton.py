@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from pallas_kernels import triton_launch
 from pallas_kernels.kda import prologue_gpu, triton_gpu
 from pallas_kernels.kda.prologue_gpu import F32, L2_EPS
-from pallas_kernels.kda.triton_gpu import _chunk_rows, _sum
+from pallas_kernels.kda.triton_gpu import chunk_rows, fp32_sum
 
 GATE_CODES = {g: i for i, g in enumerate(prologue_gpu.GATES)}   # as constexprs: none 0,
                                                                 # bounded 1, unbounded 2
@@ -72,10 +73,10 @@ def _program(live, Tp: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
 def _normalise(x, xn, row0, n, live_C1, Tp: tl.constexpr, H: tl.constexpr,
                K: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr):
   """xn = live·x/‖x‖ per row (live·x without L2NORM), in xn's dtype."""
-  x_CK = tl.load(_chunk_rows(x, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
+  x_CK = tl.load(chunk_rows(x, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
   if L2NORM:
-    x_CK = x_CK * tl.rsqrt(_sum(x_CK * x_CK, 1) + _EPS)[:, None]
-  tl.store(_chunk_rows(xn, row0, n, 0, Tp, H, K, C, K),
+    x_CK = x_CK * tl.rsqrt(fp32_sum(x_CK * x_CK, 1) + _EPS)[:, None]
+  tl.store(chunk_rows(xn, row0, n, 0, Tp, H, K, C, K),
            tl.where(live_C1, x_CK, 0.0).to(xn.dtype.element_ty))
 
 
@@ -83,14 +84,14 @@ def _normalise(x, xn, row0, n, live_C1, Tp: tl.constexpr, H: tl.constexpr,
 def _normalise_bwd(x, dxn, dx, row0, n, live_C1, Tp: tl.constexpr, H: tl.constexpr,
                    K: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr):
   """dx = r·dx̂ - r·x̂·(x̂·dx̂) per row, r = (Σx² + eps)^-1/2 (dx̂ with padding zeroed)."""
-  dxn_CK = tl.where(live_C1, tl.load(_chunk_rows(dxn, row0, n, 0, Tp, H, K, C, K))
+  dxn_CK = tl.where(live_C1, tl.load(chunk_rows(dxn, row0, n, 0, Tp, H, K, C, K))
                     .to(tl.float32), 0.0)
   if L2NORM:
-    x_CK = tl.load(_chunk_rows(x, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
-    r_C1 = tl.rsqrt(_sum(x_CK * x_CK, 1) + _EPS)[:, None]
+    x_CK = tl.load(chunk_rows(x, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
+    r_C1 = tl.rsqrt(fp32_sum(x_CK * x_CK, 1) + _EPS)[:, None]
     xn_CK = x_CK * r_C1
-    dxn_CK = r_C1 * (dxn_CK - xn_CK * _sum(xn_CK * dxn_CK, 1)[:, None])
-  tl.store(_chunk_rows(dx, row0, n, 0, Tp, H, K, C, K), dxn_CK.to(dx.dtype.element_ty))
+    dxn_CK = r_C1 * (dxn_CK - xn_CK * fp32_sum(xn_CK * dxn_CK, 1)[:, None])
+  tl.store(chunk_rows(dx, row0, n, 0, Tp, H, K, C, K), dxn_CK.to(dx.dtype.element_ty))
 
 
 @triton.jit
@@ -100,10 +101,10 @@ def _gate_cumsum(f, a, bias, live_C1, G, row0, n, h, Tp: tl.constexpr, H: tl.con
   i_K = tl.arange(0, K)
   a_1K = tl.load(a + h * K + i_K)[None, :]
   bias_1K = tl.load(bias + h * K + i_K)[None, :]
-  f_CK = tl.load(_chunk_rows(f, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
+  f_CK = tl.load(chunk_rows(f, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
   g_CK, _, _ = _gate(f_CK, a_1K, bias_1K, GATE, LOWER)
   G_CK = tl.associative_scan(tl.where(live_C1, g_CK, 0.0), 0, tl.standard._sum_combine)
-  tl.store(_chunk_rows(G, row0, n, 0, Tp, H, K, C, K), G_CK)
+  tl.store(chunk_rows(G, row0, n, 0, Tp, H, K, C, K), G_CK)
 
 
 @triton.jit
@@ -137,23 +138,23 @@ def _gate_bwd(f, a, bias, live_C1, dG, df, da, dbias, row0, n, b, h, Tp: tl.cons
   into da and dbias."""
   N: tl.constexpr = Tp // C
   i_K = tl.arange(0, K)
-  dG_CK = tl.load(_chunk_rows(dG, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
+  dG_CK = tl.load(chunk_rows(dG, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
   dg_CK = tl.associative_scan(dG_CK, 0, tl.standard._sum_combine, reverse=True)
   dg_CK = tl.where(live_C1, dg_CK, 0.0)
   part = ((b * N + n) * H + h) * K + i_K
   if GATE == 0:
-    tl.store(_chunk_rows(df, row0, n, 0, Tp, H, K, C, K), dg_CK.to(df.dtype.element_ty))
+    tl.store(chunk_rows(df, row0, n, 0, Tp, H, K, C, K), dg_CK.to(df.dtype.element_ty))
     tl.store(da + part, tl.full((K,), 0.0, tl.float32))
     tl.store(dbias + part, tl.full((K,), 0.0, tl.float32))
   else:
     a_1K = tl.load(a + h * K + i_K)[None, :]
     bias_1K = tl.load(bias + h * K + i_K)[None, :]
-    f_CK = tl.load(_chunk_rows(f, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
+    f_CK = tl.load(chunk_rows(f, row0, n, 0, Tp, H, K, C, K)).to(tl.float32)
     _, dg_df, dg_da = _gate(f_CK, a_1K, bias_1K, GATE, LOWER)
     df_CK = dg_CK * dg_df
-    tl.store(_chunk_rows(df, row0, n, 0, Tp, H, K, C, K), df_CK.to(df.dtype.element_ty))
-    tl.store(da + part, _sum(dg_CK * dg_da, 0))
-    tl.store(dbias + part, _sum(df_CK, 0))
+    tl.store(chunk_rows(df, row0, n, 0, Tp, H, K, C, K), df_CK.to(df.dtype.element_ty))
+    tl.store(da + part, fp32_sum(dg_CK * dg_da, 0))
+    tl.store(dbias + part, fp32_sum(df_CK, 0))
 
 
 @triton.jit
@@ -190,9 +191,9 @@ def _meta(q, gate, lower_bound, l2norm, chunk_size):
 def _launch(shape, meta, warps, interpret, kernel, args, out_type):
   """One program per (chunk, b·h), no loop to pipeline; named after the kernel."""
   B, Tp, H, _ = shape
-  return triton_gpu._launch(kernel, (Tp // meta["C"], B * H), args, out_type, meta,
-                            name=kernel.__name__[1:], interpret=interpret, warps=warps,
-                            stages=1)
+  return triton_launch.launch(kernel, (Tp // meta["C"], B * H), args, out_type, meta,
+                              name=kernel.__name__[1:], interpret=interpret, warps=warps,
+                              max_stages=1, stages=1)
 
 
 def prologue_call(q, k, f, a_HK, bias_HK, live, *, dtype, gate, lower_bound, l2norm,

@@ -1,4 +1,4 @@
-"""KDA's chunked kernels in native Triton: implementation="triton" (issue 22).
+"""KDA's chunked kernels in native Triton: implementation="triton".
 
 pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its time written
 as @triton.jit kernels and called through jax_triton, and the prologue (gate, L2 norm, chunk
@@ -33,29 +33,23 @@ Stage 2:
   _kda_recurrence_grads_triton  grid (K/BK, N, B·H): one chunk's dQg, dKd, dW, dAqk and
                               d(decay), contracted over V (pallas_gpu's grads kernel).
 
-On a GPU the kernels run through `jax_triton.triton_call`, each compiled on a worker thread
-from the moment it is traced (pallas_kernels/triton_precompile.py); elsewhere Triton's interpreter
-runs them on host arrays inside a `jax.pure_callback` (CPU tests). Both need the `triton`
-package (3.6, the GPU machine's); jax_triton only on the GPU, loaded by
-pallas_kernels/jax_triton_compat.py (whatever imported it first, tokamax included).
-"""
-
-import functools
-import types
+The kernels are launched by pallas_kernels/triton_launch.py: through jax_triton on a GPU,
+Triton's interpreter on host arrays elsewhere (CPU tests). ops.py assembles the op from
+these stages and prologue_triton.py's prologue (PROLOGUE below picks it)."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import triton
 import triton.language as tl
 
-from pallas_kernels import jax_triton_compat, triton_precompile
+from pallas_kernels import triton_launch
 from pallas_kernels.kda import pallas_gpu
 from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
 F32 = jnp.float32
 
 # Launch knobs (chosen on the H200 by benchmarks/profile_kda_stages.py --triton; kda.md).
+PROLOGUE = True      # the prologue in Triton (prologue_triton.py), else prologue_gpu's Pallas
 BLOCK_V = 32         # V columns per program (64 was not faster once pipelined)
 WARPS = 4
 STAGES = 3           # chunks in flight in the recurrence loop, fewer where they do not fit
@@ -95,15 +89,10 @@ PROLOGUE_BWD_WARPS = 4   # were not faster in the op (kda.md, 2026-12-03: -4% to
 GATE_ONLY_PROLOGUE = True   # where q̂ = q and k̂ = k (no L2 norm, no padding): the prologue
                             # computes G alone; False copies q and k through it (kda.md,
                             # 2026-12-04)
-# Shared memory a block may use (opt-in maximum) by compute capability; the default is the
-# smallest of these.
-MAX_SHARED = {80: 166912, 87: 166912, 90: 232448, 100: 232448}
-_TRITON_TYPES = {jnp.dtype(jnp.bfloat16): "*bf16", jnp.dtype(jnp.float16): "*fp16",
-                 jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.int32): "*i32"}
 
 
 @triton.jit
-def _chunk_rows(ptr, row0, n, col, Tp: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+def chunk_rows(ptr, row0, n, col, Tp: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                 C: tl.constexpr, BD: tl.constexpr):
   """Block pointer to rows n·C … n·C + C and columns col … col + BD of one (b, h) of a
   [B, Tp, H, D] array whose row 0 is at row0 (= b·Tp·H + h)."""
@@ -147,16 +136,16 @@ def _kda_recurrence_triton(W, U0, Qg, Kd, Aqk, decay, S0, O, SN, states,
     if WITH_STATES:
       tl.store(_state(states, bh * N + n, iv, K, V, BV), S_KV)
     S_d = S_KV.to(dt)
-    W_CK = tl.load(_chunk_rows(W, row0, n, 0, Tp, H, K, C, K))
-    U0_CV = tl.load(_chunk_rows(U0, row0, n, iv * BV, Tp, H, V, C, BV))
+    W_CK = tl.load(chunk_rows(W, row0, n, 0, Tp, H, K, C, K))
+    U0_CV = tl.load(chunk_rows(U0, row0, n, iv * BV, Tp, H, V, C, BV))
     U_CV = U0_CV.to(tl.float32) - tl.dot(W_CK, S_d, input_precision=PREC)
     U_d = U_CV.to(dt)
-    Qg_CK = tl.load(_chunk_rows(Qg, row0, n, 0, Tp, H, K, C, K))
-    A_CC = tl.load(_chunk_rows(Aqk, row0, n, 0, Tp, H, C, C, C))
+    Qg_CK = tl.load(chunk_rows(Qg, row0, n, 0, Tp, H, K, C, K))
+    A_CC = tl.load(chunk_rows(Aqk, row0, n, 0, Tp, H, C, C, C))
     O_CV = tl.dot(A_CC, U_d, acc=tl.dot(Qg_CK, S_d, input_precision=PREC),
                   input_precision=PREC)
-    tl.store(_chunk_rows(O, row0, n, iv * BV, Tp, H, V, C, BV), O_CV.to(O.dtype.element_ty))
-    Kd_CK = tl.load(_chunk_rows(Kd, row0, n, 0, Tp, H, K, C, K))
+    tl.store(chunk_rows(O, row0, n, iv * BV, Tp, H, V, C, BV), O_CV.to(O.dtype.element_ty))
+    Kd_CK = tl.load(chunk_rows(Kd, row0, n, 0, Tp, H, K, C, K))
     decay_K = tl.load(decay + ((b * N + n) * H + h) * K + k_K)
     S_KV = tl.dot(tl.trans(Kd_CK), U_d, acc=S_KV * decay_K[:, None], input_precision=PREC)
   tl.store(_state(SN, bh, iv, K, V, BV), S_KV)
@@ -184,18 +173,18 @@ def _kda_recurrence_bwd_triton(W, U0, Qg, Kd, Aqk, decay, states, dO, dSN,
     tl.store(_state(dstates, bh * N + n, iv, K, V, BV), dS_KV)
     S_d = tl.load(_state(states, bh * N + n, iv, K, V, BV)).to(dt)
     dS_d = dS_KV.to(dt)
-    W_CK = tl.load(_chunk_rows(W, row0, n, 0, Tp, H, K, C, K))
-    dO_d = tl.load(_chunk_rows(dO, row0, n, iv * BV, Tp, H, V, C, BV)).to(dt)
-    U0_CV = tl.load(_chunk_rows(U0, row0, n, iv * BV, Tp, H, V, C, BV))
+    W_CK = tl.load(chunk_rows(W, row0, n, 0, Tp, H, K, C, K))
+    dO_d = tl.load(chunk_rows(dO, row0, n, iv * BV, Tp, H, V, C, BV)).to(dt)
+    U0_CV = tl.load(chunk_rows(U0, row0, n, iv * BV, Tp, H, V, C, BV))
     U_CV = U0_CV.to(tl.float32) - tl.dot(W_CK, S_d, input_precision=PREC)
-    tl.store(_chunk_rows(U, row0, n, iv * BV, Tp, H, V, C, BV), U_CV.to(U.dtype.element_ty))
-    A_CC = tl.load(_chunk_rows(Aqk, row0, n, 0, Tp, H, C, C, C))
-    Kd_CK = tl.load(_chunk_rows(Kd, row0, n, 0, Tp, H, K, C, K))
+    tl.store(chunk_rows(U, row0, n, iv * BV, Tp, H, V, C, BV), U_CV.to(U.dtype.element_ty))
+    A_CC = tl.load(chunk_rows(Aqk, row0, n, 0, Tp, H, C, C, C))
+    Kd_CK = tl.load(chunk_rows(Kd, row0, n, 0, Tp, H, K, C, K))
     dU_CV = tl.dot(tl.trans(A_CC), dO_d, acc=tl.dot(Kd_CK, dS_d, input_precision=PREC),
                    input_precision=PREC)
-    tl.store(_chunk_rows(dU0, row0, n, iv * BV, Tp, H, V, C, BV),
+    tl.store(chunk_rows(dU0, row0, n, iv * BV, Tp, H, V, C, BV),
              dU_CV.to(dU0.dtype.element_ty))
-    Qg_CK = tl.load(_chunk_rows(Qg, row0, n, 0, Tp, H, K, C, K))
+    Qg_CK = tl.load(chunk_rows(Qg, row0, n, 0, Tp, H, K, C, K))
     decay_K = tl.load(decay + ((b * N + n) * H + h) * K + k_K)
     dS_KV = tl.dot(tl.trans(Qg_CK), dO_d, acc=dS_KV * decay_K[:, None], input_precision=PREC)
     dS_KV = tl.dot(tl.trans(W_CK), (-dU_CV).to(dt), acc=dS_KV, input_precision=PREC)
@@ -228,23 +217,23 @@ def _kda_recurrence_grads_triton(states, dstates, dO, U, dU0, dW, dQg, dKd, dAqk
   for iv in tl.range(0, V // BV, num_stages=NUM_STAGES):
     S_KV = tl.load(_state_block(states, bh * N + n, ik, iv, K, V, BK, BV))
     dS_KV = tl.load(_state_block(dstates, bh * N + n, ik, iv, K, V, BK, BV))
-    dO_CV = tl.load(_chunk_rows(dO, row0, n, iv * BV, Tp, H, V, C, BV)).to(dt)
-    U_CV = tl.load(_chunk_rows(U, row0, n, iv * BV, Tp, H, V, C, BV))
-    dU_CV = tl.load(_chunk_rows(dU0, row0, n, iv * BV, Tp, H, V, C, BV)).to(dt)
+    dO_CV = tl.load(chunk_rows(dO, row0, n, iv * BV, Tp, H, V, C, BV)).to(dt)
+    U_CV = tl.load(chunk_rows(U, row0, n, iv * BV, Tp, H, V, C, BV))
+    dU_CV = tl.load(chunk_rows(dU0, row0, n, iv * BV, Tp, H, V, C, BV)).to(dt)
     S_d, dS_d = S_KV.to(dt), dS_KV.to(dt)
     dQg_CK = tl.dot(dO_CV, tl.trans(S_d), acc=dQg_CK, input_precision=PREC)
     dKd_CK = tl.dot(U_CV, tl.trans(dS_d), acc=dKd_CK, input_precision=PREC)
     dUS_CK = tl.dot(dU_CV, tl.trans(S_d), acc=dUS_CK, input_precision=PREC)
     dAqk_CC = tl.dot(dO_CV, tl.trans(U_CV), acc=dAqk_CC, input_precision=PREC)
-    dd_K += _sum(S_KV * dS_KV, 1)
-  tl.store(_chunk_rows(dQg, row0, n, ik * BK, Tp, H, K, C, BK),
+    dd_K += fp32_sum(S_KV * dS_KV, 1)
+  tl.store(chunk_rows(dQg, row0, n, ik * BK, Tp, H, K, C, BK),
            dQg_CK.to(dQg.dtype.element_ty))
-  tl.store(_chunk_rows(dKd, row0, n, ik * BK, Tp, H, K, C, BK),
+  tl.store(chunk_rows(dKd, row0, n, ik * BK, Tp, H, K, C, BK),
            dKd_CK.to(dKd.dtype.element_ty))
-  tl.store(_chunk_rows(dW, row0, n, ik * BK, Tp, H, K, C, BK), (-dUS_CK).to(dW.dtype.element_ty))
+  tl.store(chunk_rows(dW, row0, n, ik * BK, Tp, H, K, C, BK), (-dUS_CK).to(dW.dtype.element_ty))
   tl.store(ddecay + ((b * N + n) * H + h) * K + ik * BK + tl.arange(0, BK), dd_K)
   if ik == 0:
-    tl.store(_chunk_rows(dAqk, row0, n, 0, Tp, H, C, C, C), dAqk_CC.to(dAqk.dtype.element_ty))
+    tl.store(chunk_rows(dAqk, row0, n, 0, Tp, H, C, C, C), dAqk_CC.to(dAqk.dtype.element_ty))
 
 
 @triton.jit
@@ -278,12 +267,12 @@ def _kda_tiles_triton(q, k, G, seg, A, Aqk,
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     anchor_K = tl.load(G + (row0 + t * H) * K + col + tl.arange(0, BK)).to(tl.float32)
-    left_LK = tl.exp(tl.load(_chunk_rows(G, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+    left_LK = tl.exp(tl.load(chunk_rows(G, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
                      - anchor_K[None, :])
-    kl_LK = tl.load(_chunk_rows(k, row0, r, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
-    ql_LK = tl.load(_chunk_rows(q, row0, r, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
-    G_CK = tl.load(_chunk_rows(G, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
-    k_CK = tl.load(_chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    kl_LK = tl.load(chunk_rows(k, row0, r, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
+    ql_LK = tl.load(chunk_rows(q, row0, r, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
+    G_CK = tl.load(chunk_rows(G, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    k_CK = tl.load(chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
     right_CK = tl.exp(tl.where(seen_C[:, None], anchor_K[None, :] - G_CK, 0.0))
     kr_CK = tl.where(seen_C[:, None], k_CK * right_CK, 0.0)
     A_LC = tl.dot(kl_LK, tl.trans(kr_CK), acc=A_LC, input_precision=PREC)
@@ -292,9 +281,9 @@ def _kda_tiles_triton(q, k, G, seg, A, Aqk,
   seg_C = tl.load(seg + b * Tp + n * C + i_C)
   same = seg_L[:, None] == seg_C[None, :]
   i_LC = a * L + i_L[:, None]
-  tl.store(_chunk_rows(A, row0, r, 0, Tp, H, C, L, C),
+  tl.store(chunk_rows(A, row0, r, 0, Tp, H, C, L, C),
            tl.where(same & (i_LC > i_C[None, :]), A_LC, 0.0))
-  tl.store(_chunk_rows(Aqk, row0, r, 0, Tp, H, C, L, C),
+  tl.store(chunk_rows(Aqk, row0, r, 0, Tp, H, C, L, C),
            tl.where(same & (i_LC >= i_C[None, :]), Aqk_LC * SCALE, 0.0)
            .to(Aqk.dtype.element_ty))
 
@@ -313,28 +302,28 @@ def _kda_tiles_blocks_triton(q, k, G, seg, A, Aqk,
   r, n, a, b, row0 = _subchunk_program(0, Tp, H, C)
   i_L = tl.arange(0, L)
   anchor_K = tl.load(G + (row0 + (r * L + L // 2) * H) * K + tl.arange(0, K))
-  left_LK = tl.exp(tl.load(_chunk_rows(G, row0, r, 0, Tp, H, K, L, K)) - anchor_K[None, :])
-  kl_LK = tl.load(_chunk_rows(k, row0, r, 0, Tp, H, K, L, K)).to(tl.float32) * left_LK
-  ql_LK = tl.load(_chunk_rows(q, row0, r, 0, Tp, H, K, L, K)).to(tl.float32) * left_LK
+  left_LK = tl.exp(tl.load(chunk_rows(G, row0, r, 0, Tp, H, K, L, K)) - anchor_K[None, :])
+  kl_LK = tl.load(chunk_rows(k, row0, r, 0, Tp, H, K, L, K)).to(tl.float32) * left_LK
+  ql_LK = tl.load(chunk_rows(q, row0, r, 0, Tp, H, K, L, K)).to(tl.float32) * left_LK
   seg_L = tl.load(seg + b * Tp + r * L + i_L)
   for c in tl.range(0, a + 1, num_stages=NUM_STAGES):
     rc = n * S + c
-    G_LK = tl.load(_chunk_rows(G, row0, rc, 0, Tp, H, K, L, K))
-    kr_LK = tl.load(_chunk_rows(k, row0, rc, 0, Tp, H, K, L, K)).to(tl.float32) * tl.exp(
+    G_LK = tl.load(chunk_rows(G, row0, rc, 0, Tp, H, K, L, K))
+    kr_LK = tl.load(chunk_rows(k, row0, rc, 0, Tp, H, K, L, K)).to(tl.float32) * tl.exp(
         anchor_K[None, :] - G_LK)
     A_LL = tl.dot(kl_LK, tl.trans(kr_LK), input_precision=PREC)
     Aqk_LL = tl.dot(ql_LK, tl.trans(kr_LK), input_precision=PREC)
     same = seg_L[:, None] == tl.load(seg + b * Tp + rc * L + i_L)[None, :]
     j_L = c * L + i_L
     i_LL = a * L + i_L[:, None]
-    tl.store(_chunk_rows(A, row0, r, c * L, Tp, H, C, L, L),
+    tl.store(chunk_rows(A, row0, r, c * L, Tp, H, C, L, L),
              tl.where(same & (i_LL > j_L[None, :]), A_LL, 0.0))
-    tl.store(_chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
+    tl.store(chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
              tl.where(same & (i_LL >= j_L[None, :]), Aqk_LL * SCALE, 0.0)
              .to(Aqk.dtype.element_ty))
   for c in tl.range(a + 1, S):
-    tl.store(_chunk_rows(A, row0, r, c * L, Tp, H, C, L, L), tl.full((L, L), 0.0, tl.float32))
-    tl.store(_chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
+    tl.store(chunk_rows(A, row0, r, c * L, Tp, H, C, L, L), tl.full((L, L), 0.0, tl.float32))
+    tl.store(chunk_rows(Aqk, row0, r, c * L, Tp, H, C, L, L),
              tl.full((L, L), 0.0, tl.float32).to(Aqk.dtype.element_ty))
 
 
@@ -347,7 +336,7 @@ def _chunk_program(T, beta, seg, Tp: tl.constexpr, H: tl.constexpr, C: tl.conste
   b, h = bh // H, bh % H
   row0 = b * Tp * H + h
   i_C = tl.arange(0, C)
-  T_CC = tl.load(_chunk_rows(T, row0, n, 0, Tp, H, C, C, C))
+  T_CC = tl.load(chunk_rows(T, row0, n, 0, Tp, H, C, C, C))
   beta_C = tl.load(beta + (b * Tp + n * C + i_C) * H + h).to(tl.float32)
   seg_C = tl.load(seg + b * Tp + n * C + i_C)
   seg_end = tl.load(seg + b * Tp + n * C + C - 1)
@@ -370,23 +359,23 @@ def _kda_wu_triton(T, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay,
     col = ik * BK
     gamma_CK, to_end_CK, decay_K = _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp, H, K,
                                                 C, BK)
-    k_CK = tl.load(_chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
-    q_CK = tl.load(_chunk_rows(q, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    k_CK = tl.load(chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    q_CK = tl.load(chunk_rows(q, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
     W_CK = tl.dot(T_CC, (beta_C[:, None] * k_CK * gamma_CK).to(dot_dt), input_precision=PREC)
-    tl.store(_chunk_rows(W, row0, n, col, Tp, H, K, C, BK), W_CK.to(W.dtype.element_ty))
-    tl.store(_chunk_rows(Qg, row0, n, col, Tp, H, K, C, BK),
+    tl.store(chunk_rows(W, row0, n, col, Tp, H, K, C, BK), W_CK.to(W.dtype.element_ty))
+    tl.store(chunk_rows(Qg, row0, n, col, Tp, H, K, C, BK),
              (q_CK * gamma_CK * SCALE).to(Qg.dtype.element_ty))
-    tl.store(_chunk_rows(Kd, row0, n, col, Tp, H, K, C, BK),
+    tl.store(chunk_rows(Kd, row0, n, col, Tp, H, K, C, BK),
              (k_CK * to_end_CK).to(Kd.dtype.element_ty))
     tl.store(decay + ((b * N + n) * H + h) * K + col + tl.arange(0, BK), decay_K)
   for iv in tl.range(0, V // BK, num_stages=NUM_STAGES):
-    v_CV = tl.load(_chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    v_CV = tl.load(chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
     U0_CV = tl.dot(T_CC, (beta_C[:, None] * v_CV).to(dot_dt), input_precision=PREC)
-    tl.store(_chunk_rows(U0, row0, n, iv * BK, Tp, H, V, C, BK), U0_CV.to(U0.dtype.element_ty))
+    tl.store(chunk_rows(U0, row0, n, iv * BK, Tp, H, V, C, BK), U0_CV.to(U0.dtype.element_ty))
 
 
 @triton.jit
-def _sum(x, axis: tl.constexpr):
+def fp32_sum(x, axis: tl.constexpr):
   """tl.sum of fp32 (its own reduction): tl.sum is a @triton.jit library function, which
   Triton's interpreter runs only in a process started with TRITON_INTERPRET=1, where
   nothing could be compiled for the GPU; this reduction it runs with numpy."""
@@ -398,7 +387,7 @@ def _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp: tl.constexpr, H: tl.conste
                  K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
   """pallas_gpu._chunk_gates on columns col … col + BK of chunk n: Γ = e^G [C, BK] on rows
   S0 reaches, e^{G_end - G} on rows that reach the chunk's end, decay = Γ_end [BK]."""
-  G_CK = tl.load(_chunk_rows(G, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+  G_CK = tl.load(chunk_rows(G, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
   G_end_K = tl.load(G + (row0 + (n * C + C - 1) * H) * K + col + tl.arange(0, BK))
   gamma_CK = tl.where((seg_C == 0)[:, None], tl.exp(G_CK), 0.0)
   to_end_CK = tl.where((seg_C == seg_end)[:, None], tl.exp(G_end_K[None, :] - G_CK), 0.0)
@@ -422,49 +411,49 @@ def _kda_wu_bwd_triton(T, A, q, k, v, G, beta, seg, dW, dU0, dQg, dKd, ddecay,
   dT_CC = tl.full((C, C), 0.0, tl.float32)
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     gamma_CK, _, _ = _chunk_gates(G, seg_C, seg_end, row0, n, ik * BK, Tp, H, K, C, BK)
-    k_CK = tl.load(_chunk_rows(k, row0, n, ik * BK, Tp, H, K, C, BK)).to(tl.float32)
-    dW_CK = tl.load(_chunk_rows(dW, row0, n, ik * BK, Tp, H, K, C, BK)).to(tl.float32)
+    k_CK = tl.load(chunk_rows(k, row0, n, ik * BK, Tp, H, K, C, BK)).to(tl.float32)
+    dW_CK = tl.load(chunk_rows(dW, row0, n, ik * BK, Tp, H, K, C, BK)).to(tl.float32)
     X_CK = beta_C[:, None] * k_CK * gamma_CK
     dT_CC = tl.dot(dW_CK, tl.trans(X_CK), acc=dT_CC, input_precision=PREC)
   for iv in tl.range(0, V // BK, num_stages=NUM_STAGES):
-    v_CV = tl.load(_chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
-    dU0_CV = tl.load(_chunk_rows(dU0, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    v_CV = tl.load(chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    dU0_CV = tl.load(chunk_rows(dU0, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
     dT_CC = tl.dot(dU0_CV, tl.trans(beta_C[:, None] * v_CV), acc=dT_CC, input_precision=PREC)
   # cotangent of L = I + Diag(β)A
   dL_CC = -tl.dot(tl.trans(T_CC), tl.dot(dT_CC, tl.trans(T_CC), input_precision=PREC),
                   input_precision=PREC)
   support = (seg_C[:, None] == seg_C[None, :]) & (i_C[:, None] > i_C[None, :])
-  tl.store(_chunk_rows(dA, row0, n, 0, Tp, H, C, C, C),
+  tl.store(chunk_rows(dA, row0, n, 0, Tp, H, C, C, C),
            tl.where(support, beta_C[:, None] * dL_CC, 0.0))
-  dbeta_C = _sum(dL_CC * tl.load(_chunk_rows(A, row0, n, 0, Tp, H, C, C, C)), 1)
+  dbeta_C = fp32_sum(dL_CC * tl.load(chunk_rows(A, row0, n, 0, Tp, H, C, C, C)), 1)
   last_C = i_C == C - 1
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     gamma_CK, to_end_CK, decay_K = _chunk_gates(G, seg_C, seg_end, row0, n, col, Tp, H, K,
                                                 C, BK)
-    q_CK = tl.load(_chunk_rows(q, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
-    k_CK = tl.load(_chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
-    dQg_CK = tl.load(_chunk_rows(dQg, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
-    dKd_CK = tl.load(_chunk_rows(dKd, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
-    dW_CK = tl.load(_chunk_rows(dW, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    q_CK = tl.load(chunk_rows(q, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    k_CK = tl.load(chunk_rows(k, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    dQg_CK = tl.load(chunk_rows(dQg, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    dKd_CK = tl.load(chunk_rows(dKd, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
+    dW_CK = tl.load(chunk_rows(dW, row0, n, col, Tp, H, K, C, BK)).to(tl.float32)
     dX_CK = tl.dot(tl.trans(T_CC), dW_CK, input_precision=PREC)
-    tl.store(_chunk_rows(dq0, row0, n, col, Tp, H, K, C, BK), dQg_CK * SCALE * gamma_CK)
-    tl.store(_chunk_rows(dk0, row0, n, col, Tp, H, K, C, BK),
+    tl.store(chunk_rows(dq0, row0, n, col, Tp, H, K, C, BK), dQg_CK * SCALE * gamma_CK)
+    tl.store(chunk_rows(dk0, row0, n, col, Tp, H, K, C, BK),
              dX_CK * beta_C[:, None] * gamma_CK + dKd_CK * to_end_CK)
     P_CK = dKd_CK * k_CK * to_end_CK                    # d/dG of Kd = k e^{G_end - G}
     ddecay_K = tl.load(ddecay + ((b * N + n) * H + h) * K + col + tl.arange(0, BK))
-    dG_end_K = _sum(P_CK, 0) + ddecay_K * decay_K
+    dG_end_K = fp32_sum(P_CK, 0) + ddecay_K * decay_K
     dG_CK = ((dX_CK * beta_C[:, None] * k_CK + dQg_CK * SCALE * q_CK) * gamma_CK - P_CK
              + tl.where(last_C[:, None], dG_end_K[None, :], 0.0))
-    tl.store(_chunk_rows(dG0, row0, n, col, Tp, H, K, C, BK), dG_CK)
-    dbeta_C += _sum(dX_CK * k_CK * gamma_CK, 1)
+    tl.store(chunk_rows(dG0, row0, n, col, Tp, H, K, C, BK), dG_CK)
+    dbeta_C += fp32_sum(dX_CK * k_CK * gamma_CK, 1)
   for iv in tl.range(0, V // BK, num_stages=NUM_STAGES):
-    v_CV = tl.load(_chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
-    dU0_CV = tl.load(_chunk_rows(dU0, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    v_CV = tl.load(chunk_rows(v, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
+    dU0_CV = tl.load(chunk_rows(dU0, row0, n, iv * BK, Tp, H, V, C, BK)).to(tl.float32)
     dY_CV = tl.dot(tl.trans(T_CC), dU0_CV, input_precision=PREC)
-    tl.store(_chunk_rows(dv, row0, n, iv * BK, Tp, H, V, C, BK),
+    tl.store(chunk_rows(dv, row0, n, iv * BK, Tp, H, V, C, BK),
              (beta_C[:, None] * dY_CV).to(dv.dtype.element_ty))
-    dbeta_C += _sum(dY_CV * v_CV, 1)
+    dbeta_C += fp32_sum(dY_CV * v_CV, 1)
   tl.store(dbeta + (b * Tp + n * C + i_C) * H + h, dbeta_C)
 
 
@@ -489,22 +478,22 @@ def _kda_tiles_bwd_triton(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, dq, dk, dG,
   col = ik * BK
   c_BK = col + tl.arange(0, BK)
   i_L = tl.arange(0, L)
-  q_LK = tl.load(_chunk_rows(q, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
-  k_LK = tl.load(_chunk_rows(k, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
-  G_LK = tl.load(_chunk_rows(G, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  q_LK = tl.load(chunk_rows(q, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  k_LK = tl.load(chunk_rows(k, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  G_LK = tl.load(chunk_rows(G, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
   seg_L = tl.load(seg + b * Tp + r * L + i_L)
-  dq_LK = tl.load(_chunk_rows(dq0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
-  dk_LK = tl.load(_chunk_rows(dk0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
-  dG_LK = tl.load(_chunk_rows(dG0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  dq_LK = tl.load(chunk_rows(dq0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  dk_LK = tl.load(chunk_rows(dk0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
+  dG_LK = tl.load(chunk_rows(dG0, row0, r, col, Tp, H, K, L, BK)).to(tl.float32)
   # a as the row block: d(k_a·left) = dA_aj (k_j·right), likewise q_a with dAqk.
   for j in tl.range(n0, r + 1, num_stages=NUM_STAGES):
     t = tl.where(j == r, r * L + L // 2, j * L + L - 1)
     anchor_K = tl.load(G + (row0 + t * H) * K + c_BK).to(tl.float32)
-    Gj_LK = tl.load(_chunk_rows(G, row0, j, col, Tp, H, K, L, BK)).to(tl.float32)
-    kj_LK = tl.load(_chunk_rows(k, row0, j, col, Tp, H, K, L, BK)).to(tl.float32)
+    Gj_LK = tl.load(chunk_rows(G, row0, j, col, Tp, H, K, L, BK)).to(tl.float32)
+    kj_LK = tl.load(chunk_rows(k, row0, j, col, Tp, H, K, L, BK)).to(tl.float32)
     kr_LK = kj_LK * tl.exp(anchor_K[None, :] - Gj_LK)
-    dA_LL = tl.load(_chunk_rows(dA, row0, r, (j - n0) * L, Tp, H, C, L, L)).to(tl.float32)
-    dAqk_LL = tl.load(_chunk_rows(dAqk, row0, r, (j - n0) * L, Tp, H, C, L, L)).to(tl.float32)
+    dA_LL = tl.load(chunk_rows(dA, row0, r, (j - n0) * L, Tp, H, C, L, L)).to(tl.float32)
+    dAqk_LL = tl.load(chunk_rows(dAqk, row0, r, (j - n0) * L, Tp, H, C, L, L)).to(tl.float32)
     seg_j = tl.load(seg + b * Tp + j * L + i_L)
     keep = (seg_L[:, None] == seg_j[None, :]) & ((j < r) | (i_L[:, None] >= i_L[None, :]))
     dAqk_LL = tl.where(keep, dAqk_LL, 0.0) * SCALE
@@ -518,12 +507,12 @@ def _kda_tiles_bwd_triton(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, dq, dk, dG,
   for c in tl.range(r, n0 + S, num_stages=NUM_STAGES):
     t = tl.where(c == r, r * L + L // 2, r * L + L - 1)
     anchor_K = tl.load(G + (row0 + t * H) * K + c_BK).to(tl.float32)
-    Gc_LK = tl.load(_chunk_rows(G, row0, c, col, Tp, H, K, L, BK)).to(tl.float32)
+    Gc_LK = tl.load(chunk_rows(G, row0, c, col, Tp, H, K, L, BK)).to(tl.float32)
     left_LK = tl.exp(Gc_LK - anchor_K[None, :])
-    kl_LK = tl.load(_chunk_rows(k, row0, c, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
-    ql_LK = tl.load(_chunk_rows(q, row0, c, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
-    dA_LL = tl.load(_chunk_rows(dA, row0, c, (r - n0) * L, Tp, H, C, L, L)).to(tl.float32)
-    dAqk_LL = tl.load(_chunk_rows(dAqk, row0, c, (r - n0) * L, Tp, H, C, L, L)).to(tl.float32)
+    kl_LK = tl.load(chunk_rows(k, row0, c, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
+    ql_LK = tl.load(chunk_rows(q, row0, c, col, Tp, H, K, L, BK)).to(tl.float32) * left_LK
+    dA_LL = tl.load(chunk_rows(dA, row0, c, (r - n0) * L, Tp, H, C, L, L)).to(tl.float32)
+    dAqk_LL = tl.load(chunk_rows(dAqk, row0, c, (r - n0) * L, Tp, H, C, L, L)).to(tl.float32)
     seg_c = tl.load(seg + b * Tp + c * L + i_L)
     keep = (seg_c[:, None] == seg_L[None, :]) & ((c > r) | (i_L[:, None] >= i_L[None, :]))
     dAqk_LL = tl.where(keep, dAqk_LL, 0.0) * SCALE
@@ -532,223 +521,20 @@ def _kda_tiles_bwd_triton(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, dq, dk, dG,
     right_LK = tl.exp(anchor_K[None, :] - G_LK)
     dk_LK += dkr_LK * right_LK
     dG_LK -= dkr_LK * k_LK * right_LK
-  tl.store(_chunk_rows(dq, row0, r, col, Tp, H, K, L, BK), dq_LK.to(dq.dtype.element_ty))
-  tl.store(_chunk_rows(dk, row0, r, col, Tp, H, K, L, BK), dk_LK.to(dk.dtype.element_ty))
-  tl.store(_chunk_rows(dG, row0, r, col, Tp, H, K, L, BK), dG_LK.to(dG.dtype.element_ty))
-
-
-class _HostArray:
-  """A numpy array dressed as the torch tensor Triton's interpreter reads and writes in
-  place (data_ptr, dtype, storage): host and "device" are the same memory here."""
-
-  class _Storage:
-    def __init__(self, arr):
-      self.arr = arr
-
-    def data_ptr(self):
-      return self.arr.ctypes.data
-
-    def cpu(self):
-      return self
-
-    def copy_(self, other):
-      return self
-
-  class _Dtype:
-    def __init__(self, name):
-      self.name = name
-
-    def __str__(self):
-      return "torch." + self.name
-
-    @staticmethod
-    @functools.cache
-    def of(name):
-      """One object per dtype: Triton caches a type by the dtype object's identity, and a
-      fresh object can reuse a freed one's address (an fp32 array read as bf16)."""
-      return _HostArray._Dtype(name)
-
-  def __init__(self, arr):
-    self.arr = arr
-
-  dtype = property(lambda self: self._Dtype.of(str(self.arr.dtype)))
-  data_ptr = lambda self: self.arr.ctypes.data
-  untyped_storage = lambda self: self._Storage(self.arr)
-  new_empty = lambda self, *a, **k: self
-  set_ = lambda self, *a: self
-  copy_ = lambda self, other: self
-  storage_offset = lambda self: 0
-  size = lambda self: self.arr.shape
-  stride = lambda self: tuple(s // self.arr.itemsize for s in self.arr.strides)
-
-
-@functools.cache
-def _interpreter():
-  """Triton's InterpretedFunction, with its bf16 arithmetic made the GPU's. Triton 3.6's
-  interpreter holds bf16 as uint16 bits and (1) multiplies those integers in tl.dot: here
-  they are widened to fp32 first, the exact products a bf16 tensor-core dot accumulates in
-  fp32; (2) rounds fp32 to bf16 toward zero: here to nearest even, as the GPU's cvt.rn.
-  (3) It holds scalars as 1-element arrays, which NumPy 2.x refuses to turn into an int, so
-  a loop bound computed from program_id failed; they are read with .item() here."""
-  import ml_dtypes
-  from triton.runtime import interpreter
-
-  def to_f32(x):
-    if x.dtype.scalar != tl.bfloat16:
-      return x
-    bits = x.data.astype(np.uint32) << 16
-    return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-  builder = interpreter.InterpreterBuilder
-  create_dot, cast_impl = builder.create_dot, builder.cast_impl
-
-  def cast(self, src, dst_type):
-    if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-      bits = src.data.astype(ml_dtypes.bfloat16).view(np.uint16)
-      return interpreter.TensorHandle(bits, tl.bfloat16)
-    return cast_impl(self, src, dst_type)
-
-  patch_tensor = interpreter._patch_lang_tensor
-
-  def patch_with_index(tensor, scope):
-    patch_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-  builder.create_dot = lambda self, a, b, *rest: create_dot(self, to_f32(a), to_f32(b), *rest)
-  builder.cast_impl = cast
-  interpreter._patch_lang_tensor = patch_with_index
-  return interpreter.InterpretedFunction
-
-
-@functools.cache
-def _interpreted(kernel):
-  """`kernel` for Triton's interpreter. Its @triton.jit helpers (_chunk_rows, _state) are
-  swapped for interpreted ones in a copy of the module's globals: a JITFunction refuses to
-  run outside a compiled kernel, and the interpreter writes into the globals it runs in."""
-  interpreted = _interpreter()
-  scope = dict(kernel.fn.__globals__)
-  clone = lambda fn: types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
-  for name, value in kernel.fn.__globals__.items():
-    if isinstance(value, triton.runtime.JITFunction):
-      scope[name] = interpreted(clone(value.fn))
-  return interpreted(clone(kernel.fn))
-
-
-def _interpret(kernel, grid, args, out_type, meta):
-  """Run `kernel` with Triton's interpreter on the host, as jax_triton would on the GPU:
-  outputs are allocated and passed after the inputs."""
-
-  def host(*arrays):
-    outs = [np.zeros(o.shape, o.dtype) for o in out_type]
-    ins = [np.ascontiguousarray(a) for a in arrays]
-    _interpreted(kernel)[grid](*map(_HostArray, ins + outs), **meta)
-    return outs
-
-  return jax.pure_callback(host, out_type, *args)
-
-
-def _source(kernel, signature, meta):
-  """`kernel` as jax_triton hands it to Triton: signature and meta as sorted (name, value)
-  tuples, every array 16-byte aligned (jax_triton's assumption; it lets Triton copy rows
-  asynchronously, and so sets the pipeline's shared memory)."""
-  from triton.compiler import ASTSource
-  meta = dict(meta)
-  aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
-  return ASTSource(kernel, {**dict(signature), **{n: "constexpr" for n in meta}}, meta,
-                   aligned)
-
-
-def _target(capability):
-  from triton.backends.compiler import GPUTarget
-  return GPUTarget("cuda", capability, 32)
-
-
-@functools.cache
-def compile_for(kernel, signature, meta, num_warps, num_stages, capability=90):
-  """`kernel` compiled by the triton package for a CUDA GPU of this compute capability
-  (to a cubin, with ptxas: registers and spills), as jax_triton builds it. Runs without a
-  GPU."""
-  return triton.compile(_source(kernel, signature, meta), target=_target(capability),
-                        options={"num_warps": num_warps, "num_stages": num_stages})
-
-
-@functools.cache
-def shared_for(kernel, signature, meta, num_warps, num_stages, capability=90):
-  """compile_for's shared memory in bytes, from Triton's passes up to LLVM IR only, where
-  jax_triton reads it too: no PTX, no ptxas (the half of a build that _fitting_stages
-  spent on every start)."""
-  from triton._C.libtriton import ir
-  from triton.compiler.compiler import make_backend
-  src, target = _source(kernel, signature, meta), _target(capability)
-  backend = make_backend(target)
-  options = backend.parse_options({"num_warps": num_warps, "num_stages": num_stages})
-  context = ir.context()
-  ir.load_dialects(context)
-  backend.load_dialects(context)
-  module = src.make_ir(target, options, backend.get_codegen_implementation(options),
-                       backend.get_module_map(), context)
-  passes, metadata = {}, {}
-  backend.add_stages(passes, options, src.language)
-  for stage in ("ttir", "ttgir", "llir"):
-    module = passes[stage](module, metadata)
-  return metadata["shared"]
-
-
-def _capability():
-  cc = getattr(jax.devices()[0], "compute_capability", "9.0")
-  major, minor = str(cc).split(".")
-  return int(major) * 10 + int(minor)
-
-
-def _signature(kernel, arrays, meta, stages):
-  pointers = [n for n, p in zip(kernel.arg_names, kernel.params) if not p.is_constexpr]
-  signature = tuple((n, _TRITON_TYPES[jnp.dtype(a.dtype)]) for n, a in zip(pointers, arrays))
-  return signature, tuple(sorted({**meta, "NUM_STAGES": stages}.items()))
-
-
-def build(kernel, arrays, meta, stages, capability=90, warps=WARPS):
-  """compile_for with these arrays (inputs, then outputs: anything with a dtype) as the
-  kernel's pointer arguments, at this pipeline depth and launch width."""
-  return compile_for(kernel, *_signature(kernel, arrays, meta, stages), warps, stages,
-                     capability)
-
-
-def _fitting_stages(kernel, arrays, meta, warps):
-  """The most chunks in flight (≤ STAGES) whose buffers fit in shared memory: each stage
-  holds a chunk's rows of every loaded array, so wide heads and fp32 take fewer (H200,
-  K = V = 128: the bf16 backward and the fp32 forward exceed 227 KB at 3 stages)."""
-  cc = _capability()
-  limit = MAX_SHARED.get(cc, min(MAX_SHARED.values()))
-  for stages in range(STAGES, 1, -1):
-    if shared_for(kernel, *_signature(kernel, arrays, meta, stages), warps, stages, cc) <= limit:
-      return stages
-  return 1
+  tl.store(chunk_rows(dq, row0, r, col, Tp, H, K, L, BK), dq_LK.to(dq.dtype.element_ty))
+  tl.store(chunk_rows(dk, row0, r, col, Tp, H, K, L, BK), dk_LK.to(dk.dtype.element_ty))
+  tl.store(chunk_rows(dG, row0, r, col, Tp, H, K, L, BK), dG_LK.to(dG.dtype.element_ty))
 
 
 def _launch(kernel, grid, args, out_type, meta, *, name, interpret, warps=None, stages=None):
-  """jax_triton's call at `warps` (WARPS) and `stages` pipeline stages, or without them the
-  deepest pipeline up to STAGES that fits (the recurrences: a stage holds whole [C, K] and
-  [C, V] rows, so its size grows with the head dims; the stage-1 kernels' stages hold
-  fixed-width column blocks and fit at any K and V, which tests/test_kda_triton.py checks,
-  so they skip _fitting_stages's extra compile: seconds of every start). jax_triton's
-  compile starts now on a worker thread (triton_precompile). On CPU Triton's interpreter."""
-  if interpret:
-    return _interpret(kernel, grid, args, out_type, {**meta, "NUM_STAGES": STAGES})
-  warps = WARPS if warps is None else warps
-  if stages is None:
-    stages = _fitting_stages(kernel, [*args, *out_type], meta, warps)
-  call = dict(kernel=kernel, out_type=out_type, grid=grid, name=name, num_warps=warps,
-              num_stages=stages, NUM_STAGES=stages, **meta)
-  jax_triton = jax_triton_compat.load()
-  triton_precompile.submit(jax_triton, args, **call)   # compiles while the trace goes on
-  return jax_triton.triton_call(*args, **call)
-
-
-def _fp32_dots():
-  """Triton's input_precision for fp32 dots, as Pallas's lowering picks it: IEEE under
-  jax_default_matmul_precision "highest" / "float32", else TF32."""
-  return ("ieee" if str(jax.config.jax_default_matmul_precision).lower() in
-          ("highest", "float32") else "tf32")
+  """triton_launch.launch at this module's knobs: `warps` (WARPS) and `stages`, or without
+  `stages` the deepest pipeline up to STAGES that fits (the recurrences: a stage holds whole
+  [C, K] and [C, V] rows, so its size grows with the head dims; the stage-1 kernels' stages
+  hold fixed-width column blocks and fit at any K and V, which tests/test_kda_triton.py
+  checks, so they skip the extra compile: seconds of every start)."""
+  return triton_launch.launch(kernel, grid, args, out_type, meta, name=name,
+                              interpret=interpret, warps=WARPS if warps is None else warps,
+                              max_stages=STAGES, stages=stages)
 
 
 def _recurrence_call(st, S0, *, chunk_size, with_states, interpret):
@@ -759,7 +545,7 @@ def _recurrence_call(st, S0, *, chunk_size, with_states, interpret):
               jax.ShapeDtypeStruct((B, H, K, V), F32),
               # unwritten without states: the kernel's pointer needs an argument
               jax.ShapeDtypeStruct((B, H, N, K, V) if with_states else (1,), F32)]
-  prec = _fp32_dots() if st["W"].dtype == F32 else "tf32"   # (ignored for bf16)
+  prec = triton_launch.fp32_dots() if st["W"].dtype == F32 else "tf32"   # (bf16: ignored)
   meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BV=BV, WITH_STATES=with_states, PREC=prec)
   args = (st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], S0)
   O, SN, states = _launch(_kda_recurrence_triton, (V // BV, B * H), args, out_type, meta,
@@ -776,7 +562,8 @@ def _recurrence_bwd_call(st, states, dO, dSN, *, chunk_size, interpret):
               jax.ShapeDtypeStruct((B, Tp, H, V), dt),        # U, for the grads kernel
               jax.ShapeDtypeStruct((B, H, N, K, V), F32),     # dS at each chunk's end
               jax.ShapeDtypeStruct((B, H, K, V), F32)]        # dS0
-  meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BV=BV, PREC=_fp32_dots() if dt == F32 else "tf32")
+  meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BV=BV,
+              PREC=triton_launch.fp32_dots() if dt == F32 else "tf32")
   args = (st["W"], st["U0"], st["Qg"], st["Kd"], st["Aqk"], st["decay"], states, dO, dSN)
   dU0, U, dstates, dS0 = _launch(_kda_recurrence_bwd_triton, (V // BV, B * H), args, out_type,
                                  meta, name="kda_recurrence_bwd_triton", interpret=interpret)
@@ -793,7 +580,7 @@ def _recurrence_grads_call(states, dstates, dO, U, dU0, dS0, *, chunk_size, inte
   rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
   out_type = [rows(K), rows(K), rows(K), rows(C), jax.ShapeDtypeStruct((B, N, H, K), F32)]
   meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=BK, BV=BV,
-              PREC=_fp32_dots() if dt == F32 else "tf32")
+              PREC=triton_launch.fp32_dots() if dt == F32 else "tf32")
   dW, dQg, dKd, dAqk, ddecay = _launch(
       _kda_recurrence_grads_triton, (K // BK, N, B * H), (states, dstates, dO, U, dU0),
       out_type, meta, name="kda_recurrence_grads_triton", interpret=interpret,
@@ -812,7 +599,7 @@ def tiles_call(q, k, G, seg, *, scale, chunk_size, interpret):
   C = chunk_size
   out_type = [jax.ShapeDtypeStruct((B, Tp, H, C), F32), jax.ShapeDtypeStruct((B, Tp, H, C),
                                                                             q.dtype)]
-  meta = dict(Tp=Tp, H=H, K=K, C=C, SCALE=float(scale), PREC=_fp32_dots())
+  meta = dict(Tp=Tp, H=H, K=K, C=C, SCALE=float(scale), PREC=triton_launch.fp32_dots())
   by_tile = K >= 128 if TILES_BY_TILE is None else TILES_BY_TILE
   kernel = _kda_tiles_blocks_triton if by_tile else _kda_tiles_triton
   if not by_tile:
@@ -830,7 +617,7 @@ def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
   rows = lambda D: jax.ShapeDtypeStruct((B, Tp, H, D), dt)
   out_type = [rows(K), rows(V), rows(K), rows(K), jax.ShapeDtypeStruct((B, N, H, K), F32)]
   meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=min(K, V, WU_BLOCK), SCALE=float(scale),
-              PREC=_fp32_dots(), LOW_DOTS=bool(WU_LOW_DOTS and dt != F32))
+              PREC=triton_launch.fp32_dots(), LOW_DOTS=bool(WU_LOW_DOTS and dt != F32))
   return _launch(_kda_wu_triton, (N, B * H), (T, q, k, v, G, beta, seg.astype(jnp.int32)),
                  out_type, meta, name="kda_wu_triton", interpret=interpret, warps=WU_WARPS,
                  stages=WU_STAGES)
@@ -855,7 +642,7 @@ def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpr
   out_type = [rows(C), rows(K), rows(K), rows(V, v.dtype), jax.ShapeDtypeStruct((B, Tp, H), F32),
               rows(K)]
   meta = dict(Tp=Tp, H=H, K=K, V=V, C=C, BK=min(K, V, WU_BWD_BLOCK), SCALE=float(scale),
-              PREC=_fp32_dots())
+              PREC=triton_launch.fp32_dots())
   args = (T, A, q, k, v, G, beta, seg.astype(jnp.int32), d_st["W"], d_st["U0"], d_st["Qg"],
           d_st["Kd"], d_st["decay"])
   return _launch(_kda_wu_bwd_triton, (Tp // C, B * H), args, out_type, meta,
@@ -870,7 +657,8 @@ def tiles_bwd_call(q, k, G, seg, dA, dAqk, dq0, dk0, dG0, *, scale, chunk_size, 
   BK = min(K, TILES_BWD_BLOCK_K)
   out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
               jax.ShapeDtypeStruct(G.shape, F32)]
-  meta = dict(Tp=Tp, H=H, K=K, C=chunk_size, BK=BK, SCALE=float(scale), PREC=_fp32_dots())
+  meta = dict(Tp=Tp, H=H, K=K, C=chunk_size, BK=BK, SCALE=float(scale),
+              PREC=triton_launch.fp32_dots())
   args = (q, k, G, seg.astype(jnp.int32), dA, dAqk, dq0, dk0, dG0)
   return _launch(_kda_tiles_bwd_triton, (K // BK, Tp // pallas_gpu.SUB, B * H), args,
                  out_type, meta, name="kda_tiles_bwd_triton", interpret=interpret,
@@ -889,15 +677,3 @@ def intra_bwd_triton(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, in
 
 # Stage 1: Triton's tiles and W/U kernels around pallas_gpu's solve, forward and backward.
 intra = pallas_gpu.intra_with_vjp(intra_triton, intra_bwd_triton)
-
-
-PROLOGUE = True    # the prologue in Triton (prologue_triton.py), else prologue_gpu's Pallas
-
-
-def kda_triton(q, k, v, g, beta, **kw):
-  """kda_pallas_gpu's contract and arguments, with the Triton kernels above and
-  prologue_triton's prologue."""
-  from pallas_kernels.kda import prologue_gpu, prologue_triton   # (it imports this module)
-  prologue = prologue_triton.prologue if PROLOGUE else prologue_gpu.prologue
-  return pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, stage1=intra, stage2=recurrence,
-                                   prologue=prologue, **kw)
