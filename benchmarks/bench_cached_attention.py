@@ -1,4 +1,4 @@
-"""The attention kernels over a cache, Pallas vs the XLA block loops of model/mla.py.
+"""The attention kernels over a cache, Pallas vs the XLA block loops (attention/xla_cached.py).
 
   python -m benchmarks.bench_cached_attention [--filled=8192,65536,262144] [--out=$OUT]
   python -m benchmarks.bench_cached_attention --decode [--filled=65536,262144,1048576]
@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from moe_jax.model import mla
+from benchmarks.timing import median_ms
 from pallas_kernels.attention import cached_attention as ca
 from pallas_kernels.attention import latent_decode as ld
-from benchmarks.timing import median_ms
+from pallas_kernels.attention import xla_cached
 
 _FILLED = flags.DEFINE_string("filled", "8192,65536,262144", "Filled cache lengths.")
 _T = flags.DEFINE_integer("chunk", 8192, "Queries per call (the prefill chunk).")
@@ -43,8 +43,8 @@ def xla_loop(q_BxTxHxD, kv_BxSx2HD, q_start_B, kv_len_B):
   pos_BxT = q_start_B[:, None] + jnp.arange(T)
   keys = lambda c: c[..., :H * D].reshape(B, -1, H, D)
   values = lambda c: c[..., H * D:].reshape(B, -1, H, D)
-  return mla._online_softmax(q_BxTxHxD, kv_BxSx2HD, keys, values, pos_BxT, kv_len_B,
-                             min(mla.KEY_BLOCK, kv_BxSx2HD.shape[1]))
+  return xla_cached.online_softmax(q_BxTxHxD, kv_BxSx2HD, keys, values, pos_BxT, kv_len_B,
+                             min(xla_cached.KEY_BLOCK, kv_BxSx2HD.shape[1]))
 
 
 def save(name, rows, knobs):
@@ -65,8 +65,8 @@ def decode_main():
       pos, kv_len = jnp.full((B, 1), L - 1), jnp.full((B,), L)
       pallas = jax.jit(lambda q, c, pos, n: ld.latent_decode_attention(
           q.reshape(B, H, R), c, jnp.repeat(pos, H, axis=1), n))
-      block = min(_S.value, max(mla.KEY_BLOCK, min(mla.MAX_KEY_BLOCK, mla.SCORE_BUDGET // (B * H))))
-      xla = jax.jit(lambda q, c, pos, n: mla._online_softmax(
+      block = min(_S.value, max(xla_cached.KEY_BLOCK, min(xla_cached.MAX_KEY_BLOCK, xla_cached.SCORE_BUDGET // (B * H))))
+      xla = jax.jit(lambda q, c, pos, n: xla_cached.online_softmax(
           q, c, lambda x: x, lambda x: x, pos, n, block).reshape(B, H, R))
       ref = xla(q, c, pos, kv_len).astype(jnp.float32)
       err = float(jnp.linalg.norm(pallas(q, c, pos, kv_len) - ref) / jnp.linalg.norm(ref))

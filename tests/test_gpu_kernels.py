@@ -19,6 +19,7 @@ from pallas_kernels.attention.causal import causal_attention
 from moe_jax.model.moe import gathered_experts
 from pallas_kernels.attention import cached_attention as ca
 from pallas_kernels.attention import latent_decode as ld
+from pallas_kernels.attention import reference as attention_reference
 from pallas_kernels.attention import ring_step
 from pallas_kernels.matmul import few_rows
 from pallas_kernels.moe import decode_experts as de
@@ -163,7 +164,7 @@ def test_cached_prefill_attention_matches_reference():
   q_start, kv_len = jnp.array([0, 7000]), jnp.array([512, 7512])
   bf = lambda x: x.astype(jnp.bfloat16)
   got = ca.cached_attention(bf(q), bf(k), bf(v), q_start, kv_len)
-  ref = ca.cached_attention_reference(q, k, v, q_start, kv_len)
+  ref = attention_reference.cached_attention(q, k, v, q_start, kv_len)
   assert np.isfinite(np.asarray(got, np.float32)).all()
   assert rel_err(got.astype(jnp.float32), ref) < 1e-2
 

@@ -16,10 +16,9 @@ from moe_jax.data import tokenizer
 from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import decode, inference_model, make_step, prefill
-from moe_jax.model import mla
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
-from pallas_kernels.attention import latent_decode
+from pallas_kernels.attention import latent_decode, xla_cached
 from pallas_kernels.matmul import few_rows
 from tests.conftest import ROOT, count_calls, make_small_config, rel_err, subprocess_env
 
@@ -78,8 +77,8 @@ def test_decode_reproduces_full_forward(hybrid, key_block, impl, matmul, monkeyp
   "gpu": the split-cache Pallas decode kernel (interpret mode), 4 chunks of 16 positions.
   "pallas": every projection whose shapes fit runs through the few-rows matmul kernel
   (interpret mode; ≤ 12 rows per step here)."""
-  monkeypatch.setattr(mla, "KEY_BLOCK", key_block)
-  monkeypatch.setattr(mla, "SCORE_BUDGET", 0)  # decode blocks of key_block too
+  monkeypatch.setattr(xla_cached, "KEY_BLOCK", key_block)
+  monkeypatch.setattr(xla_cached, "SCORE_BUDGET", 0)  # decode blocks of key_block too
   monkeypatch.setattr(latent_decode, "CHUNK", 16)
   monkeypatch.setattr(latent_decode, "BLOCK_K", 16)
   kernel_calls = count_calls(monkeypatch, few_rows, "matmul")
@@ -104,9 +103,9 @@ def test_chunked_prefill_equals_one_shot(hybrid, monkeypatch, impl):
   """Chunks of 7 (< kv_lora_rank: latent-space attention) vs one chunk of 40 (≥ rank: keys
   and values expanded, over 5 key blocks of 10 in a 48-slot cache with XLA, or by the GPU
   or TPU Pallas kernel in interpret mode with expansion blocks of 16)."""
-  monkeypatch.setattr(mla, "KEY_BLOCK", 10)
-  monkeypatch.setattr(mla, "SCORE_BUDGET", 0)
-  monkeypatch.setattr(mla, "EXPAND_BLOCK", 16)
+  monkeypatch.setattr(xla_cached, "KEY_BLOCK", 10)
+  monkeypatch.setattr(xla_cached, "SCORE_BUDGET", 0)
+  monkeypatch.setattr(xla_cached, "EXPAND_BLOCK", 16)
   model, variables, tokens, _ = hybrid
   model = _with_model_fields(model, mla_implementation=impl)
   step = make_step(model)

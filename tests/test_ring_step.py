@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention import ring_step
+from pallas_kernels.attention import reference, ring_step
 from tests.conftest import rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 
@@ -38,14 +38,7 @@ def _inputs(seed, short_docs_at=None):
   return q, k, v, jnp.asarray(seg_q), jnp.asarray(seg_k), jax.random.normal(ks[3], (B, T, H, DV))
 
 
-def _dense(q, k, v, seg_q, seg_k, q_first, k_first):
-  """(o, lse) of one step written out: all scores, masked, softmax over the visible ones."""
-  pos_q, pos_k = q_first + jnp.arange(T), k_first + jnp.arange(T)
-  visible = (pos_k[None, None, :] <= pos_q[None, :, None]) & (seg_q[:, :, None] == seg_k[:, None, :])
-  s = jnp.where(visible[:, None], jnp.einsum("bthd,bshd->bhts", q, k) * D ** -0.5, -jnp.inf)
-  lse = jax.nn.logsumexp(s, axis=-1)
-  p = jnp.where(visible[:, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0)
-  return jnp.einsum("bhts,bshd->bthd", p, v), lse
+_dense = reference.block_attention   # (o, lse) of one step, every score written out
 
 
 # The default tiles hold all 40 positions in one block; small ones give many blocks, so the

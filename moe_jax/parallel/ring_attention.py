@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.parallel.mesh import activation_spec
-from pallas_kernels import platform
-from pallas_kernels.attention import ring_step, tpu_flash, tpu_ring_step
+from pallas_kernels.attention import ops as attention_ops, ring_step, tpu_flash, tpu_ring_step
 
 AXIS = "sequence"
 F32 = jnp.float32
@@ -268,17 +267,9 @@ ring_attention_shard.defvjp(_fwd, _bwd)
 IMPLEMENTATIONS = ("xla", "pallas", "tpu")
 
 
-def implementation_for(kernels: str, shard_len: int) -> str:
-  """The step implementation for a platform's kernels ("gpu", "tpu", else XLA): "pallas" on
-  GPU, "tpu" on TPU where the shard is whole 128-position tiles, else "xla"."""
-  if kernels == "gpu":
-    return "pallas"
-  return "tpu" if kernels == "tpu" and tpu_flash.fits(shard_len) else "xla"
-
-
 def default_implementation(shard_len: int) -> str:
-  """The target platform's step kernels (implementation_for)."""
-  return implementation_for(platform.target(), shard_len)
+  """The target platform's step kernels (attention ops.ring_step_implementation)."""
+  return attention_ops.ring_step_implementation(attention_ops.implementation(), shard_len)
 
 
 def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=None, axis=AXIS,

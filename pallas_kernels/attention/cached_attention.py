@@ -118,21 +118,3 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
       interpret=interpret, name="cached_attention", compiler_params=params,
   )(q_start_B.astype(jnp.int32), kv_len_B.astype(jnp.int32), q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv)
   return o_BxTxHxDv[:, :T, :, :Dv]
-
-
-def cached_attention_reference(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *,
-                               scale=None):
-  """The same in plain JAX, materialising all scores (tests only)."""
-  T, S, D = q_BxTxHxD.shape[1], k_BxSxHxD.shape[1], q_BxTxHxD.shape[-1]
-  scale = D ** -0.5 if scale is None else scale
-  s_BxHxTxS = jnp.einsum("bthd,bshd->bhts", q_BxTxHxD.astype(F32), k_BxSxHxD.astype(F32)) * scale
-  pos_BxT = q_start_B[:, None] + jnp.arange(T)
-  j_S = jnp.arange(S)
-  visible_BxTxS = (j_S <= pos_BxT[..., None]) & (j_S < kv_len_B[:, None, None])
-  s_BxHxTxS = jnp.where(visible_BxTxS[:, None], s_BxHxTxS, -jnp.inf)
-  p_BxHxTxS = jnp.exp(s_BxHxTxS - jnp.max(s_BxHxTxS, -1, keepdims=True))
-  p_BxHxTxS = jnp.where(visible_BxTxS[:, None], p_BxHxTxS, 0.0)
-  l_BxHxT = p_BxHxTxS.sum(-1, keepdims=True)
-  p_BxHxTxS = p_BxHxTxS / jnp.where(l_BxHxT == 0, 1.0, l_BxHxT)
-  o = jnp.einsum("bhts,bshd->bthd", p_BxHxTxS, v_BxSxHxDv.astype(F32))
-  return o.astype(q_BxTxHxD.dtype)

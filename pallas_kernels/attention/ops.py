@@ -1,0 +1,85 @@
+"""The attention ops and their dispatch: which kernel runs for an implementation ("gpu":
+the Pallas kernels in this folder, Triton lowering; "tpu": jax's Mosaic flash attention and
+the Mosaic TPU cache kernel; "xla": reference.py's attention and xla_cached.py's blocks).
+
+* causal_attention: training and full-sequence forwards on one device.
+* ring_step_implementation: which step kernels ring attention
+  (moe_jax/parallel/ring_attention.py) runs when the sequence is sharded.
+* latent_cache_attention: MLA over its latent cache (prefill chunks and decode).
+"""
+
+import jax.numpy as jnp
+
+from pallas_kernels import platform
+from pallas_kernels.attention import (causal, cached_attention as gpu_cached, latent_decode,
+                                      reference, tpu_cached_attention, tpu_flash, xla_cached)
+
+IMPLEMENTATIONS = ("gpu", "tpu", "xla")
+DECODE_ROWS = 64          # (new tokens × heads) up to which "gpu" decode uses the split kernel
+
+
+def implementation(requested: str = "") -> str:
+  """`requested` ("gpu", "tpu" or "xla"), or with "" the target platform's ("xla" on CPU)."""
+  if requested and requested not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation must be '' or one of {IMPLEMENTATIONS}, got "
+                     f"{requested!r}")
+  return requested or {"gpu": "gpu", "tpu": "tpu"}.get(platform.target(), "xla")
+
+
+def causal_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT, *, implementation):
+  """Causal attention within each segment on one device (reference.causal_attention's
+  contract): "gpu" the Pallas flash kernels (causal.py), "tpu" jax's Mosaic flash kernels
+  where T is whole 128-position tiles (tpu_flash.py), else XLA."""
+  args = (q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
+  if implementation == "gpu":
+    return causal.causal_attention(*args)
+  if implementation == "tpu" and tpu_flash.fits(q_BxTxHxDqk.shape[1]):
+    return tpu_flash.causal_attention(*args)
+  return reference.causal_attention(*args)
+
+
+def ring_step_implementation(implementation: str, shard_len: int) -> str:
+  """Ring attention's step kernels for an attention implementation: "pallas" on GPU
+  (ring_step.py), "tpu" on TPU where the shard is whole 128-position tiles
+  (tpu_ring_step.py), else "xla"."""
+  if implementation == "gpu":
+    return "pallas"
+  return "tpu" if implementation == "tpu" and tpu_flash.fits(shard_len) else "xla"
+
+
+def latent_cache_attention(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, length_B,
+                           filled_B, *, implementation):
+  """MLA's attention over a latent cache ckv [B, S, R] that already holds the new tokens:
+  query t of row b sits at length[b] + t and sees positions up to it below filled[b]; k_b
+  and v_b are the [R, H, D] up-projections; q is pre-scaled. Returns [B, T, H, Dv].
+
+  Few queries (decode, T < R) attend in the latent space: k_b is absorbed into q and v_b
+  applied after, so the cache is never expanded; with "gpu" and few rows the split-cache
+  kernel (latent_decode.py), else xla_cached's block loop. Many queries (prefill chunks,
+  T ≥ R) expand the filled latents to per-head K/V, which is cheaper then, and run a flash
+  kernel ("gpu": cached_attention.py, "tpu": tpu_cached_attention.py) or the block loop."""
+  B, T, H, _ = q_BxTxHxDqk.shape
+  S, R = ckv_BxSxR.shape[1:]
+  pos_BxT = length_B[:, None] + jnp.arange(T)
+  if T < R:
+    q_BxTxHxR = jnp.einsum("bthd,rhd->bthr", q_BxTxHxDqk, w_kb_RxHxDqk)
+    if implementation == "gpu" and T * H <= DECODE_ROWS and latent_decode.fits(R):
+      pos_BxTH = jnp.repeat(pos_BxT, H, axis=1)
+      o_BxTxHxR = latent_decode.latent_decode_attention(
+          q_BxTxHxR.reshape(B, T * H, R), ckv_BxSxR, pos_BxTH, filled_B).reshape(B, T, H, R)
+    else:
+      key_block = min(S, max(xla_cached.KEY_BLOCK, min(xla_cached.MAX_KEY_BLOCK,
+                                                       xla_cached.SCORE_BUDGET // (B * T * H))))
+      o_BxTxHxR = xla_cached.online_softmax(q_BxTxHxR, ckv_BxSxR, lambda c: c, lambda c: c,
+                                            pos_BxT, filled_B, key_block)
+    return jnp.einsum("bthr,rhd->bthd", o_BxTxHxR.astype(q_BxTxHxR.dtype), w_vb_RxHxDv)
+  if implementation in ("gpu", "tpu"):
+    k_BxSxHxD, v_BxSxHxDv = xla_cached.expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv,
+                                                     filled_B)
+    kernel = (gpu_cached.cached_attention if implementation == "gpu"
+              else tpu_cached_attention.cached_attention)
+    return kernel(q_BxTxHxDqk, k_BxSxHxD, v_BxSxHxDv, length_B, filled_B, scale=1.0)
+  return xla_cached.online_softmax(
+      q_BxTxHxDqk, ckv_BxSxR, lambda c: jnp.einsum("bsr,rhd->bshd", c, w_kb_RxHxDqk),
+      lambda c: jnp.einsum("bsr,rhd->bshd", c, w_vb_RxHxDv), pos_BxT, filled_B,
+      min(xla_cached.KEY_BLOCK, S))
