@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from moe_jax.model import experts
+from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import grouped_mgpu as gm
 from benchmarks import timing
 
@@ -101,7 +101,7 @@ _PRODUCTS = ("y", "dx", "dw")
 
 def _mosaic_fn(product, config):
   """grouped_mgpu's kernel for the product at a tile config. (The `mosaic` path's dx takes
-  tokamax's kernel instead where K is not a multiple of 128: experts._mosaic_dx.)"""
+  tokamax's kernel instead where K is not a multiple of 128: moe_ops._mosaic_dx.)"""
   fn = {"y": gm.ragged_dot, "dx": functools.partial(gm.ragged_dot, transpose_rhs=True),
         "dw": gm.ragged_dw}[product]
   return jax.jit(functools.partial(fn, config=config))
@@ -109,7 +109,7 @@ def _mosaic_fn(product, config):
 
 def _baseline_fn(product):
   """The tokamax path's kernels: tokamax's y and dx (on a transposed copy of w), grouped_dw."""
-  return jax.jit(experts.GPU_PRODUCTS["tokamax"][_PRODUCTS.index(product)])
+  return jax.jit(moe_ops.GPU_PRODUCTS["tokamax"][_PRODUCTS.index(product)])
 
 
 # XLA's ragged_dot_general for each product: dx contracts w's output dim in place (no wᵀ

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.model.moe import gathered_experts
 from pallas_kernels.moe import decode_experts as de
+from pallas_kernels.moe import reference
 from tests.conftest import rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 
@@ -15,7 +15,7 @@ from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 def _gathered(x_NxD, idx_NxK, gate_up, down):
   """The MoE layer's gather path (what the kernels replace), in fp32."""
   f32 = lambda a: a.astype(jnp.float32)
-  return gathered_experts(f32(x_NxD), idx_NxK, f32(gate_up), f32(down))
+  return reference.swiglu_experts(f32(x_NxD), idx_NxK, f32(gate_up), f32(down))
 
 
 @pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])

@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.model import experts
+from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.attention.causal import causal_attention
-from moe_jax.model.moe import gathered_experts
 from pallas_kernels.attention import cached_attention as ca
 from pallas_kernels.attention import latent_decode as ld
 from pallas_kernels.attention import reference as attention_reference
 from pallas_kernels.attention import ring_step
 from pallas_kernels.matmul import few_rows
 from pallas_kernels.moe import decode_experts as de
+from pallas_kernels.moe import reference as moe_reference
 from tests.conftest import rel_err
 from tests.test_kda import LB, _impl, _inputs, _loss_and_grads, _spec, check_gate_inside_the_op
 
@@ -205,7 +205,7 @@ def test_decode_experts_match_gathered_einsums():
   down = jnp.asarray(rng.normal(size=(E, F, D)) / np.sqrt(F), jnp.bfloat16)
   got = de.swiglu_experts(x, idx, gate_up, down)
   f32 = lambda a: a.astype(jnp.float32)
-  ref = gathered_experts(f32(x), idx, f32(gate_up), f32(down))
+  ref = moe_reference.swiglu_experts(f32(x), idx, f32(gate_up), f32(down))
   assert np.isfinite(np.asarray(got, np.float32)).all() and rel_err(f32(got), ref) < 1e-2
 
 
@@ -226,7 +226,7 @@ def test_gpu_grouped_matmul_matches_ragged_dot(impl, absl_flags_parsed):
   live = (jnp.arange(M) < group_sizes.sum())[:, None]   # rows past the groups are undefined
 
   def run(impl, x, w):
-    y, vjp = jax.vjp(lambda x, w: experts.grouped_matmul(x, w, group_sizes, impl), x, w)
+    y, vjp = jax.vjp(lambda x, w: moe_ops.grouped_matmul(x, w, group_sizes, impl), x, w)
     return (jnp.where(live, y.astype(jnp.float32), 0.0),
             *vjp(jnp.where(live, ct, 0.0).astype(y.dtype)))
 
@@ -239,5 +239,5 @@ def test_gpu_grouped_matmul_matches_ragged_dot(impl, absl_flags_parsed):
 
 
 def test_float32_models_take_xla_grouped_matmul_on_gpu():
-  assert experts.default_grouped_matmul(jnp.float32) == "xla"
-  assert experts.default_grouped_matmul(jnp.bfloat16, 1024, 1408) == "mosaic"
+  assert moe_ops.default_grouped_matmul(jnp.float32) == "xla"
+  assert moe_ops.default_grouped_matmul(jnp.bfloat16, 1024, 1408) == "mosaic"

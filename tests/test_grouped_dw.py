@@ -9,15 +9,19 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import grouped_dw as gdw
+from pallas_kernels.moe import reference
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 
 INTERPRET = jax.default_backend() != "gpu"
 
 
 def _ref_dw(x, dy, sizes, K, N):
+  """reference.ragged_dw, checked against jax.lax.ragged_dot's VJP too."""
   w0 = jnp.zeros((len(sizes), K, N), jnp.float32)
   _, vjp = jax.vjp(lambda w: jax.lax.ragged_dot(x, w, jnp.asarray(sizes)), w0)
-  return vjp(dy)[0]
+  want = reference.ragged_dw(x, dy, jnp.asarray(sizes))
+  np.testing.assert_allclose(np.asarray(vjp(dy)[0]), np.asarray(want), rtol=1e-4, atol=1e-4)
+  return want
 
 
 @pytest.mark.parametrize("sizes,M,K,N", [
@@ -53,3 +57,18 @@ def test_grouped_dw_lowers_to_triton(h200, K, N):  # noqa: F811
   fn = lambda x, dy, s: gdw.grouped_dw(x, dy, s, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "grouped_dw" in text
+
+
+def test_reference_ragged_dot_is_xla_ragged_dot():
+  """The spec of the grouped matmul: row blocks times their group's weights, with empty
+  groups, and rows past the last group giving zeros (as XLA's ragged_dot writes them)."""
+  rng = np.random.default_rng(3)
+  sizes = jnp.asarray([3, 0, 5, 1])
+  x = jnp.asarray(rng.normal(size=(11, 6)), jnp.float32)        # 2 rows past the groups
+  w = jnp.asarray(rng.normal(size=(4, 6, 5)), jnp.float32)
+  got = reference.ragged_dot(x, w, sizes)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(jax.lax.ragged_dot(x, w, sizes)),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got[3:8]), np.asarray(x[3:8] @ w[2]), rtol=1e-5,
+                             atol=1e-5)
+  assert float(jnp.abs(got[9:]).max()) == 0.0

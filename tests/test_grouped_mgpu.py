@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.model import experts
+from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import grouped_mgpu as gm
 from tests.conftest import target_mesh
 
@@ -75,7 +75,7 @@ def test_ragged_dw_matches_per_group_products_and_ignores_padding():
 
 
 def test_model_vjp_matches_xla_ragged_dot():
-  """experts.grouped_matmul(..., "mosaic"): y and both gradients against XLA's ragged_dot
+  """moe_ops.grouped_matmul(..., "mosaic"): y and both gradients against XLA's ragged_dot
   in fp32 (the same bf16-rounded operands)."""
   M, K, N = 256, 64, 128
   sizes = jnp.asarray([100, 0, 91, 65], jnp.int32)
@@ -85,7 +85,7 @@ def test_model_vjp_matches_xla_ragged_dot():
   ct = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)
 
   def run(impl, x, w):
-    y, vjp = jax.vjp(lambda x, w: experts.grouped_matmul(x, w, sizes, impl), x, w)
+    y, vjp = jax.vjp(lambda x, w: moe_ops.grouped_matmul(x, w, sizes, impl), x, w)
     return (y, *vjp(ct.astype(y.dtype)))
 
   got = run("mosaic", x, w)
@@ -131,7 +131,7 @@ def test_model_path_lowers_to_the_native_kernels_for_a_gpu_target():
   sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
 
   def y_and_grads(x, w, sizes):
-    y, vjp = jax.vjp(lambda x, w: experts.grouped_matmul(x, w, sizes), x, w)
+    y, vjp = jax.vjp(lambda x, w: moe_ops.grouped_matmul(x, w, sizes), x, w)
     return vjp(y)
 
   with target_mesh("gpu", "NVIDIA H200"):
@@ -142,7 +142,7 @@ def test_model_path_lowers_to_the_native_kernels_for_a_gpu_target():
                  "grouped_mgpu_dw_1024x1408"):
     assert f"{kernel}_mosaic_gpu" in text, kernel
   # y leaves through a barrier: XLA's dynamic-slice fusion would clone the kernel call
-  # into a scan's residual store (experts._gpu_grouped).
+  # into a scan's residual store (moe_ops._gpu_grouped).
   assert "stablehlo.optimization_barrier" in text
 
 
@@ -155,12 +155,12 @@ def test_mosaic_dx_takes_tokamax_where_only_64_wide_tiles_fit(monkeypatch, K, to
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(gm, "ragged_dot", functools.partial(real, interpret=True))
   calls = []
-  monkeypatch.setattr(experts, "_tokamax_dx", lambda dy, w, s: calls.append(w.shape) or
+  monkeypatch.setattr(moe_ops, "_tokamax_dx", lambda dy, w, s: calls.append(w.shape) or
                       real(dy, w, s, transpose_rhs=True, interpret=True))
   sizes = jnp.asarray([40, 0, 24], jnp.int32)
   dy = jnp.asarray(np.random.default_rng(0).normal(size=(64, 128)), jnp.bfloat16)
   w = jnp.asarray(np.random.default_rng(1).normal(size=(3, K, 128)), jnp.bfloat16)
-  dx = experts.GPU_PRODUCTS["mosaic"][1](dy, w, sizes)
+  dx = moe_ops.GPU_PRODUCTS["mosaic"][1](dy, w, sizes)
   assert calls == ([(3, K, 128)] if tokamax else [])
   ref = np.concatenate([_f64(dy)[:40] @ _f64(w)[0].T, _f64(dy)[40:64] @ _f64(w)[2].T])
   assert dx.shape == (64, K) and _rel(_f64(dx), ref) < 4e-3

@@ -198,7 +198,7 @@ def test_kda_gate_in_kernel_gives_the_same_loss_and_gradients(small_config, impl
 _TENSOR_PARALLEL = """
 import json, numpy as np, jax, jax.numpy as jnp, flax.linen as nn
 from jax.sharding import Mesh
-from moe_jax.config import MESH_AXES
+from moe_jax.fields import MESH_AXES
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.train.state import frozen_model_config
 from tests.conftest import make_small_config, rel_err

@@ -15,12 +15,12 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import base
-from moe_jax.model import experts
 from moe_jax.model import moe as moe_lib
 from moe_jax.model import router
 from moe_jax.model.moe import MoE
 from moe_jax.train import optim
 from moe_jax.train.state import frozen_model_config
+from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import decode_experts
 from tests.conftest import ROOT, count_calls, cpu_devices_env, make_small_config, rel_err
 
@@ -251,7 +251,7 @@ def test_grouped_matmul_default_follows_backend_dtype_and_dims(monkeypatch, back
   """The GPU kernels take no float32 (fp32 models on GPU take XLA's ragged_dot); the Mosaic
   GPU kernels need both dims in multiples of 64, tokamax's takes the rest."""
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
-  assert experts.default_grouped_matmul(dtype, *dims) == impl
+  assert moe_ops.default_grouped_matmul(dtype, *dims) == impl
 
 
 def test_tokamax_on_gpu_rejects_float32(monkeypatch):
@@ -259,7 +259,7 @@ def test_tokamax_on_gpu_rejects_float32(monkeypatch):
   x, w = jnp.ones((4, 8)), jnp.ones((2, 8, 16))
   with pytest.raises(ValueError, match="grouped_matmul='tokamax' on GPU takes bfloat16/float16 "
                                        "inputs, got float32"):
-    experts.grouped_matmul(x, w, jnp.array([2, 2]), "tokamax")
+    moe_ops.grouped_matmul(x, w, jnp.array([2, 2]), "tokamax")
 
 
 @pytest.mark.parametrize("dtype,dims", [(jnp.float32, (64, 64)), (jnp.bfloat16, (64, 96))])
@@ -267,7 +267,7 @@ def test_mosaic_rejects_float32_and_dims_off_64(dtype, dims):
   x, w = jnp.ones((4, dims[0]), dtype), jnp.ones((2, *dims), dtype)
   with pytest.raises(ValueError, match="grouped_matmul='mosaic' takes bfloat16/float16 experts "
                                        "with both dims multiples of 64"):
-    experts.grouped_matmul(x, w, jnp.array([2, 2]), "mosaic")
+    moe_ops.grouped_matmul(x, w, jnp.array([2, 2]), "mosaic")
 
 
 # ---- balancers -----------------------------------------------------------------------------
@@ -437,7 +437,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
 from tests.test_moe import _moe_cfg, _init
 from moe_jax.model.moe import MoE
-from moe_jax.config import MESH_AXES
+from moe_jax.fields import MESH_AXES
 rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 results = {}
 def a2a_widths(jaxpr):  # last dims of every all_to_all's float operands, sub-jaxprs included

@@ -5,10 +5,11 @@ as an ahead-of-time compile for a TPU does (scripts/aot_compile.py)."""
 import jax.numpy as jnp
 import pytest
 
-from moe_jax.model import experts, moe
+from moe_jax.model import moe
 from moe_jax.model.mla import mla_implementation
 from moe_jax.parallel import ring_attention
 from moe_jax.train.state import frozen_model_config
+from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels import platform
 from pallas_kernels.kda import ops
 from tests.conftest import make_small_config, target_mesh
@@ -38,8 +39,8 @@ def test_kernel_choices_resolve_for_the_target(target, monkeypatch):
     with_triton = tuple("triton" if i == "pallas_gpu" else i for i in kda_impls)
     assert tuple(ops.default_implementation(d, d) for d in (128, 24, 512)) == with_triton
     assert mla_implementation(cfg) == mla_impl
-    assert (experts.default_grouped_matmul(jnp.bfloat16),
-            experts.default_grouped_matmul(jnp.float32)) == gmm
+    assert (moe_ops.default_grouped_matmul(jnp.bfloat16),
+            moe_ops.default_grouped_matmul(jnp.float32)) == gmm
     # decode experts: the fused Pallas kernels only on GPU, gathered weights elsewhere
     assert moe.decode_path("auto", 32) == ("fused" if target == "gpu" else "gather")
     assert tuple(ring_attention.default_implementation(n) for n in (256, 200)) == ring

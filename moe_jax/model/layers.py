@@ -5,7 +5,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.matmul import few_rows
+from pallas_kernels.matmul import ops as matmul_ops
 
 lp = nn.with_logical_partitioning
 
@@ -20,7 +20,7 @@ def dense(cfg, features, axes, name, *, axis=-1, scale=1.0, use_bias=False):
   # DenseGeneral hands the initializer the kernel flattened to 2-D (in, out): fans are right.
   init = nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal")
   # decode_matmul=pallas: a few rows (decoding) on GPU go to one Pallas kernel per projection.
-  dot_general = few_rows.dot_general if cfg.decode_matmul == "pallas" else None
+  dot_general = matmul_ops.dot_general(cfg.decode_matmul)
   return nn.DenseGeneral(features, axis=axis, use_bias=use_bias, dtype=dtype_of(cfg),
                          param_dtype=jnp.float32, kernel_init=lp(init, axes), name=name,
                          bias_init=lp(nn.initializers.zeros, axes[n_in:]),

@@ -31,7 +31,7 @@ from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_nor
 from moe_jax.parallel import expert as expert_parallel
 from moe_jax.parallel.mesh import axis_size
 from pallas_kernels import platform
-from pallas_kernels.moe import decode_experts
+from pallas_kernels.moe import decode_experts, reference as moe_reference
 
 
 def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=""):
@@ -70,12 +70,8 @@ def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, fused=False):
   return combine(y_NxKxD.reshape(-1, D), w_NxK, x_NxD.dtype)
 
 
-def gathered_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD):
-  """[N, K, D]: SwiGLU of token n by expert idx[n, j], through gathered weight copies."""
-  gate_up_NxKxDx2xF, down_NxKxFxD = gate_up_ExDx2xF[idx_NxK], down_ExFxD[idx_NxK]
-  h_NxKx2xF = jnp.einsum("nd,nkdgf->nkgf", x_NxD, gate_up_NxKxDx2xF)
-  a_NxKxF = jax.nn.silu(h_NxKx2xF[:, :, 0]) * h_NxKx2xF[:, :, 1]
-  return jnp.einsum("nkf,nkfd->nkd", a_NxKxF, down_NxKxFxD)
+# The gather path: each assignment's expert weights gathered for one einsum (the spec).
+gathered_experts = moe_reference.swiglu_experts
 
 
 @jax.custom_vjp

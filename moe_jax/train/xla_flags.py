@@ -19,7 +19,7 @@ cold compile of long_context_1b's train step:
     launches a step for 12 layers). Off: each runs once, and the step's kernels take
     261.7 → 250.2 ms (cuBLAS 39.0 → 32.3, KDA 72.1 → 66.3), the cold compile 37.2 → 31.2 s.
     (The MoE expert kernels also keep an optimization barrier against this cloning,
-    model/experts.py, so they run once with the flag on too.)
+    pallas_kernels/moe/ops.py, so they run once with the flag on too.)
 """
 
 import os

@@ -1,0 +1,167 @@
+"""The MoE kernels' entry point: the grouped (ragged) matmul and its implementations.
+
+A row block g of x (rows sorted by group) times w[g]. `jax.lax.ragged_dot` is emulated
+densely on GPU (2% of peak, and at E=256 it tries to allocate 128 GiB on an H200), so
+GPU/TPU use kernels for bf16/fp16:
+* `mosaic` (the GPU default where both dims are multiples of 64): the Mosaic GPU kernels of
+  grouped_mgpu.py for y, dx (w read transposed in place) and dw, with tile shapes tuned per
+  product on the H200 (benchmarks/moe.md); where dx's columns are not a multiple of 128
+  (only 64-wide tiles fit), tokamax's dx instead;
+* `tokamax`: `tokamax.ragged_dot` (its sm90 Mosaic kernel, fixed 64×64 tiles) for y and dx;
+  its weight gradient comes from grouped_dw.py instead, as tokamax 0.0.17's is wrong on the
+  H200.
+The GPU kernels take no float32, so float32 models (debugging, numerics checks) take XLA's
+ragged_dot on GPU: exact, but dense in E. On TPU it is tokamax's Mosaic TPU kernel
+(`implementation="mosaic_tpu"`, megablox-style gmm / tgmm, forward and backward), named
+explicitly so that a program compiled for a TPU on a CPU host (pallas_kernels/platform.py)
+gets it too; it takes K and N of at least 128, smaller experts fall back to XLA's
+ragged_dot. tokamax is imported lazily: CPU runs never need it. reference.py holds the
+exact spec.
+"""
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import jax_triton_compat, platform
+from pallas_kernels.moe import grouped_dw, grouped_mgpu
+
+GROUPED_MATMULS = ("xla", "tokamax", "mosaic")
+_HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None   # looked up, not imported
+
+
+def default_grouped_matmul(dtype, K: int = 64, N: int = 64) -> str:
+  """On GPU for bf16/fp16: mosaic where K and N (the expert's D and F) are multiples of 64,
+  else tokamax; xla for float32 on GPU (the GPU kernels are bf16/fp16 only) and on CPU;
+  tokamax on TPU."""
+  backend = platform.target()
+  if backend == "cpu" or (backend == "gpu" and not _tokamax_gpu_dtype(dtype)):
+    return "xla"
+  if backend == "gpu" and grouped_mgpu.fits(K, N):
+    return "mosaic"
+  return "tokamax"
+
+
+def _tokamax_gpu_dtype(dtype) -> bool:
+  return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+
+
+def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
+  """Row block g of x (rows sorted by group) times w[g].
+
+  Rows past sum(group_sizes) are undefined (xla writes 0, tokamax's GPU kernel leaves
+  them unwritten): callers with padding rows mask them.
+  """
+  K, N = w_GxKxN.shape[1:]
+  implementation = implementation or default_grouped_matmul(x_MxK.dtype, K, N)
+  if implementation == "xla":
+    return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
+  if implementation == "mosaic":
+    if platform.target() == "tpu":
+      raise ValueError("model.moe.grouped_matmul='mosaic' is the Mosaic GPU kernels; on TPU "
+                       "use '' or 'tokamax'")
+    if not _tokamax_gpu_dtype(x_MxK.dtype) or not grouped_mgpu.fits(K, N):
+      raise ValueError(f"model.moe.grouped_matmul='mosaic' takes bfloat16/float16 experts "
+                       f"with both dims multiples of 64, got {x_MxK.dtype} [{K}, {N}]; use '' "
+                       f"(xla for float32, tokamax for other dims)")
+    return _gpu_grouped_jit(x_MxK, w_GxKxN, group_sizes_G, "mosaic")
+  if implementation == "tokamax":
+    target = platform.target()
+    on_gpu = target == "gpu"
+    if on_gpu and not _tokamax_gpu_dtype(x_MxK.dtype):
+      raise ValueError(f"model.moe.grouped_matmul='tokamax' on GPU takes bfloat16/float16 "
+                       f"inputs, got {x_MxK.dtype}; use '' (xla for float32) or "
+                       f"model.dtype='bfloat16'")
+    jax_triton_compat.patch_driver()
+    import tokamax  # heavy optional dependency: the gpu/tpu extras install it
+
+    if on_gpu:
+      return _gpu_grouped_jit(x_MxK, w_GxKxN, group_sizes_G, "tokamax")
+    if target == "tpu":  # the kernel takes dims >= 128; it raises otherwise and XLA's runs
+      return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G,
+                                implementation=("mosaic_tpu", "xla"))
+    return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G)
+  raise ValueError(f"grouped_matmul implementation must be one of {GROUPED_MATMULS} or '', "
+                   f"got {implementation!r}")
+
+
+F32 = jnp.float32
+# dw's layout in ragged_dot_general terms: the rows (contracting dim) are split into groups.
+_RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+def _tokamax_y(x_MxK, w_GxKxN, group_sizes_G):
+  jax_triton_compat.patch_driver()
+  import tokamax
+  return tokamax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, implementation="mosaic")
+
+
+def _tokamax_dx(dy_MxN, w_GxKxN, group_sizes_G):
+  """tokamax's kernel takes w untransposed only: dx reads a transposed copy."""
+  return _tokamax_y(dy_MxN, jnp.swapaxes(w_GxKxN, 1, 2), group_sizes_G)
+
+
+def _tokamax_dw(x_MxK, dy_MxN, group_sizes_G):
+  """pallas_kernels/moe/grouped_dw.py: tokamax 0.0.17's dw kernel is wrong on the H200 (that
+  module says how). Dims off its 16-multiples take XLA's exact (dense in G) version."""
+  if grouped_dw.fits(x_MxK.shape[1], dy_MxN.shape[1]):
+    return grouped_dw.grouped_dw(x_MxK, dy_MxN, group_sizes_G)
+  return jax.lax.ragged_dot_general(x_MxK, dy_MxN, group_sizes_G, _RAGGED_CONTRACTING,
+                                    preferred_element_type=F32)
+
+
+def _mosaic_dx(dy_MxN, w_GxKxN, group_sizes_G):
+  """dx by grouped_mgpu, except where dx's K columns take only 64-wide tiles (K not a
+  multiple of 128: long_context_1b's 704-wide experts): there tokamax's kernel on a
+  transposed copy of w is faster (2.5 ms less a 1B step; benchmarks/train.md). Only on a
+  GPU host: tokamax's GPU kernel has no interpreter (CPU tests) and does not lower for a
+  GPU from a CPU host (ahead-of-time compiles), where grouped_mgpu's does. Without
+  tokamax installed (the `gpu` extra brings it) grouped_mgpu's runs everywhere."""
+  if w_GxKxN.shape[1] % 128 and jax.default_backend() == "gpu" and _HAS_TOKAMAX:
+    return _tokamax_dx(dy_MxN, w_GxKxN, group_sizes_G)
+  return grouped_mgpu.ragged_dot(dy_MxN, w_GxKxN, group_sizes_G, transpose_rhs=True)
+
+
+# The GPU implementations' three products, (y, dx, dw), each f(a, b, group_sizes):
+#   y = x·w[g],  dx = dy·w[g]ᵀ,  dw[g] = x_gᵀ·dy_g
+# (benchmarks/bench_grouped_matmul.py times them)
+GPU_PRODUCTS = {
+    "tokamax": (_tokamax_y, _tokamax_dx, _tokamax_dw),
+    "mosaic": (grouped_mgpu.ragged_dot, _mosaic_dx, grouped_mgpu.ragged_dw),
+}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gpu_grouped(x_MxK, w_GxKxN, group_sizes_G, implementation):
+  """The grouped matmul on GPU with its VJP from the same implementation's kernels.
+
+  The barrier keeps XLA from running the kernel twice. Under scanned layers the output is
+  also stored into the scan's stacked residual (remat tag moe_h / moe_y), and XLA's GPU
+  dynamic-slice fusion fuses a custom call into that dynamic-update-slice by cloning the
+  call when it has other users: 24 extra expert launches (about 23 ms) per long_context_1b
+  step (benchmarks/train.md)."""
+  return jax.lax.optimization_barrier(
+      GPU_PRODUCTS[implementation][0](x_MxK, w_GxKxN, group_sizes_G))
+
+
+def _gpu_grouped_fwd(x_MxK, w_GxKxN, group_sizes_G, implementation):
+  return (_gpu_grouped(x_MxK, w_GxKxN, group_sizes_G, implementation),
+          (x_MxK, w_GxKxN, group_sizes_G))
+
+
+def _gpu_grouped_bwd(implementation, res, dy_MxN):
+  _, dx_fn, dw_fn = GPU_PRODUCTS[implementation]
+  x_MxK, w_GxKxN, group_sizes_G = res
+  dy_MxN = dy_MxN.astype(x_MxK.dtype)
+  return (dx_fn(dy_MxN, w_GxKxN, group_sizes_G),
+          dw_fn(x_MxK, dy_MxN, group_sizes_G).astype(w_GxKxN.dtype), None)
+
+
+_gpu_grouped.defvjp(_gpu_grouped_fwd, _gpu_grouped_bwd)
+# Jitted, so that every MoE layer with these shapes shares one trace and one lowering of the
+# Mosaic kernels (0.4 s each on the H200's host): trace + lower time stops growing with depth.
+_gpu_grouped_jit = jax.jit(_gpu_grouped, static_argnums=3)
