@@ -11,7 +11,8 @@ setup(
     name="moe_jax",
     version="0.1.0",
     description="Sparse Mixture-of-Experts LMs with hybrid linear attention (JAX/Flax/Pallas).",
-    packages=find_packages(include=["moe_jax", "moe_jax.*", "pallas_kernels", "pallas_kernels.*", "configs"]),
+    packages=find_packages(include=["moe_jax", "moe_jax.*", "pallas_kernels",
+                                    "pallas_kernels.*", "configs", "configs.*"]),
     # The grouped matmul's tile table (pallas_kernels/moe/grouped_mgpu.py reads it).
     package_data={"pallas_kernels.moe": ["grouped_mgpu_tuned.json"]},
     python_requires=">=3.12",

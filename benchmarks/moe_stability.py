@@ -1,5 +1,5 @@
 """The routing-stability experiment (issue 23): standard vs latent MoE, each with and without
-the routing kit (configs/moe_stability.py), over several seeds, on CPU.
+the routing kit (configs/experiments/moe_stability.py), over several seeds, on CPU.
 
   python -m benchmarks.moe_stability --out=benchmarks      # 4 arms × 3 seeds × 200 steps
   python -m benchmarks.moe_stability --out=benchmarks --lr=3e-2
@@ -18,10 +18,10 @@ import time
 
 from absl import app, flags
 
-from configs import moe_stability
+from configs.experiments import moe_stability
 from moe_jax.train.loop import train_and_evaluate
 
-_ARMS = flags.DEFINE_list("arms", list(moe_stability.ARMS), "Arms (configs/moe_stability.py).")
+_ARMS = flags.DEFINE_list("arms", list(moe_stability.ARMS), "Arms (configs/experiments/moe_stability.py).")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds (config.seed) per arm.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Train steps per run.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 5, "Steps between logged points.")

@@ -11,7 +11,7 @@ configs/tiny.py at a learning rate high enough to shake the router, in four arms
 One kit component alone, to tell which one does what: <layout>_clip, <layout>_reg,
 <layout>_zloss (layout standard or latent).
 
-  python scripts/train.py --config=configs/moe_stability.py:latent_kit --workdir=workdir/x
+  python scripts/train.py --config=configs/experiments/moe_stability.py:latent_kit --workdir=workdir/x
 """
 
 from configs import tiny
@@ -23,7 +23,7 @@ COMPONENT_ARMS = tuple(f"{layout}_{part}" for layout in ("standard", "latent")
 
 def get_config(arg=None):
   if arg not in ARMS + COMPONENT_ARMS:
-    raise ValueError(f"configs/moe_stability.py arg must be one of {ARMS + COMPONENT_ARMS}; "
+    raise ValueError(f"configs/experiments/moe_stability.py arg must be one of {ARMS + COMPONENT_ARMS}; "
                      f"got {arg!r}")
   c = tiny.get_config()
   c.data.batch_size = 8

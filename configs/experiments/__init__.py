@@ -1,0 +1,2 @@
+"""Configs of one-off experiments (ablations, stability studies); size presets and demos
+stay in configs/."""
