@@ -13,8 +13,8 @@ setup(
     description="Sparse Mixture-of-Experts LMs with hybrid linear attention (JAX/Flax/Pallas).",
     packages=find_packages(include=["moe_jax", "moe_jax.*", "pallas_kernels",
                                     "pallas_kernels.*", "configs", "configs.*"]),
-    # The grouped matmul's tile table (pallas_kernels/moe/grouped_mgpu.py reads it).
-    package_data={"pallas_kernels.moe": ["grouped_mgpu_tuned.json"]},
+    # The grouped matmul's tile table (pallas_kernels/moe/mosaic_gpu_grouped.py reads it).
+    package_data={"pallas_kernels.moe": ["mosaic_gpu_grouped_tuned.json"]},
     python_requires=">=3.12",
     install_requires=[
         "jax==0.11.2",

@@ -1,13 +1,13 @@
-"""The causal flash kernels of single-device MLA training (pallas_kernels/attention/ring_step.py,
-called by causal.py): each kernel's tiles swept at one shape, side by side with a baseline
-copy of the module and with cuDNN, and each variant's error against fp32 attention in XLA.
+"""The causal flash kernels of single-device MLA training
+(pallas_kernels/attention/pallas_gpu_ring_step.py, called by pallas_gpu_causal.py): each
+kernel's tiles swept at one shape, side by side with a baseline copy of the module and with cuDNN, and each variant's error against fp32 attention in XLA.
 
   python -m benchmarks.bench_attention [--shape=4,8192,16,64] [--baseline=old/ring_step.py] \
       [--out=$OUT]
 
 Packed documents (segment ids; lengths exponential with mean --doc_len), bf16. The forward
-is timed alone; the backward (dq and dk/dv kernels, with delta in XLA as causal.py does) with
-one kernel's tiles swept while the other keeps its default. cuDNN
+is timed alone; the backward (dq and dk/dv kernels, with delta in XLA as
+pallas_gpu_causal.py does) with one kernel's tiles swept while the other keeps its default. cuDNN
 (jax.nn.dot_product_attention, causal, no segment ids: it has no packed-document mask) is the
 speed reference. TFLOP/s counts causal attention's model FLOPs: forward 2·(D + Dv) per
 visible score, backward 2·(3D + 2Dv) (the dq and dk/dv kernels recompute more than that).
@@ -22,14 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pallas_kernels.attention import ring_step
-from pallas_kernels.attention.ring_step import Tiles
+from pallas_kernels.attention import pallas_gpu_ring_step as ring_step
+from pallas_kernels.attention.pallas_gpu_ring_step import Tiles
 from benchmarks.timing import median_ms
 
 _SHAPE = flags.DEFINE_list("shape", ["4", "8192", "16", "64"], "B, T, H, D (= Dv).")
 _DOC_LEN = flags.DEFINE_integer("doc_len", 2048, "Mean packed document length.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed runs (median).")
-_BASELINE = flags.DEFINE_string("baseline", "", "Another ring_step.py to time (default tiles).")
+_BASELINE = flags.DEFINE_string("baseline", "",
+                                 "Another pallas_gpu_ring_step.py to time (default tiles).")
 _SWEEP = flags.DEFINE_bool("sweep", True, "Sweep each kernel's tiles (else defaults only).")
 _OUT = flags.DEFINE_string("out", None, "Folder for attention.json.")
 

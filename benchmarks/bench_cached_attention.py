@@ -9,7 +9,7 @@ One prefill chunk of T queries (the last T of `filled` positions) against a cach
 MLA layers. FLOPs count the visible (causal) scores only: 2·(Dqk+Dv)·H·visible pairs.
 
 --decode: one new token's 16 heads in the latent space (R = 256, k_b absorbed) over a cache
-filled to each length, batch --batches: the split-cache kernel (latent_decode.py) vs the
+filled to each length, batch --batches: the split-cache kernel (pallas_gpu_latent_decode.py) vs the
 XLA online softmax, against the byte floor (the filled latents read once, 4.3 TB/s).
 """
 
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from benchmarks.timing import median_ms
-from pallas_kernels.attention import cached_attention as ca
-from pallas_kernels.attention import latent_decode as ld
+from pallas_kernels.attention import pallas_gpu_cached as ca
+from pallas_kernels.attention import pallas_gpu_latent_decode as ld
 from pallas_kernels.attention import xla_cached
 
 _FILLED = flags.DEFINE_string("filled", "8192,65536,262144", "Filled cache lengths.")
@@ -65,7 +65,8 @@ def decode_main():
       pos, kv_len = jnp.full((B, 1), L - 1), jnp.full((B,), L)
       pallas = jax.jit(lambda q, c, pos, n: ld.latent_decode_attention(
           q.reshape(B, H, R), c, jnp.repeat(pos, H, axis=1), n))
-      block = min(_S.value, max(xla_cached.KEY_BLOCK, min(xla_cached.MAX_KEY_BLOCK, xla_cached.SCORE_BUDGET // (B * H))))
+      block = min(_S.value, max(xla_cached.KEY_BLOCK, min(xla_cached.MAX_KEY_BLOCK,
+                                                          xla_cached.SCORE_BUDGET // (B * H))))
       xla = jax.jit(lambda q, c, pos, n: xla_cached.online_softmax(
           q, c, lambda x: x, lambda x: x, pos, n, block).reshape(B, H, R))
       ref = xla(q, c, pos, kv_len).astype(jnp.float32)

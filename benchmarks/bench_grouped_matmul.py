@@ -1,8 +1,8 @@
 """The grouped matmul's three products on the GPU, side by side: tokamax's y and dx and
-pallas_kernels/moe/grouped_dw.py's dw (the `tokamax` path) against the Mosaic GPU kernels of
-pallas_kernels/moe/grouped_mgpu.py (the `mosaic` path), each checked against an fp32
+pallas_kernels/moe/pallas_gpu_grouped_dw.py's dw (the `tokamax` path) against the Mosaic GPU
+kernels of pallas_kernels/moe/mosaic_gpu_grouped.py (the `mosaic` path), each checked against an fp32
 per-group reference. With --tune it times every candidate tile config of the Mosaic kernels
-per product and writes the fastest correct one to --table (grouped_mgpu_tuned.json, which
+per product and writes the fastest correct one to --table (mosaic_gpu_grouped_tuned.json, which
 the kernels read at import).
 
   python -m benchmarks.bench_grouped_matmul --tune --out=$OUT     # long_context_1b's shapes
@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from pallas_kernels.moe import ops as moe_ops
-from pallas_kernels.moe import grouped_mgpu as gm
+from pallas_kernels.moe import mosaic_gpu_grouped as gm
 from benchmarks import timing
 
 _ROWS = flags.DEFINE_integer("rows", 131072, "Rows (tokens × top-k) of the timed products.")

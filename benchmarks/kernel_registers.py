@@ -25,7 +25,8 @@ from absl import app, flags
 from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
 
 _OP = flags.DEFINE_enum("op", "kda", ["kda", "flash"], "Which kernels: KDA's (pallas_gpu, "
-                        "forward and backward) or the training flash kernels (causal.py).")
+                        "forward and backward) or the training flash kernels "
+                        "(pallas_gpu_causal.py).")
 _DIM = flags.DEFINE_integer("dim", 64, "Head dim (K = V for KDA; D = Dv for flash).")
 _WARPS = flags.DEFINE_list("warps", [], "KERNEL=N overrides of the shipped num_warps.")
 _KEEP = flags.DEFINE_string("keep", None, "Folder to keep the .ttir and .ptx files in.")
@@ -103,7 +104,7 @@ def kda_kernels(D):
 
 
 def flash_kernels(D):
-  from pallas_kernels.attention.causal import causal_attention
+  from pallas_kernels.attention.pallas_gpu_causal import causal_attention
   bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
   B, T, H = 1, 512, 2
   seg = jnp.ones((B, T), jnp.int32)

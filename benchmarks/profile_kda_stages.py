@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pallas_kernels.kda import pallas_gpu as P, prologue_gpu, reference
+from pallas_kernels.kda import pallas_gpu as P, pallas_gpu_prologue as prologue_gpu, reference
 from benchmarks.bench_kda import inputs, set_knobs
 
 _SHAPE = flags.DEFINE_string("shape", "1x8192x16", "BxTxH.")
@@ -75,7 +75,7 @@ def prologue_time(q, k, g, inp, kw, triton=False):
   f = jnp.asarray(g, jnp.bfloat16)
   args = (q, k, f, a_HK, bias_HK, live)
   if triton:
-    from pallas_kernels.kda import prologue_triton, triton_gpu as module
+    from pallas_kernels.kda import triton_gpu_prologue as prologue_triton, triton_gpu as module
     fwd_call, bwd_call = prologue_triton.prologue_call, prologue_triton.prologue_bwd_call
     knobs = ("PROLOGUE_WARPS", "PROLOGUE_BWD_WARPS")
   else:

@@ -45,7 +45,7 @@ def get_config(arg=None):
   m.mla_qk_head_dim = 64
   m.mla_v_head_dim = 64
   # Projections of ≤ 16 rows (decoding) on GPU: xla (two kernels each, see
-  # pallas_kernels/matmul/few_rows.py) | pallas (one kernel reading the weight once).
+  # pallas_kernels/matmul/pallas_gpu_few_rows.py) | pallas (one kernel reading the weight once).
   m.decode_matmul = "xla"
   # FFN: dense SwiGLU in the first `moe.first_dense` layers (and everywhere if moe.num_experts == 0).
   m.ffn_hidden = 2816

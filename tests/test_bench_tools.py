@@ -37,7 +37,7 @@ def test_fusion_kernels_map_to_their_named_scope():
 def test_kernel_registers_dumps_every_kda_kernel_with_its_launch_width(tmp_path):
   """benchmarks/kernel_registers.py's CPU half: one Triton IR file per KDA kernel (forward and
   backward), each with the num_warps the code ships (pallas_gpu.WARPS, the prologue's)."""
-  from pallas_kernels.kda import pallas_gpu, prologue_gpu
+  from pallas_kernels.kda import pallas_gpu, pallas_gpu_prologue as prologue_gpu
   from benchmarks import kernel_registers
   fn, args = kernel_registers.kda_kernels(64)
   kernels = kernel_registers.dump_ttir(fn, args, str(tmp_path))

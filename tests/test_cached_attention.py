@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention import cached_attention as ca
-from pallas_kernels.attention import latent_decode as ld
+from pallas_kernels.attention import pallas_gpu_cached as ca
+from pallas_kernels.attention import pallas_gpu_latent_decode as ld
 from pallas_kernels.attention import reference
-from pallas_kernels.attention import tpu_cached_attention as tca
+from pallas_kernels.attention import pallas_tpu_cached as tca
 from tests.conftest import rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 

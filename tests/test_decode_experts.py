@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import decode_experts as de
+from pallas_kernels.moe import pallas_gpu_decode_experts as de
 from pallas_kernels.moe import reference
 from tests.conftest import rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.matmul import few_rows, reference
+from pallas_kernels.matmul import pallas_gpu_few_rows as few_rows, reference
 from tests.conftest import count_calls, rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 

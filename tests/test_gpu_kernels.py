@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import ops as moe_ops
-from pallas_kernels.attention.causal import causal_attention
-from pallas_kernels.attention import cached_attention as ca
-from pallas_kernels.attention import latent_decode as ld
+from pallas_kernels.attention.pallas_gpu_causal import causal_attention
+from pallas_kernels.attention import pallas_gpu_cached as ca
+from pallas_kernels.attention import pallas_gpu_latent_decode as ld
 from pallas_kernels.attention import reference as attention_reference
-from pallas_kernels.attention import ring_step
-from pallas_kernels.matmul import few_rows
-from pallas_kernels.moe import decode_experts as de
+from pallas_kernels.attention import pallas_gpu_ring_step as ring_step
+from pallas_kernels.matmul import pallas_gpu_few_rows as few_rows
+from pallas_kernels.moe import pallas_gpu_decode_experts as de
 from pallas_kernels.moe import reference as moe_reference
 from tests.conftest import rel_err
 from tests.test_kda import LB, _impl, _inputs, _loss_and_grads, _spec, check_gate_inside_the_op

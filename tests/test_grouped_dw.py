@@ -1,5 +1,5 @@
-"""The grouped-matmul weight gradient kernel (pallas_kernels/moe/grouped_dw.py), in interpret
-mode here (natively in the GPU suite): against jax.lax.ragged_dot's VJP, with empty groups,
+"""The grouped-matmul weight gradient kernel (pallas_kernels/moe/pallas_gpu_grouped_dw.py), in
+interpret mode here (natively in the GPU suite): against jax.lax.ragged_dot's VJP, with empty groups,
 groups of one row, groups longer than a block, a last block clamped at M, and NaN in the
 rows past the groups."""
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import grouped_dw as gdw
+from pallas_kernels.moe import pallas_gpu_grouped_dw as gdw
 from pallas_kernels.moe import reference
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 

@@ -1,5 +1,5 @@
-"""The Mosaic GPU grouped-matmul kernels (pallas_kernels/moe/grouped_mgpu.py) in Pallas's Mosaic
-GPU interpreter here (natively in the GPU suite): y, dx (w transposed in place) and dw
+"""The Mosaic GPU grouped-matmul kernels (pallas_kernels/moe/mosaic_gpu_grouped.py) in
+Pallas's Mosaic GPU interpreter here (natively in the GPU suite): y, dx (w transposed in place) and dw
 against an fp64 per-group reference, with empty groups, a group of one row, groups over
 several row blocks, a group on a block boundary and NaN in the padding rows past the groups;
 the model's custom VJP against jax.lax.ragged_dot; the lowering of long_context_1b's six
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import ops as moe_ops
-from pallas_kernels.moe import grouped_mgpu as gm
+from pallas_kernels.moe import mosaic_gpu_grouped as gm
 from tests.conftest import target_mesh
 
 INTERPRET = jax.default_backend() != "gpu"

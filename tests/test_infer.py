@@ -18,8 +18,8 @@ from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import decode, inference_model, make_step, prefill
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
-from pallas_kernels.attention import latent_decode, xla_cached
-from pallas_kernels.matmul import few_rows
+from pallas_kernels.attention import pallas_gpu_latent_decode as latent_decode, xla_cached
+from pallas_kernels.matmul import pallas_gpu_few_rows as few_rows
 from tests.conftest import ROOT, count_calls, make_small_config, rel_err, subprocess_env
 
 _LENGTHS = np.array([37, 22, 30])  # three rows of different lengths

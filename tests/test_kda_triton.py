@@ -1,5 +1,5 @@
 """KDA with its main kernels in native Triton (implementation="triton", triton_gpu.py: stage
-1's tiles and W/U kernels both ways, stage 2's loops; prologue_triton.py: the prologue
+1's tiles and W/U kernels both ways, stage 2's loops; triton_gpu_prologue.py: the prologue
 both ways): on CPU Triton's interpreter runs it,
 against the float64 spec (outputs and all six gradients) and against the Pallas kernels
 kernel by kernel; each kernel is compiled for sm_90a (ptxas) at the shipped launch knobs; on
@@ -15,8 +15,8 @@ import pytest
 
 from benchmarks.kernel_registers import triton_report
 from pallas_kernels import triton_launch
-from pallas_kernels.kda import (kda, pallas_gpu, prologue_gpu, prologue_triton, reference,
-                                triton_gpu)
+from pallas_kernels.kda import (kda, pallas_gpu, pallas_gpu_prologue as prologue_gpu, reference,
+                                triton_gpu, triton_gpu_prologue as prologue_triton)
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
 from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,

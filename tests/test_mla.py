@@ -84,7 +84,7 @@ def test_tpu_flash_kernel_equals_xla_attention(dv):
   with segment ids and padding, equals the XLA path in output and every gradient; also with
   a value head dim unlike the query's (16), which the kernel gets padded to one dim."""
   from jax.experimental.pallas import tpu as pltpu
-  from pallas_kernels.attention import tpu_flash
+  from pallas_kernels.attention import pallas_tpu_flash as tpu_flash
 
   assert tpu_flash.fits(128) and not tpu_flash.fits(64)
   assert tpu_flash.common_dim(16, 24) == 24 and tpu_flash.common_dim(192, 128) == 256

@@ -21,7 +21,7 @@ from moe_jax.model.moe import MoE
 from moe_jax.train import optim
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.moe import ops as moe_ops
-from pallas_kernels.moe import decode_experts
+from pallas_kernels.moe import pallas_gpu_decode_experts as decode_experts
 from tests.conftest import ROOT, count_calls, cpu_devices_env, make_small_config, rel_err
 
 

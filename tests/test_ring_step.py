@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention import reference, ring_step
+from pallas_kernels.attention import reference, pallas_gpu_ring_step as ring_step
 from tests.conftest import rel_err
 from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
 
@@ -94,8 +94,8 @@ def test_backward_of_one_step_matches_autodiff(q_first, k_first, small, docs):
 
 
 def test_outputs_in_the_model_dtype_are_the_fp32_outputs_rounded_once():
-  """out_dtype=bf16 (causal.py's single-device attention): o, dq, dk, dv are written in bf16
-  by the kernels, equal to the fp32 outputs rounded, element for element."""
+  """out_dtype=bf16 (pallas_gpu_causal.py's single-device attention): o, dq, dk, dv are
+  written in bf16 by the kernels, equal to the fp32 outputs rounded, element for element."""
   q, k, v, seg_q, seg_k, w = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
                               for x in _inputs(5))
   one = jnp.int32(0)

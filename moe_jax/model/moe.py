@@ -8,7 +8,7 @@ Two single-device dispatch paths (model.moe.dispatch):
   assignment's expert weights are applied directly instead: no sort and no
   grouped-matmul kernel, but N·k copies of expert weights read (duplicates too).
   "gather" gathers them for one einsum; "fused" reads them inside two Pallas
-  kernels (pallas_kernels/moe/decode_experts.py); "auto" (default) is fused on GPU
+  kernels (pallas_kernels/moe/pallas_gpu_decode_experts.py); "auto" (default) is fused on GPU
   from AUTO_FUSED_MIN assignments, else gather.
 * capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
   assignments (earlier tokens first); they are laid out [E, C, D] for batched
@@ -31,7 +31,7 @@ from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_nor
 from moe_jax.parallel import expert as expert_parallel
 from moe_jax.parallel.mesh import axis_size
 from pallas_kernels import platform
-from pallas_kernels.moe import decode_experts, reference as moe_reference
+from pallas_kernels.moe import pallas_gpu_decode_experts, reference as moe_reference
 
 
 def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=""):
@@ -65,7 +65,7 @@ def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, fused=False):
   and applied directly, no sort and no grouped-matmul launch. Reads N·k experts' weights.
   fused: by the Pallas kernels of decode_experts (same math) where the shapes fit."""
   E, D, _, F = gate_up_ExDx2xF.shape
-  experts_fn = fused_experts if fused and decode_experts.fits(D, F) else gathered_experts
+  experts_fn = fused_experts if fused and pallas_gpu_decode_experts.fits(D, F) else gathered_experts
   y_NxKxD = experts_fn(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD)
   return combine(y_NxKxD.reshape(-1, D), w_NxK, x_NxD.dtype)
 
@@ -78,7 +78,7 @@ gathered_experts = moe_reference.swiglu_experts
 def fused_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD):
   """gathered_experts by the Pallas kernels. The kernels are forward only; the backward is
   gathered_experts' (so a gradient through a tiny GPU batch under "auto" still works)."""
-  return decode_experts.swiglu_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD
+  return pallas_gpu_decode_experts.swiglu_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD
                                        ).astype(x_NxD.dtype)
 
 

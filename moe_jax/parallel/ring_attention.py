@@ -14,10 +14,10 @@ block from a later shard costs nothing but its transfer. There is no zig-zag loa
 balancing yet: the last shard does useful work at every step, shard 0 only at the first.
 
 implementation="pallas" (the GPU default) runs each step as flash kernels instead
-(pallas_kernels/attention/ring_step.py): per-step output and log-sum-exp merged across
+(pallas_kernels/attention/pallas_gpu_ring_step.py): per-step output and log-sum-exp merged across
 steps, and the backward from the final log-sum-exp; no score block is ever materialised.
 implementation="tpu" (the TPU default where the shard length is a multiple of 128) does the
-same with jax's Mosaic flash kernels (pallas_kernels/attention/tpu_ring_step.py).
+same with jax's Mosaic flash kernels (pallas_kernels/attention/pallas_tpu_ring_step.py).
 """
 
 import functools
@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.parallel.mesh import activation_spec
-from pallas_kernels.attention import ops as attention_ops, ring_step, tpu_flash, tpu_ring_step
+from pallas_kernels.attention import (ops as attention_ops, pallas_gpu_ring_step,
+                                      pallas_tpu_flash, pallas_tpu_ring_step)
 
 AXIS = "sequence"
 F32 = jnp.float32
@@ -118,7 +119,7 @@ def _attend_block(q, k_blk, v_blk, seg, seg_blk, q_first, k_first, m, l, acc, sc
 
 
 # The flash-kernel step modules: ring_step_forward / ring_step_backward with one contract.
-_KERNEL_STEPS = {"pallas": ring_step, "tpu": tpu_ring_step}
+_KERNEL_STEPS = {"pallas": pallas_gpu_ring_step, "tpu": pallas_tpu_ring_step}
 
 
 def _forward_kernels(q, k, v, seg, axis, scale, steps):
@@ -277,8 +278,8 @@ def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=No
   """Causal, segment-masked attention on [B, T, H, ·] arrays sharded over `axis` along T
   (shard_map over the mesh set with jax.set_mesh, or `mesh`).
 
-  implementation: "pallas" runs each ring step as flash kernels (ring_step.py; the GPU
-  default, interpret mode elsewhere), "tpu" as jax's Mosaic flash kernels (tpu_ring_step.py;
+  implementation: "pallas" runs each ring step as flash kernels (pallas_gpu_ring_step.py; the GPU
+  default, interpret mode elsewhere), "tpu" as jax's Mosaic flash kernels (pallas_tpu_ring_step.py;
   shards of a multiple of 128 positions; the TPU interpreter off TPU, under
   pltpu.force_tpu_interpret_mode()), "xla" as SUB × SUB score blocks in XLA; None picks by
   the target platform (default_implementation)."""
@@ -288,9 +289,9 @@ def ring_attention(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, segment_ids_BxT, *, mesh=No
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"ring_attention implementation must be one of {IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
-  if impl == "tpu" and not tpu_flash.fits(shard_len):
+  if impl == "tpu" and not pallas_tpu_flash.fits(shard_len):
     raise ValueError(f"ring_attention implementation 'tpu' takes shards of a multiple of "
-                     f"{tpu_flash.BLOCK} positions; got {shard_len} (T={q_BxTxHxD.shape[1]} "
+                     f"{pallas_tpu_flash.BLOCK} positions; got {shard_len} (T={q_BxTxHxD.shape[1]} "
                      f"over {mesh.shape[axis]} shards)")
   x4, x2 = activation_spec(mesh, 4, axis), activation_spec(mesh, 2, axis)
   body = lambda q, k, v, seg: ring_attention_shard(q, k, v, seg, axis, scale, impl)

@@ -11,8 +11,9 @@ the Mosaic TPU cache kernel; "xla": reference.py's attention and xla_cached.py's
 import jax.numpy as jnp
 
 from pallas_kernels import platform
-from pallas_kernels.attention import (causal, cached_attention as gpu_cached, latent_decode,
-                                      reference, tpu_cached_attention, tpu_flash, xla_cached)
+from pallas_kernels.attention import (pallas_gpu_cached, pallas_gpu_causal,
+                                      pallas_gpu_latent_decode, pallas_tpu_cached,
+                                      pallas_tpu_flash, reference, xla_cached)
 
 IMPLEMENTATIONS = ("gpu", "tpu", "xla")
 DECODE_ROWS = 64          # (new tokens × heads) up to which "gpu" decode uses the split kernel
@@ -28,23 +29,23 @@ def implementation(requested: str = "") -> str:
 
 def causal_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT, *, implementation):
   """Causal attention within each segment on one device (reference.causal_attention's
-  contract): "gpu" the Pallas flash kernels (causal.py), "tpu" jax's Mosaic flash kernels
-  where T is whole 128-position tiles (tpu_flash.py), else XLA."""
+  contract): "gpu" the Pallas flash kernels (pallas_gpu_causal.py), "tpu" jax's Mosaic flash kernels
+  where T is whole 128-position tiles (pallas_tpu_flash.py), else XLA."""
   args = (q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
   if implementation == "gpu":
-    return causal.causal_attention(*args)
-  if implementation == "tpu" and tpu_flash.fits(q_BxTxHxDqk.shape[1]):
-    return tpu_flash.causal_attention(*args)
+    return pallas_gpu_causal.causal_attention(*args)
+  if implementation == "tpu" and pallas_tpu_flash.fits(q_BxTxHxDqk.shape[1]):
+    return pallas_tpu_flash.causal_attention(*args)
   return reference.causal_attention(*args)
 
 
 def ring_step_implementation(implementation: str, shard_len: int) -> str:
   """Ring attention's step kernels for an attention implementation: "pallas" on GPU
-  (ring_step.py), "tpu" on TPU where the shard is whole 128-position tiles
-  (tpu_ring_step.py), else "xla"."""
+  (pallas_gpu_ring_step.py), "tpu" on TPU where the shard is whole 128-position tiles
+  (pallas_tpu_ring_step.py), else "xla"."""
   if implementation == "gpu":
     return "pallas"
-  return "tpu" if implementation == "tpu" and tpu_flash.fits(shard_len) else "xla"
+  return "tpu" if implementation == "tpu" and pallas_tpu_flash.fits(shard_len) else "xla"
 
 
 def latent_cache_attention(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, length_B,
@@ -55,17 +56,17 @@ def latent_cache_attention(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, le
 
   Few queries (decode, T < R) attend in the latent space: k_b is absorbed into q and v_b
   applied after, so the cache is never expanded; with "gpu" and few rows the split-cache
-  kernel (latent_decode.py), else xla_cached's block loop. Many queries (prefill chunks,
+  kernel (pallas_gpu_latent_decode.py), else xla_cached's block loop. Many queries (prefill chunks,
   T ≥ R) expand the filled latents to per-head K/V, which is cheaper then, and run a flash
-  kernel ("gpu": cached_attention.py, "tpu": tpu_cached_attention.py) or the block loop."""
+  kernel ("gpu": pallas_gpu_cached.py, "tpu": pallas_tpu_cached.py) or the block loop."""
   B, T, H, _ = q_BxTxHxDqk.shape
   S, R = ckv_BxSxR.shape[1:]
   pos_BxT = length_B[:, None] + jnp.arange(T)
   if T < R:
     q_BxTxHxR = jnp.einsum("bthd,rhd->bthr", q_BxTxHxDqk, w_kb_RxHxDqk)
-    if implementation == "gpu" and T * H <= DECODE_ROWS and latent_decode.fits(R):
+    if implementation == "gpu" and T * H <= DECODE_ROWS and pallas_gpu_latent_decode.fits(R):
       pos_BxTH = jnp.repeat(pos_BxT, H, axis=1)
-      o_BxTxHxR = latent_decode.latent_decode_attention(
+      o_BxTxHxR = pallas_gpu_latent_decode.latent_decode_attention(
           q_BxTxHxR.reshape(B, T * H, R), ckv_BxSxR, pos_BxTH, filled_B).reshape(B, T, H, R)
     else:
       key_block = min(S, max(xla_cached.KEY_BLOCK, min(xla_cached.MAX_KEY_BLOCK,
@@ -76,8 +77,8 @@ def latent_cache_attention(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, le
   if implementation in ("gpu", "tpu"):
     k_BxSxHxD, v_BxSxHxDv = xla_cached.expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv,
                                                      filled_B)
-    kernel = (gpu_cached.cached_attention if implementation == "gpu"
-              else tpu_cached_attention.cached_attention)
+    kernel = (pallas_gpu_cached.cached_attention if implementation == "gpu"
+              else pallas_tpu_cached.cached_attention)
     return kernel(q_BxTxHxDqk, k_BxSxHxD, v_BxSxHxDv, length_B, filled_B, scale=1.0)
   return xla_cached.online_softmax(
       q_BxTxHxDqk, ckv_BxSxR, lambda c: jnp.einsum("bsr,rhd->bshd", c, w_kb_RxHxDqk),

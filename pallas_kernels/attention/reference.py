@@ -24,7 +24,7 @@ def causal_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT):
 def block_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, seg_q_BxT, seg_k_BxS, q_first, k_first,
                     scale=None):
   """(o, log-sum-exp [B, H, T]) of queries at positions q_first + t against keys at
-  k_first + s: one ring step (ring_step.py). Key s is visible to query t when
+  k_first + s: one ring step (pallas_gpu_ring_step.py). Key s is visible to query t when
   k_first + s ≤ q_first + t and their segment ids are equal; a query that sees nothing
   gives o = 0 and lse = -inf."""
   T, S, D = q_BxTxHxD.shape[1], k_BxSxHxD.shape[1], q_BxTxHxD.shape[-1]
@@ -59,7 +59,7 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
 
 
 def latent_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B):
-  """Decode rows over a latent cache that is both keys and values (latent_decode.py): row
+  """Decode rows over a latent cache that is both keys and values (pallas_gpu_latent_decode.py): row
   q of batch b sees cache positions j ≤ pos[b, q] with j < kv_len[b]; q is pre-scaled. A
   row that sees nothing gives zeros."""
   S = ckv_BxSxR.shape[1]

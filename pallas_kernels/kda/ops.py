@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import platform
-from pallas_kernels.kda import pallas_gpu, pallas_tpu, prologue_gpu, reference
+from pallas_kernels.kda import pallas_gpu, pallas_tpu, pallas_gpu_prologue, reference
 from pallas_kernels.kda.gate import check_lower_bound, kda_gate
 
 IMPLEMENTATIONS = ("xla", "recurrent", "pallas_gpu", "triton", "pallas_tpu")
@@ -129,8 +129,8 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
                                      lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
                                      qk_l2norm=qk_l2norm, **kw)
   elif impl == "triton":     # pallas_gpu's algorithm, main kernels in Triton
-    from pallas_kernels.kda import prologue_triton, triton_gpu   # need the triton package
-    prologue = prologue_triton.prologue if triton_gpu.PROLOGUE else prologue_gpu.prologue
+    from pallas_kernels.kda import triton_gpu_prologue, triton_gpu   # need the triton package
+    prologue = triton_gpu_prologue.prologue if triton_gpu.PROLOGUE else pallas_gpu_prologue.prologue
     o, S = pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, stage1=triton_gpu.intra,
                                      stage2=triton_gpu.recurrence, prologue=prologue,
                                      chunk_size=chunk_size, lower_bound=lower_bound,

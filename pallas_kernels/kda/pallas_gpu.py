@@ -1,6 +1,6 @@
 """KDA chunked kernels in Pallas (Triton lowering on GPU, `interpret=True` on CPU).
 
-Prologue (prologue_gpu.py): padding masks, the chunk cumsum G of the gate and, when asked,
+Prologue (pallas_gpu_prologue.py): padding masks, the chunk cumsum G of the gate and, when asked,
 the gate itself and the q/k L2 norm, forward and backward.
 Stage 1 (reference.chunk_intra, bounded gates) as three kernels, fla-style:
   _tiles_kernel     grid (B, H, N): A and Aqk of a chunk as [16, C] matmuls, each 16-row
@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import residuals
-from pallas_kernels.kda import prologue_gpu, reference
+from pallas_kernels.kda import pallas_gpu_prologue, reference
 from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
 SUB = reference.SUB
@@ -660,7 +660,7 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
   XLA stage 1. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
   dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there.
   stage1 / stage2 / prologue: another stage 1 (bounded gates) / stage 2 / prologue with
-  this module's `intra` / `recurrence` / prologue_gpu.prologue contract (triton_gpu's)."""
+  this module's `intra` / `recurrence` / pallas_gpu_prologue.prologue contract (triton_gpu's)."""
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -670,7 +670,7 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
                   qk_l2norm=qk_l2norm, interpret=interpret,
                   stage1=intra if stage1 is None else stage1,
                   stage2=recurrence if stage2 is None else stage2,
-                  prologue=prologue_gpu.prologue if prologue is None else prologue)
+                  prologue=pallas_gpu_prologue.prologue if prologue is None else prologue)
 
 
 def _gate_params(A_log, dt_bias, H, K):

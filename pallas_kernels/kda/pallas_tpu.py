@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import platform
-from pallas_kernels.kda import pallas_tpu_intra as intra_k
-from pallas_kernels.kda import pallas_tpu_recurrence as rec_k
+from pallas_kernels.kda import pallas_tpu_intra
+from pallas_kernels.kda import pallas_tpu_recurrence
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 
@@ -46,7 +46,7 @@ def _heads_first(x):
 def intra(q, k, v, G, beta, seg, scale, chunk_size, interpret):
   """Stage 1 (bounded gates), head-major; β [B,H,Tp,1]. No residuals beyond the inputs: the
   backward kernel recomputes A and T in VMEM."""
-  W, U0, Qg, Kd, Aqk = intra_k.intra_call(q, k, v, G, beta, seg, scale=scale,
+  W, U0, Qg, Kd, Aqk = pallas_tpu_intra.intra_call(q, k, v, G, beta, seg, scale=scale,
                                           chunk_size=chunk_size, interpret=interpret)
   return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk}
 
@@ -57,7 +57,7 @@ def _intra_fwd(q, k, v, G, beta, seg, scale, chunk_size, interpret):
 
 def _intra_bwd(scale, chunk_size, interpret, res, d_st):
   q, k, v, G, beta, seg = res
-  grads = intra_k.intra_bwd_call(q, k, v, G, beta, seg, d_st, scale=scale,
+  grads = pallas_tpu_intra.intra_bwd_call(q, k, v, G, beta, seg, d_st, scale=scale,
                                  chunk_size=chunk_size, interpret=interpret)
   return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, G, beta))), None)
 
@@ -66,7 +66,8 @@ intra.defvjp(_intra_fwd, _intra_bwd)
 
 
 # Stage 2: (O [B,H,Tp,V] in the stage-1 dtype, S fp32); the backward kernel casts dO itself.
-recurrence = recurrence_with_vjp(rec_k.recurrence_call, rec_k.recurrence_bwd_call)
+recurrence = recurrence_with_vjp(pallas_tpu_recurrence.recurrence_call,
+                                 pallas_tpu_recurrence.recurrence_bwd_call)
 
 
 def default_interpret() -> bool:

@@ -2,7 +2,7 @@
 
 pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its time written
 as @triton.jit kernels and called through jax_triton, and the prologue (gate, L2 norm, chunk
-cumsum) in prologue_triton.py; stage 1's triangular solve stays Pallas (a Triton form,
+cumsum) in triton_gpu_prologue.py; stage 1's triangular solve stays Pallas (a Triton form,
 substitution in registers, took 3.8x its time on the H200: benchmarks/kda.md, 2026-12-04).
 On the H200 the op runs 1.25-1.32x as fast as pallas_gpu forward+backward on every
 benchmark shape (benchmarks/kda.md, 2026-12-03); it is the GPU default where jax_triton is
@@ -35,7 +35,7 @@ Stage 2:
 
 The kernels are launched by pallas_kernels/triton_launch.py: through jax_triton on a GPU,
 Triton's interpreter on host arrays elsewhere (CPU tests). ops.py assembles the op from
-these stages and prologue_triton.py's prologue (PROLOGUE below picks it)."""
+these stages and triton_gpu_prologue.py's prologue (PROLOGUE below picks it)."""
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,7 @@ from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 F32 = jnp.float32
 
 # Launch knobs (chosen on the H200 by benchmarks/profile_kda_stages.py --triton; kda.md).
-PROLOGUE = True      # the prologue in Triton (prologue_triton.py), else prologue_gpu's Pallas
+PROLOGUE = True      # the prologue in Triton (triton_gpu_prologue.py), else prologue_gpu's Pallas
 BLOCK_V = 32         # V columns per program (64 was not faster once pipelined)
 WARPS = 4
 STAGES = 3           # chunks in flight in the recurrence loop, fewer where they do not fit

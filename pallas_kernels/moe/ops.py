@@ -4,12 +4,12 @@ A row block g of x (rows sorted by group) times w[g]. `jax.lax.ragged_dot` is em
 densely on GPU (2% of peak, and at E=256 it tries to allocate 128 GiB on an H200), so
 GPU/TPU use kernels for bf16/fp16:
 * `mosaic` (the GPU default where both dims are multiples of 64): the Mosaic GPU kernels of
-  grouped_mgpu.py for y, dx (w read transposed in place) and dw, with tile shapes tuned per
+  mosaic_gpu_grouped.py for y, dx (w read transposed in place) and dw, with tile shapes tuned per
   product on the H200 (benchmarks/moe.md); where dx's columns are not a multiple of 128
   (only 64-wide tiles fit), tokamax's dx instead;
 * `tokamax`: `tokamax.ragged_dot` (its sm90 Mosaic kernel, fixed 64×64 tiles) for y and dx;
-  its weight gradient comes from grouped_dw.py instead, as tokamax 0.0.17's is wrong on the
-  H200.
+  its weight gradient comes from pallas_gpu_grouped_dw.py instead, as tokamax 0.0.17's is
+  wrong on the H200.
 The GPU kernels take no float32, so float32 models (debugging, numerics checks) take XLA's
 ragged_dot on GPU: exact, but dense in E. On TPU it is tokamax's Mosaic TPU kernel
 (`implementation="mosaic_tpu"`, megablox-style gmm / tgmm, forward and backward), named
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import jax_triton_compat, platform
-from pallas_kernels.moe import grouped_dw, grouped_mgpu
+from pallas_kernels.moe import pallas_gpu_grouped_dw, mosaic_gpu_grouped
 
 GROUPED_MATMULS = ("xla", "tokamax", "mosaic")
 _HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None   # looked up, not imported
@@ -39,7 +39,7 @@ def default_grouped_matmul(dtype, K: int = 64, N: int = 64) -> str:
   backend = platform.target()
   if backend == "cpu" or (backend == "gpu" and not _tokamax_gpu_dtype(dtype)):
     return "xla"
-  if backend == "gpu" and grouped_mgpu.fits(K, N):
+  if backend == "gpu" and mosaic_gpu_grouped.fits(K, N):
     return "mosaic"
   return "tokamax"
 
@@ -62,7 +62,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
     if platform.target() == "tpu":
       raise ValueError("model.moe.grouped_matmul='mosaic' is the Mosaic GPU kernels; on TPU "
                        "use '' or 'tokamax'")
-    if not _tokamax_gpu_dtype(x_MxK.dtype) or not grouped_mgpu.fits(K, N):
+    if not _tokamax_gpu_dtype(x_MxK.dtype) or not mosaic_gpu_grouped.fits(K, N):
       raise ValueError(f"model.moe.grouped_matmul='mosaic' takes bfloat16/float16 experts "
                        f"with both dims multiples of 64, got {x_MxK.dtype} [{K}, {N}]; use '' "
                        f"(xla for float32, tokamax for other dims)")
@@ -106,10 +106,10 @@ def _tokamax_dx(dy_MxN, w_GxKxN, group_sizes_G):
 
 
 def _tokamax_dw(x_MxK, dy_MxN, group_sizes_G):
-  """pallas_kernels/moe/grouped_dw.py: tokamax 0.0.17's dw kernel is wrong on the H200 (that
-  module says how). Dims off its 16-multiples take XLA's exact (dense in G) version."""
-  if grouped_dw.fits(x_MxK.shape[1], dy_MxN.shape[1]):
-    return grouped_dw.grouped_dw(x_MxK, dy_MxN, group_sizes_G)
+  """pallas_gpu_grouped_dw.py: tokamax 0.0.17's dw kernel is wrong on the H200 (that module
+  says how). Dims off its 16-multiples take XLA's exact (dense in G) version."""
+  if pallas_gpu_grouped_dw.fits(x_MxK.shape[1], dy_MxN.shape[1]):
+    return pallas_gpu_grouped_dw.grouped_dw(x_MxK, dy_MxN, group_sizes_G)
   return jax.lax.ragged_dot_general(x_MxK, dy_MxN, group_sizes_G, _RAGGED_CONTRACTING,
                                     preferred_element_type=F32)
 
@@ -119,11 +119,11 @@ def _mosaic_dx(dy_MxN, w_GxKxN, group_sizes_G):
   multiple of 128: long_context_1b's 704-wide experts): there tokamax's kernel on a
   transposed copy of w is faster (2.5 ms less a 1B step; benchmarks/train.md). Only on a
   GPU host: tokamax's GPU kernel has no interpreter (CPU tests) and does not lower for a
-  GPU from a CPU host (ahead-of-time compiles), where grouped_mgpu's does. Without
-  tokamax installed (the `gpu` extra brings it) grouped_mgpu's runs everywhere."""
+  GPU from a CPU host (ahead-of-time compiles), where mosaic_gpu_grouped's does. Without
+  tokamax installed (the `gpu` extra brings it) mosaic_gpu_grouped's runs everywhere."""
   if w_GxKxN.shape[1] % 128 and jax.default_backend() == "gpu" and _HAS_TOKAMAX:
     return _tokamax_dx(dy_MxN, w_GxKxN, group_sizes_G)
-  return grouped_mgpu.ragged_dot(dy_MxN, w_GxKxN, group_sizes_G, transpose_rhs=True)
+  return mosaic_gpu_grouped.ragged_dot(dy_MxN, w_GxKxN, group_sizes_G, transpose_rhs=True)
 
 
 # The GPU implementations' three products, (y, dx, dw), each f(a, b, group_sizes):
@@ -131,7 +131,7 @@ def _mosaic_dx(dy_MxN, w_GxKxN, group_sizes_G):
 # (benchmarks/bench_grouped_matmul.py times them)
 GPU_PRODUCTS = {
     "tokamax": (_tokamax_y, _tokamax_dx, _tokamax_dw),
-    "mosaic": (grouped_mgpu.ragged_dot, _mosaic_dx, grouped_mgpu.ragged_dw),
+    "mosaic": (mosaic_gpu_grouped.ragged_dot, _mosaic_dx, mosaic_gpu_grouped.ragged_dw),
 }
 
 

@@ -1,6 +1,6 @@
 """The exact specs the MoE kernels are tested against, in plain JAX: the grouped matmul
-and its weight gradient (ops.py, grouped_mgpu.py, grouped_dw.py), and the per-assignment
-SwiGLU of decode (decode_experts.py; also the MoE layer's gather path)."""
+and its weight gradient (ops.py, mosaic_gpu_grouped.py, pallas_gpu_grouped_dw.py), and the
+per-assignment SwiGLU of decode (pallas_gpu_decode_experts.py; also the MoE layer's gather path)."""
 
 import jax
 import jax.numpy as jnp

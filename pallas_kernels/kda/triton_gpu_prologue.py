@@ -1,4 +1,4 @@
-"""KDA's input prologue in native Triton (implementation="triton"): prologue_gpu.py's
+"""KDA's input prologue in native Triton (implementation="triton"): pallas_gpu_prologue.py's
 contract and formulas, forward and backward, one program per (chunk, batch·head) [C, K]
 block.
 
@@ -27,11 +27,11 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import triton_launch
-from pallas_kernels.kda import prologue_gpu, triton_gpu
-from pallas_kernels.kda.prologue_gpu import F32, L2_EPS
+from pallas_kernels.kda import pallas_gpu_prologue, triton_gpu
+from pallas_kernels.kda.pallas_gpu_prologue import F32, L2_EPS
 from pallas_kernels.kda.triton_gpu import chunk_rows, fp32_sum
 
-GATE_CODES = {g: i for i, g in enumerate(prologue_gpu.GATES)}   # as constexprs: none 0,
+GATE_CODES = {g: i for i, g in enumerate(pallas_gpu_prologue.GATES)}   # as constexprs: none 0,
                                                                 # bounded 1, unbounded 2
 _EPS = tl.constexpr(L2_EPS)   # a global read inside a kernel must be a constexpr
 
@@ -43,7 +43,7 @@ def _sigmoid(x):
 
 @triton.jit
 def _gate(f, a_1K, bias_1K, GATE: tl.constexpr, LOWER: tl.constexpr):
-  """(g, dg/df, dg/da) of kda_gate with a = exp(A_log) (prologue_gpu._gate); for GATE 0
+  """(g, dg/df, dg/da) of kda_gate with a = exp(A_log) (pallas_gpu_prologue._gate); for GATE 0
   ("none") g = f and the derivatives are unused."""
   u = f + bias_1K
   if GATE == 1:
@@ -198,7 +198,7 @@ def _launch(shape, meta, warps, interpret, kernel, args, out_type):
 
 def prologue_call(q, k, f, a_HK, bias_HK, live, *, dtype, gate, lower_bound, l2norm,
                   chunk_size, interpret, qk=True):
-  """prologue_gpu._prologue_call's (q̂, k̂ in `dtype`, G fp32). Grid (N, B·H). qk=False: q̂
+  """pallas_gpu_prologue._prologue_call's (q̂, k̂ in `dtype`, G fp32). Grid (N, B·H). qk=False: q̂
   and k̂ are q and k, returned as they are, and only G is computed (_kda_gate_triton)."""
   meta = _meta(q, gate, lower_bound, l2norm, chunk_size)
   B, Tp, H, K = q.shape
@@ -214,7 +214,7 @@ def prologue_call(q, k, f, a_HK, bias_HK, live, *, dtype, gate, lower_bound, l2n
 
 def prologue_bwd_call(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG, *, gate, lower_bound,
                       l2norm, chunk_size, interpret, qk=True):
-  """prologue_gpu._prologue_bwd_call's (dq, dk, df, per-chunk da and dbias); qk=False: dq and
+  """pallas_gpu_prologue._prologue_bwd_call's (dq, dk, df, per-chunk da and dbias); qk=False: dq and
   dk are dq̂ and dk̂ in q's and k's dtypes (_kda_gate_bwd_triton for the rest)."""
   meta = _meta(q, gate, lower_bound, l2norm, chunk_size)
   B, Tp, H, K = q.shape
@@ -230,5 +230,5 @@ def prologue_bwd_call(q, k, f, a_HK, bias_HK, live, dqn, dkn, dG, *, gate, lower
                 [like(q), like(k), like(f), partial, partial])
 
 
-# The prologue with these kernels forward and backward (prologue_gpu.prologue's contract).
-prologue = prologue_gpu.prologue_with_vjp(prologue_call, prologue_bwd_call)
+# The prologue with these kernels forward and backward (pallas_gpu_prologue.prologue's contract).
+prologue = pallas_gpu_prologue.prologue_with_vjp(prologue_call, prologue_bwd_call)

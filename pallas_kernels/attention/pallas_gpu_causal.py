@@ -1,5 +1,5 @@
 """Causal, segment-masked flash attention on one device: the ring-step kernels
-(ring_step.py) with both offsets 0, forward and backward under a custom VJP.
+(pallas_gpu_ring_step.py) with both offsets 0, forward and backward under a custom VJP.
 
 MLA training on one GPU uses this instead of jax's Pallas flash kernel
 (jax.experimental.pallas.ops.gpu.attention.mha): the same contract (segment ids native,
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import residuals
-from pallas_kernels.attention import ring_step
+from pallas_kernels.attention import pallas_gpu_ring_step
 
 F32 = jnp.float32
 
@@ -33,7 +33,7 @@ def _attention(q, k, v, seg, interpret):
 
 def _fwd(q, k, v, seg, interpret):
   zero = jnp.zeros((), jnp.int32)
-  o, lse_BxHxT = ring_step.ring_step_forward(q, k, v, seg, seg, zero, zero,
+  o, lse_BxHxT = pallas_gpu_ring_step.ring_step_forward(q, k, v, seg, seg, zero, zero,
                                              scale=q.shape[-1] ** -0.5, interpret=interpret,
                                              out_dtype=q.dtype)
   # q, k, v are the model's projections (saved by remat's dots policies); o and lse are the
@@ -46,7 +46,7 @@ def _bwd(interpret, res, do_BxTxHxDv):
   q, k, v, seg, o, lse_BxHxT = res
   zero = jnp.zeros((), jnp.int32)
   delta_BxHxT = jnp.einsum("bthd,bthd->bht", do_BxTxHxDv.astype(F32), o.astype(F32))
-  dq, dk, dv = ring_step.ring_step_backward(q, k, v, seg, seg, zero, zero, do_BxTxHxDv,
+  dq, dk, dv = pallas_gpu_ring_step.ring_step_backward(q, k, v, seg, seg, zero, zero, do_BxTxHxDv,
                                             lse_BxHxT, delta_BxHxT, scale=q.shape[-1] ** -0.5,
                                             interpret=interpret, out_dtype=q.dtype)
   return dq, dk.astype(k.dtype), dv.astype(v.dtype), None

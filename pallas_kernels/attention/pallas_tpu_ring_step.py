@@ -1,6 +1,6 @@
 """One ring-attention step on TPU: jax's Mosaic flash kernels
 (jax.experimental.pallas.ops.tpu.flash_attention) for this shard's queries against one
-travelling K/V block; the same contract as ring_step.py, the GPU kernels.
+travelling K/V block; the same contract as pallas_gpu_ring_step.py, the GPU kernels.
 
 The ring's blocks are T long and start at multiples of T, so a step is one of three kinds:
 the shard's own block (causal, offset 0), an earlier block (every key precedes every query:
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-from pallas_kernels.attention import tpu_flash
+from pallas_kernels.attention import pallas_tpu_flash
 
 F32 = jnp.float32
 SKIP, EARLIER, OWN = 0, 1, 2   # kinds of step: lax.switch branch indices
@@ -37,11 +37,11 @@ def _kind(q_first, k_first):
 
 def _inputs(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT):
   B, T, H, D = q_BxTxHxD.shape
-  if not tpu_flash.fits(T) or k_BxTxHxD.shape[1] != T:
+  if not pallas_tpu_flash.fits(T) or k_BxTxHxD.shape[1] != T:
     raise ValueError(f"tpu_ring_step takes equal query and key blocks of a multiple of "
-                     f"{tpu_flash.BLOCK} positions; got {T} and {k_BxTxHxD.shape[1]}")
-  Dp = tpu_flash.common_dim(D, v_BxTxHxDv.shape[-1])
-  q, k, v = (tpu_flash.heads_first(x, Dp) for x in (q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv))
+                     f"{pallas_tpu_flash.BLOCK} positions; got {T} and {k_BxTxHxD.shape[1]}")
+  Dp = pallas_tpu_flash.common_dim(D, v_BxTxHxDv.shape[-1])
+  q, k, v = (pallas_tpu_flash.heads_first(x, Dp) for x in (q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv))
   seg = fa.SegmentIds(q=seg_q_BxT.astype(jnp.int32), kv=seg_k_BxT.astype(jnp.int32))
   return q, k, v, seg
 
@@ -53,7 +53,7 @@ def ring_step_forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_
   B, T, H, _ = q_BxTxHxD.shape
   Dv = v_BxTxHxDv.shape[-1]
   q, k, v, seg = _inputs(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT)
-  b = tpu_flash.BLOCKS
+  b = pallas_tpu_flash.BLOCKS
 
   def attend(causal):
     def run():
@@ -65,7 +65,7 @@ def ring_step_forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_
       seen_BxHxT = m_BxHxT > 0.5 * fa.DEFAULT_MASK_VALUE
       lse_BxHxT = jnp.where(seen_BxHxT, m_BxHxT + jnp.log(jnp.where(seen_BxHxT, l_BxHxT, 1.0)),
                             -jnp.inf)
-      return tpu_flash.heads_last(o_BxHxTxD, Dv).astype(F32), lse_BxHxT.astype(F32)
+      return pallas_tpu_flash.heads_last(o_BxHxTxD, Dv).astype(F32), lse_BxHxT.astype(F32)
     return run
 
   def skip():
@@ -79,10 +79,10 @@ def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q
   """This step's share of (dq, dk, dv), fp32, from the final lse and delta = rowsum(dO ⊙ O)."""
   D, Dv = q_BxTxHxD.shape[-1], v_BxTxHxDv.shape[-1]
   q, k, v, seg = _inputs(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT)
-  do = tpu_flash.heads_first(do_BxTxHxDv.astype(q.dtype), q.shape[-1])
+  do = pallas_tpu_flash.heads_first(do_BxTxHxDv.astype(q.dtype), q.shape[-1])
   m_BxHxT, l_BxHxT = lse_BxHxT.astype(F32), jnp.ones_like(lse_BxHxT, F32)
   di_BxHxT = delta_BxHxT.astype(F32)
-  b = tpu_flash.BLOCKS
+  b = pallas_tpu_flash.BLOCKS
 
   def grads(causal):
     def run():
@@ -95,7 +95,7 @@ def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q
       dq, _ = fa._flash_attention_bwd_dq(
           q, k, v, None, seg, l_BxHxT, m_BxHxT, do, di_BxHxT, block_q_major=b.block_q_dq,
           block_k_major=b.block_k_major_dq, block_k=b.block_k_dq, **common)
-      return tuple(tpu_flash.heads_last(x, d).astype(F32) for x, d in ((dq, D), (dk, D),
+      return tuple(pallas_tpu_flash.heads_last(x, d).astype(F32) for x, d in ((dq, D), (dk, D),
                                                                          (dv, Dv)))
     return run
 

@@ -41,7 +41,7 @@ class Config:
   grid_block_n: int = 1
 
 
-TUNED_PATH = os.path.join(os.path.dirname(__file__), "grouped_mgpu_tuned.json")
+TUNED_PATH = os.path.join(os.path.dirname(__file__), "mosaic_gpu_grouped_tuned.json")
 
 
 def _load_tuned() -> dict:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention.tiles import tile_dim
+from pallas_kernels.attention.pallas_gpu_tiles import tile_dim
 
 F32 = jnp.float32
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention.tiles import tile_dim
+from pallas_kernels.attention.pallas_gpu_tiles import tile_dim
 
 F32 = jnp.float32
 LOG2E = 1.4426950408889634   # scores are kept in log2 units: exp2 is one MUFU instruction
@@ -261,7 +261,7 @@ def ring_step_forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_
   """(o [B,T,H,Dv] in out_dtype, normalised over this block; lse [B,H,T] fp32, -inf where
   the block shows a query nothing). tiles: the kernel's Tiles (default FWD). out_dtype: fp32
   where steps are merged (ring attention); the model's dtype where the block is the whole
-  attention (causal.py), so no convert follows the kernel."""
+  attention (pallas_gpu_causal.py), so no convert follows the kernel."""
   B, T, H, D = q_BxTxHxD.shape
   Dv = v_BxTxHxDv.shape[-1]
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret

@@ -1,6 +1,6 @@
 """Flash attention of a chunk of queries over a key/value cache on TPU (Pallas Mosaic TPU;
 the TPU interpreter off a TPU), forward only: the prefill step of long-context inference, as
-cached_attention.py is on GPU, with the same contract.
+pallas_gpu_cached.py is on GPU, with the same contract.
 
 Query t of row b sits at position q_start[b] + t and sees cache positions j ≤ that with
 j < kv_len[b]. The two per-row numbers are prefetched into SMEM and steer the key blocks'
@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import platform
-from pallas_kernels.attention.cached_attention import check_shapes
+from pallas_kernels.attention.pallas_gpu_cached import check_shapes
 
 F32 = jnp.float32
 BLOCK_Q = 128   # query rows per program (fewer for a short chunk: T rounded up to 8)
