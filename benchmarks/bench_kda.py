@@ -10,8 +10,8 @@ kernel), or in XLA before it for "<impl>/xla_gate". Median of --iters runs after
 on benchmarks/timing.py's two clocks for every row, fla's included: pipelined (fwd_ms: windows
 of calls dispatched back to back, the device's time per call; the ratios' clock) and blocked
 (fwd_ms_blocked: each call waited on). fla's row also has triton's do_bench (_do_bench), the
-clock of fla's own benchmarks and of this table before 2026-12-04, when our rows were
-blocked: that mixed ratio charged our host dispatch and wake-up (about 0.3 ms a call) to us.
+clock of fla's own benchmarks: set against our blocked rows, it would charge our host dispatch
+and wake-up (about 0.3 ms a call) to us.
 Every row also records its wall time with compiles (row_s; fla's first_fwd_s: its first
 call, compiles and any autotuning), what a device call's plan needs.
 """

@@ -106,7 +106,7 @@ def main(argv):
                                                           implementation=impl)
       q1, k1, v1 = (jax.device_put(x, devices[0]) for x in (q, k, v))
       ms1, gb1 = _timed(fwd_bwd(base), (q1, k1, v1))
-      # jax's Pallas flash kernel with segment ids (the single-device path until 2026-12-01).
+      # jax's Pallas flash kernel with segment ids (the single-device path before pallas_gpu_causal.py).
       seg1 = jax.device_put(seg, devices[0])
       flash_ms, _ = _timed(fwd_bwd(lambda q, k, v: pallas_mha(
           q, k, v, seg1, sm_scale=q.shape[-1] ** -0.5, causal=True)), (q1, k1, v1))

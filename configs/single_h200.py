@@ -30,7 +30,7 @@ def get_config(arg=None):
   m.moe.expert_hidden = 1024
   # long_context_1b's remat policy (residuals_recompute_prologue): no flash or KDA stage-1
   # forward runs twice. On the H200: 101 GiB peak against 93 with "kernels", kernels 458
-  # against 469 ms a step (benchmarks/train.md, 2026-12-04).
+  # against 469 ms a step (benchmarks/train.md).
   c.data.seq_len = 8192
   c.data.batch_size = 2
   return c

@@ -10,7 +10,7 @@ settings that let one suite run on CPU and on a GPU.
   on a GPU they and the `slow` tier are collected first.
 * Several test processes can share one GPU: JAX's 75% preallocation is off.
 * Fake multi-device runs are subprocesses on the CPU platform (`cpu_devices_env`).
-* One persistent compilation cache per session, in a fresh temporary folder: pytest
+* One persistent compilation cache per test run, in a fresh temporary folder: pytest
   imports this file before it starts xdist workers, so workers and the subprocesses tests
   start share it, and a test that compiles a program another already compiled (the same
   small model trained again, a resumed run) loads it. The folder is removed at the end

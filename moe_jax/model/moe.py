@@ -53,7 +53,7 @@ def decode_path(decode_dispatch: str, assignments: int, backend: str | None = No
   """model.moe.decode_dispatch with "auto" resolved: "fused" on GPU from AUTO_FUSED_MIN
   assignments, else "gather". On the H200 at 1M context the fused kernels are 25% faster per
   hybrid decode step at batch 8 (32 assignments), even at batch 2, and 12% slower at batch 1,
-  where 4 assignments make too small a grid (benchmarks/long_context.md, 2026-11-30)."""
+  where 4 assignments make too small a grid (benchmarks/long_context.md)."""
   if decode_dispatch != "auto":
     return decode_dispatch
   backend = backend or platform.target()

@@ -4,7 +4,7 @@ XLA reads XLA_FLAGS once, when the first backend starts, so the entry points (sc
 extend_context.py, grpo.py, bench_train.py, profile_compile.py) call `apply` first thing. A
 flag already in the environment's XLA_FLAGS is left as the user set it.
 
-The default (configs/base.py; measured in benchmarks/train.md, 2026-12-03) shortens the
+The default (configs/base.py; measured in benchmarks/train.md) shortens the
 cold compile of long_context_1b's train step:
   --xla_gpu_autotune_level=1: GEMM autotuning still measures each candidate but skips
     initialising and checking its output against a reference algorithm (XLA's level 4):

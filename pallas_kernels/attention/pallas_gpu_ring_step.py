@@ -50,7 +50,7 @@ class Tiles:
 
 
 # The fastest of benchmarks/bench_attention.py's sweep at [4, 8192, 16, 64] bf16 on the H200
-# (benchmarks/attention.md, 2026-12-02): forward 2.08 ms against 2.42 at 64 × 64; dk/dv
+# (benchmarks/attention.md): forward 2.08 ms against 2.42 at 64 × 64; dk/dv
 # is 1.3-1.6× slower with 128-row or 32-wide tiles.
 FWD = Tiles(128, 64)
 DQ = Tiles(128, 64)

@@ -96,7 +96,7 @@ def _anchor_row(a, b):
   """Anchor row of tile (a, b) (see reference._sub_chunk_decays): the middle row of sub-chunk
   a on the diagonal, the last row of sub-chunk b below it. A Python int, as the forward's:
   the same row computed in the kernel (jnp.where of constants) gave NaN dq/dk/dg from this
-  kernel under Triton on the H200 (41% of elements; 2026-11-30) while interpret mode was
+  kernel under Triton on the H200 (41% of elements) while interpret mode was
   exact. Any anchor gives the same products, so a wrong row overflows e^{anchor - G}."""
   return a * SUB + SUB // 2 if a == b else b * SUB + SUB - 1
 
@@ -381,7 +381,7 @@ def _params(num_warps, num_stages, interpret):
                                                         num_stages=num_stages)
 
 
-# Launch knobs (H200, 2026-11-30: benchmarks/kda.md). Unrolled column loops were 10-70%
+# Launch knobs (H200: benchmarks/kda.md). Unrolled column loops were 10-70%
 # slower; BLOCK_K 64 was faster for the tiles kernel alone, slower for the others.
 BLOCK_K = 32         # K / V columns per step of the stage-1 kernels ...
 ROLLED = True        # ... as a rolled loop (else unrolled)

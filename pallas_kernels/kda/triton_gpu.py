@@ -3,9 +3,9 @@
 pallas_gpu's algorithm, kernel for kernel, with the kernels that dominate its time written
 as @triton.jit kernels and called through jax_triton, and the prologue (gate, L2 norm, chunk
 cumsum) in triton_gpu_prologue.py; stage 1's triangular solve stays Pallas (a Triton form,
-substitution in registers, took 3.8x its time on the H200: benchmarks/kda.md, 2026-12-04).
+substitution in registers, took 3.8x its time on the H200: benchmarks/kda.md).
 On the H200 the op runs 1.25-1.32x as fast as pallas_gpu forward+backward on every
-benchmark shape (benchmarks/kda.md, 2026-12-03); it is the GPU default where jax_triton is
+benchmark shape (benchmarks/kda.md); it is the GPU default where jax_triton is
 installed. Triton pipelines its loops' loads (cp.async, `tl.range(..., num_stages=)`);
 Pallas's lowering of a fori_loop does not.
 
@@ -49,12 +49,12 @@ from pallas_kernels.kda.recurrence_vjp import recurrence_with_vjp
 F32 = jnp.float32
 
 # Launch knobs (chosen on the H200 by benchmarks/profile_kda_stages.py --triton; kda.md).
-PROLOGUE = True      # the prologue in Triton (triton_gpu_prologue.py), else prologue_gpu's Pallas
+PROLOGUE = True      # the prologue in Triton (triton_gpu_prologue.py), else pallas_gpu_prologue's Pallas
 BLOCK_V = 32         # V columns per program (64 was not faster once pipelined)
 WARPS = 4
 STAGES = 3           # chunks in flight in the recurrence loop, fewer where they do not fit
-# Stage 1 (H200, 4×8192×16, benchmarks/profile_kda_stages.py --triton_stage1; benchmarks/kda.md,
-# 2026-12-03), ms at K = V = 64 / 128 against pallas_gpu's kernels:
+# Stage 1 (H200, 4×8192×16, benchmarks/profile_kda_stages.py --triton_stage1; benchmarks/kda.md),
+# ms at K = V = 64 / 128 against pallas_gpu's kernels:
 #   tiles      32 / 2 warps / 2 stages  0.466 / 0.757 (Pallas 0.524 / 0.775; 4 warps 0.56-1.20;
 #                                       1 warp since, measured in the op: TILES_WARPS)
 #   wu         32 / 4 / 2               0.447 / 0.662 (Pallas 0.711 / 0.940)
@@ -63,7 +63,7 @@ STAGES = 3           # chunks in flight in the recurrence loop, fewer where they
 #                                       1.70 / 2.95; 32 columns 1.39 / 2.67)
 TILES_BLOCK_K = 32       # K columns per step of the tiles forward (one program a sub-chunk)
 TILES_WARPS = 1          # as fla's intra_sub_chunk: 8×4096×32 op forward 3.133 → 2.842 ms,
-                         # 4×8192×16 1.606 → 1.461 (H200, kda.md, thirty-sixth session);
+                         # 4×8192×16 1.606 → 1.461 (H200, kda.md);
                          # 247 registers, no spills
 TILES_STAGES = 2
 TILES_BY_TILE = None      # _kda_tiles_blocks_triton (only the tiles left of the diagonal,
@@ -84,11 +84,10 @@ GRADS_BLOCK_K = 64       # K columns per program of stage 2's per-chunk gradient
 GRADS_BLOCK_V = 32       # ... and V columns per step of its loop
 GRADS_WARPS = 8          # (4 warps spill at K = 128: 255 registers)
 GRADS_STAGES = 2
-PROLOGUE_WARPS = 4       # prologue_triton's kernels (one program a chunk, no loop); 8 warps
-PROLOGUE_BWD_WARPS = 4   # were not faster in the op (kda.md, 2026-12-03: -4% to +8%)
+PROLOGUE_WARPS = 4       # triton_gpu_prologue's kernels (one program a chunk, no loop); 8 warps
+PROLOGUE_BWD_WARPS = 4   # were not faster in the op (kda.md: -4% to +8%)
 GATE_ONLY_PROLOGUE = True   # where q̂ = q and k̂ = k (no L2 norm, no padding): the prologue
-                            # computes G alone; False copies q and k through it (kda.md,
-                            # 2026-12-04)
+                            # computes G alone; False copies q and k through it (kda.md)
 
 
 @triton.jit

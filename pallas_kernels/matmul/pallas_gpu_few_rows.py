@@ -7,7 +7,7 @@ is no faster end to end: benchmarks/long_context.md, "Experts at decode".) This 
 reads w once, with the rows padded to ROWS (the smallest Triton dot).
 K is split as well as N, so that a [1024, 1024] weight is spread over ≈ 256 programs rather
 than 32 (one program per 32 columns left most of the H200's 132 SMs idle: 12.8 µs for a
-2 MB weight, 2026-11-30); the fp32 partial sums over the K splits are added by XLA.
+2 MB weight); the fp32 partial sums over the K splits are added by XLA.
 
   grid (N / BLOCK_N, S): program (j, s) does x[:, K_s] · w[K_s, N_j] into partial [S, ROWS, N].
 

@@ -4,7 +4,7 @@
 Why: tokamax 0.0.17's sm90 Mosaic kernel for this product (the ragged-contracting
 `ragged_dot_general`, which its ragged_dot VJP uses for dw) is wrong on the H200 for every
 group that spans more than one of its K blocks: 2–17% relative error per expert at
-M 4096, 32 experts, 1024 → 512 (tests/test_gpu_kernels.py, 2026-11-30). Its Triton
+M 4096, 32 experts, 1024 → 512 (tests/test_gpu_kernels.py). Its Triton
 version needs jax_triton, which the GPU image lacks, and XLA's ragged_dot_general is dense
 in the number of groups. This kernel is the plain loop.
 
