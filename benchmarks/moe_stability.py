@@ -1,4 +1,4 @@
-"""The routing-stability experiment (issue 23): standard vs latent MoE, each with and without
+"""The routing-stability experiment: standard vs latent MoE, each with and without
 the routing kit (configs/experiments/moe_stability.py), over several seeds, on CPU.
 
   python -m benchmarks.moe_stability --out=benchmarks      # 4 arms × 3 seeds × 200 steps
