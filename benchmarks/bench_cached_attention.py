@@ -9,8 +9,8 @@ One prefill chunk of T queries (the last T of `filled` positions) against a cach
 MLA layers. FLOPs count the visible (causal) scores only: 2·(Dqk+Dv)·H·visible pairs.
 
 --decode: one new token's 16 heads in the latent space (R = 256, k_b absorbed) over a cache
-filled to each length, batch --batches: the split-cache kernel (pallas_gpu_latent_decode.py) vs the
-XLA online softmax, against the byte floor (the filled latents read once, 4.3 TB/s).
+filled to each length, batch --batches: the split-cache kernel (pallas_gpu_latent_decode.py)
+vs the XLA online softmax, against the byte floor (the filled latents read once, 4.3 TB/s).
 """
 
 import json
@@ -37,14 +37,14 @@ PEAK_TBS = 4.3       # device copy, read+write (shared/device/README.md)
 
 
 def xla_loop(q_BxTxHxD, kv_BxSx2HD, q_start_B, kv_len_B):
-  """The XLA online-softmax loop of model/mla.py over the same K/V, given as one
+  """The XLA online-softmax loop (attention/xla_cached.py) over the same K/V, given as one
   [B, S, 2·H·D] array (the loop slices one array along S)."""
   B, T, H, D = q_BxTxHxD.shape
   pos_BxT = q_start_B[:, None] + jnp.arange(T)
   keys = lambda c: c[..., :H * D].reshape(B, -1, H, D)
   values = lambda c: c[..., H * D:].reshape(B, -1, H, D)
   return xla_cached.online_softmax(q_BxTxHxD, kv_BxSx2HD, keys, values, pos_BxT, kv_len_B,
-                             min(xla_cached.KEY_BLOCK, kv_BxSx2HD.shape[1]))
+                                   min(xla_cached.KEY_BLOCK, kv_BxSx2HD.shape[1]))
 
 
 def save(name, rows, knobs):

@@ -295,7 +295,8 @@ def run_parallel(shapes, out_dir):
       if slot not in running and pending:
         shape = pending.pop(0)
         sub = os.path.join(out_dir, f"shape_{shape}")
-        cmd = [sys.executable, "-m", "benchmarks.bench_kda", f"--shapes={shape}", "--jobs=1", f"--out={sub}"]
+        cmd = [sys.executable, "-m", "benchmarks.bench_kda", f"--shapes={shape}", "--jobs=1",
+               f"--out={sub}"]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(slot))
         running[slot] = (subprocess.Popen(cmd + flags_kept, env=env, cwd=_ROOT), shape, sub,
                          time.monotonic())

@@ -311,8 +311,8 @@ def run_row(name: str, steps: int, extra) -> list[dict]:
   modes = ("cold", "warm") if name in _WARM.value or "all" in _WARM.value else ("cold",)
   for mode in modes:
     result = os.path.join(cache, f"{mode}.json")
-    cmd = [sys.executable, "-m", "benchmarks.bench_train", f"--child={name}", f"--mode={mode}", f"--cache_dir={cache}",
-           f"--result={result}", f"--steps={steps}", f"--out={_OUT.value}",
+    cmd = [sys.executable, "-m", "benchmarks.bench_train", f"--child={name}", f"--mode={mode}",
+           f"--cache_dir={cache}", f"--result={result}", f"--steps={steps}", f"--out={_OUT.value}",
            f"--logs={logs}", f"--xla_flags={_XLA_FLAGS.value}",
            f"--start_only={_START_ONLY.value}",
            *[f"--set={kv}" for kv in extra]]
