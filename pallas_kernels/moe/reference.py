@@ -8,27 +8,27 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
-def _group_of_row(group_sizes_G, M: int):
-  """[M] group id of each row (rows sorted by group); G for rows past the last group."""
-  ends_G = jnp.cumsum(group_sizes_G)
-  return jnp.searchsorted(ends_G, jnp.arange(M), side="right")
+def _rows_by_group(group_sizes_G, rows_MxX):
+  """(one-hot [M, G] of each row's group, the rows in fp32 with those past the last group
+  zeroed): rows are sorted by group, and padding past them may hold anything, NaN too."""
+  G, M = group_sizes_G.shape[0], rows_MxX.shape[0]
+  group_M = jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(M), side="right")
+  onehot_MxG = jax.nn.one_hot(group_M, G, dtype=F32)   # all zeros past the last group
+  return onehot_MxG, jnp.where((group_M < G)[:, None], rows_MxX.astype(F32), 0.0)
 
 
 def ragged_dot(x_MxK, w_GxKxN, group_sizes_G):
   """[M, N] fp32: row m of x times w[g] for the group g it falls in; rows past
   sum(group_sizes) are 0."""
-  G = w_GxKxN.shape[0]
-  onehot_MxG = jax.nn.one_hot(_group_of_row(group_sizes_G, x_MxK.shape[0]), G, dtype=F32)
-  return jnp.einsum("mk,gkn,mg->mn", x_MxK.astype(F32), w_GxKxN.astype(F32), onehot_MxG)
+  onehot_MxG, x_MxK = _rows_by_group(group_sizes_G, x_MxK)
+  return jnp.einsum("mk,gkn,mg->mn", x_MxK, w_GxKxN.astype(F32), onehot_MxG)
 
 
 def ragged_dw(x_MxK, dy_MxN, group_sizes_G):
   """[G, K, N] fp32: dw[g] = x[rows of g]ᵀ · dy[rows of g]; rows past the last group are
   never read into a sum."""
-  G = group_sizes_G.shape[0]
-  onehot_MxG = jax.nn.one_hot(_group_of_row(group_sizes_G, x_MxK.shape[0]), G, dtype=F32)
-  x_MxK = jnp.where(onehot_MxG.sum(1, keepdims=True) > 0, x_MxK.astype(F32), 0.0)
-  dy_MxN = jnp.where(onehot_MxG.sum(1, keepdims=True) > 0, dy_MxN.astype(F32), 0.0)
+  onehot_MxG, x_MxK = _rows_by_group(group_sizes_G, x_MxK)
+  _, dy_MxN = _rows_by_group(group_sizes_G, dy_MxN)
   return jnp.einsum("mk,mn,mg->gkn", x_MxK, dy_MxN, onehot_MxG)
 
 
