@@ -2,7 +2,8 @@
 #   make train   set up if needed, then train the tiny model on the embedded corpus
 #   make test    set up if needed, then run the test suite's first tier (every module and
 #                kernel; under 10 minutes on 2 cores)
-#   make test-all  the whole suite: the first tier and the long end-to-end runs (`slow`)
+#   make test-all  the whole suite: the first tier and the long end-to-end runs (`slow`),
+#                among them the live comparison with transformers' Kimi Linear (reference-env)
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -18,7 +19,16 @@ CANDIDATES := $(shell command -v python3.12 python3.13 2>/dev/null) \
               $(wildcard $(PYENV_ROOT)/versions/3.12*/bin/python3.12 $(PYENV_ROOT)/versions/3.13*/bin/python3.13)
 FOUND_PY := $(firstword $(foreach p,$(CANDIDATES),$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 12); print("$(p)")' 2>/dev/null)))
 
-.PHONY: setup train test test-all clean
+# The reference side of tests/test_kimi_hf.py's live test: Hugging Face transformers'
+# kimi_linear on PyTorch's CPU build, in its own venv (moe_jax never imports torch). Python
+# 3.11 first: these machines keep PyTorch's CPU wheel for it on disk (elsewhere pip takes
+# torch from PyPI, a CUDA build of several GB).
+REF_VENV := .venv-ref
+REF_CANDIDATES := $(shell command -v python3.11 2>/dev/null) \
+                  $(wildcard $(PYENV_ROOT)/versions/3.11*/bin/python3.11) $(CANDIDATES)
+REF_PY := $(firstword $(foreach p,$(REF_CANDIDATES),$(shell $(p) -c 'import sys; assert sys.version_info >= (3, 10); print("$(p)")' 2>/dev/null)))
+
+.PHONY: setup train test test-all reference-env clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +45,14 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install -q --no-deps --target $(VENV)/tpu_aot 'libtpu==0.0.48.*'
 	touch $@
 
+reference-env: $(REF_VENV)/.installed
+
+$(REF_VENV)/.installed:
+	test -x $(REF_VENV)/bin/python || $(REF_PY) -m venv $(REF_VENV)
+	$(REF_VENV)/bin/pip install -q 'torch==2.13.0'
+	$(REF_VENV)/bin/pip install -q 'transformers==5.23.0' 'safetensors==0.8.0' numpy
+	touch $@
+
 train: setup
 	$(PY) scripts/train.py --config=$(CONFIG) --workdir=$(WORKDIR) $(ARGS)
 
@@ -43,8 +61,8 @@ PYTEST := $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=1
 test: setup
 	$(PYTEST) -m "not slow" tests
 
-test-all: setup
+test-all: setup reference-env
 	$(PYTEST) tests
 
 clean:
-	rm -rf $(VENV) workdir *.egg-info
+	rm -rf $(VENV) $(REF_VENV) workdir *.egg-info

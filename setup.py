@@ -4,6 +4,8 @@ from setuptools import find_packages, setup
 
 # data.tokenizer = sentencepiece:/hf: and the parquet source (array_record comes with grain).
 DATA = ["sentencepiece==0.2.3", "tokenizers==0.23.3", "pyarrow==26.0.1"]
+# Hugging Face Kimi Linear checkpoints in and out (moe_jax/interop), Kimi's tiktoken tokenizer.
+HF = ["safetensors==0.8.0", "tiktoken==0.14.0"]
 # notebooks/: executed top to bottom by tests/test_notebooks.py.
 NOTEBOOKS = ["matplotlib==3.11.2", "nbformat==5.11.1", "nbclient==0.11.0", "ipykernel==7.4.0"]
 
@@ -37,9 +39,10 @@ setup(
         # (the GPU machine's 3.6) for KDA's native Triton kernel, run by its interpreter on
         # CPU and compiled for sm_90a (ptxas) to check it builds for the H200.
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "matplotlib==3.11.2", "scikit-learn==1.9.1",
-                "tokamax==0.0.17", "triton==3.6.0", *DATA, *NOTEBOOKS],
+                "tokamax==0.0.17", "triton==3.6.0", *DATA, *HF, *NOTEBOOKS],
         "vision": ["scikit-learn==1.9.1", "pillow>=10"],   # image tasks, PNG prompts
         "data": DATA,
+        "hf": HF,
         "notebooks": NOTEBOOKS,
         # CUDA wheels for jaxlib; tokamax's grouped matmul is imported lazily (heavy deps).
         # jax-triton calls KDA's native Triton kernel (implementation="triton").

@@ -123,6 +123,7 @@ def row_config(name: str, extra=()):
 def model_flops_per_step(c) -> dict:
   """The MFU numerator (module docstring), by term."""
   from moe_jax import params
+  from moe_jax.model.kda import kda_heads
   from moe_jax.model.transformer import mixer_kind
   m = c.model
   counts = params.count(c)
@@ -131,9 +132,10 @@ def model_flops_per_step(c) -> dict:
   T, H = c.data.seq_len, m.n_heads
   kinds = [mixer_kind(m, i) for i in range(m.n_layers)]
   dense = 6 * n_active * tokens
-  mla = 3 * kinds.count("A") * tokens * T * H * (m.mla_qk_head_dim + m.mla_v_head_dim)
-  K = m.kda_head_dim
-  kda = 3 * kinds.count("K") * tokens * H * (m.kda_chunk_size * 2 * K + 4 * K * K)
+  Dq = m.mla_qk_head_dim + m.get("mla_qk_rope_dim", 0)
+  mla = 3 * kinds.count("A") * tokens * T * H * (Dq + m.mla_v_head_dim)
+  K, Hk = m.kda_head_dim, kda_heads(m)
+  kda = 3 * kinds.count("K") * tokens * Hk * (m.kda_chunk_size * 2 * K + 4 * K * K)
   return {"matmul": dense, "mla_attention": mla, "kda": kda, "total": dense + mla + kda,
           "active_non_embedding_params": n_active, "total_params": counts["total_sum"]}
 

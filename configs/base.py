@@ -29,8 +29,11 @@ def get_config(arg=None):
                                 # residuals_recompute_prologue (model/remat.py)
   m.scan_layers = True          # one nn.scan over the periods of layer_pattern (layer_stack.py)
   # KDA (linear attention) mixer.
-  m.kda_head_dim = 64           # K = V per head; n_heads * kda_head_dim need not equal d_model
-  m.kda_lower_bound = -5.0      # bounded gate g in [lower_bound, 0); None = legacy unbounded gate
+  m.kda_head_dim = 64           # K = V per head; heads * kda_head_dim need not equal d_model
+  m.kda_n_heads = 0             # KDA heads; 0 = n_heads (MLA's)
+  m.kda_lower_bound = -5.0      # bounded gate g in [lower_bound, 0); None = Kimi Linear's
+                                # unbounded gate -exp(A_log)·softplus(f + dt_bias)
+  m.kda_output_gate_bias = True  # a bias on the output gate's g_b (Kimi Linear: none)
   m.kda_conv_size = 4
   m.kda_chunk_size = 64
   m.kda_implementation = ""     # "" = best for platform; or xla | recurrent | pallas_gpu | triton | pallas_tpu
@@ -42,8 +45,13 @@ def get_config(arg=None):
   m.mla_implementation = ""     # "" = by platform; or xla | gpu (Pallas: training, prefill, decode) | tpu (Mosaic flash: training)
   m.mla_q_lora_rank = 384       # 0 = full-rank query projection
   m.mla_kv_lora_rank = 256      # the latent an inference cache stores
-  m.mla_qk_head_dim = 64
+  m.mla_qk_head_dim = 64        # per-head query/key dims (Kimi Linear's qk_nope_head_dim)
+  m.mla_qk_rope_dim = 0         # + dims of one key part all heads share (Kimi Linear's
+                                # qk_rope_head_dim; never rotated: NoPE, model/mla.py)
   m.mla_v_head_dim = 64
+  m.mla_output_gate = True      # sigmoid gate on each head's output (Kimi Linear: none)
+  m.mla_latent_norm_eps = 0.0   # RMSNorm epsilon of the q / kv latents; 0 = norm_eps
+                                # (Kimi Linear, DeepSeek: 1e-6 beside a norm_eps of 1e-5)
   # Projections of ≤ 16 rows (decoding) on GPU: xla (two kernels each, see
   # pallas_kernels/matmul/pallas_gpu_few_rows.py) | pallas (one kernel reading the weight once).
   m.decode_matmul = "xla"

@@ -1,16 +1,22 @@
-"""Kimi-Linear-48B-A3B's shape (moonshotai/Kimi-Linear-48B-A3B-Instruct, config.json).
+"""Kimi-Linear-48B-A3B, exactly: moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json,
+field by field (tests/test_kimi_hf.py reads that file in its published form and checks
+every field below against it).
 
-27 layers, d_model 2304, hybrid 3:1 KDA:MLA with full attention at layers
-4, 8, …, 24 and 27 (1-based), 32 heads; KDA head dim 128; MLA NoPE with a
-512-rank KV latent and full-rank queries; layer 1 a dense SwiGLU (9216), the
-other 26 MoE: 256 experts of hidden 1024, 8 active, 1 shared, sigmoid router.
-Vocabulary 163840, untied head.
+27 layers, d_model 2304; KDA at every layer but 4, 8, 12, 16, 20, 24 and 27 (1-based),
+which are MLA. KDA: 32 heads of 128, short conv 4, Kimi's unbounded gate
+-exp(A_log)·softplus(f + dt_bias), no output-gate bias. MLA: 32 heads, full-rank queries,
+512-rank KV latent, 128 per-head query/key dims plus 64 shared key dims (qk_rope, never
+rotated: NoPE), values 128, no output gate. Layer 1 a dense SwiGLU (9216); the other 26
+MoE: 256 experts of hidden 1024, top 8 by sigmoid score + e_score_correction_bias (the
+aux-loss-free bias), weights renormalised × 2.446, 1 shared expert. RMSNorm eps 1e-5
+(the MLA latents' 1e-6). Vocabulary 163840, untied head. 49.1 B parameters (48.4 B
+without the embedding and head: the "48B"), 3.1 B active per token (the "A3B"):
 
   python scripts/param_count.py --config=configs/kimi_linear_48b.py
 
-Differences from the release: MLA's 64 decoupled-RoPE query/key dims are
-dropped (we are NoPE throughout; ~35M parameters), and the data pipeline here
-is byte-level, so training this config on it wastes most of the vocabulary.
+Released weights load with moe_jax.interop.kimi_hf (scripts/convert_checkpoint.py); the
+byte-level data pipeline wastes most of this vocabulary: train it with data.tokenizer set
+to Kimi's tokenizer (docs/kimi_linear.md).
 """
 
 from configs import base
@@ -25,13 +31,21 @@ def get_config(arg=None):
   m.n_layers = 27
   m.layer_pattern = "KKKA" * 6 + "KKA"
   m.n_heads = 32
+  m.norm_eps = 1e-5
   m.tie_embeddings = False
+  m.kda_n_heads = 32
   m.kda_head_dim = 128
+  m.kda_conv_size = 4
   m.kda_chunk_size = 64
+  m.kda_lower_bound = None
+  m.kda_output_gate_bias = False
   m.mla_q_lora_rank = 0
   m.mla_kv_lora_rank = 512
   m.mla_qk_head_dim = 128
+  m.mla_qk_rope_dim = 64
   m.mla_v_head_dim = 128
+  m.mla_output_gate = False
+  m.mla_latent_norm_eps = 1e-6
   m.ffn_hidden = 9216
   m.remat = True
   e = m.moe
@@ -41,6 +55,8 @@ def get_config(arg=None):
   e.expert_hidden = 1024
   e.first_dense = 1
   e.score = "sigmoid"
+  e.route_scale = 2.446
+  e.balancer = "loss_free"
 
   c.data.seq_len = 4096
   c.data.batch_size = 256

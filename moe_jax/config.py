@@ -44,6 +44,13 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
           "a non-empty string of letters " + ", ".join(f"{k} ({v})" for k, v in MIXERS.items()))
   if m.dtype not in DTYPES:
     _fail("model.dtype", m.dtype, f"one of {DTYPES}")
+  for f in ("kda_n_heads", "mla_qk_rope_dim"):
+    _non_negative_int(f"model.{f}", m[f])
+  if not isinstance(m.mla_latent_norm_eps, (int, float)) or m.mla_latent_norm_eps < 0:
+    _fail("model.mla_latent_norm_eps", m.mla_latent_norm_eps, ">= 0 (0 = model.norm_eps)")
+  for f in ("kda_output_gate_bias", "mla_output_gate"):
+    if not isinstance(m[f], bool):
+      _fail(f"model.{f}", m[f], "True or False")
   if m.mla_q_lora_rank < 0:
     _fail("model.mla_q_lora_rank", m.mla_q_lora_rank, "0 (full rank) or a positive integer")
   lb = m.kda_lower_bound

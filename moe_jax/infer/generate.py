@@ -46,6 +46,25 @@ def inference_variables(model_cfg, variables: dict) -> dict:
   return {k: layer_stack.unstack(model_cfg, v) for k, v in variables.items()}
 
 
+def forward_logits(config, variables: dict, tokens_BxT, segment_ids_BxT=None):
+  """float32 logits [B, T, V] of whole sequences: one forward, no cache. `config` is a run
+  config (what interop.kimi_hf.load and infer.workdir.load return) or its model part;
+  segment_ids [B, T] (0 = padding) packs documents into a row, as in training."""
+  model_cfg = config.model if "model" in config else config
+  model = HybridMoE(ml_collections.FrozenConfigDict(model_cfg))
+  tokens_BxT = jnp.asarray(tokens_BxT, jnp.int32)
+  if segment_ids_BxT is None:
+    segment_ids_BxT = jnp.ones_like(tokens_BxT)
+  batch = {"tokens": tokens_BxT, "segment_ids": jnp.asarray(segment_ids_BxT, jnp.int32)}
+  logits_BxTxV, _ = _forward(model, variables, batch)
+  return logits_BxTxV
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(model, variables, batch):
+  return model.apply(variables, batch)
+
+
 def make_step(model: HybridMoE, record_routes: bool = False):
   """(variables, tokens [B,T], live [B,T] bool, cache[, images]) → (logits [B,T,V], cache),
   and with record_routes a third item: {MoE layer name: its top-k expert ids [B,T,K]}.

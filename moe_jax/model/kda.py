@@ -26,6 +26,11 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
   return dt + jnp.log(-jnp.expm1(-dt))
 
 
+def kda_heads(cfg) -> int:
+  """KDA's head count: model.kda_n_heads, or with 0 the model's n_heads (MLA's)."""
+  return cfg.get("kda_n_heads", 0) or cfg.n_heads
+
+
 class KDAMixer(nn.Module):
   """With `cache` (infer/cache.py: fp32 state [B,H,K,V] + short-conv tails) it continues
   from the cached state and returns (o, new cache); one token uses the recurrent update."""
@@ -35,7 +40,7 @@ class KDAMixer(nn.Module):
   def __call__(self, x_BxTxD, segment_ids_BxT, cache=None):
     cfg = self.cfg
     B, T, D = x_BxTxD.shape
-    H, K = cfg.n_heads, cfg.kda_head_dim
+    H, K = kda_heads(cfg), cfg.kda_head_dim
     new_cache = {}
 
     def conv_proj(name):
@@ -106,7 +111,8 @@ class KDAMixer(nn.Module):
     cfg = self.cfg
     D, (H, K) = x_BxTxD.shape[-1], o_BxTxHxV.shape[-2:]
     gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)
-    gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b", use_bias=True)(gate_BxTxK)
+    gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b",
+                         use_bias=cfg.get("kda_output_gate_bias", True))(gate_BxTxK)
     o_BxTxHxV = rms_norm(cfg, "o_norm", "kv")(o_BxTxHxV) * nn.sigmoid(gate_BxTxHxV)
     return dense(cfg, D, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
                  scale=out_scale(cfg))(o_BxTxHxV)

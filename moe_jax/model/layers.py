@@ -27,8 +27,8 @@ def dense(cfg, features, axes, name, *, axis=-1, scale=1.0, use_bias=False):
                          dot_general=dot_general)
 
 
-def rms_norm(cfg, name, axis_name="norm"):
-  return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=dtype_of(cfg), param_dtype=jnp.float32,
+def rms_norm(cfg, name, axis_name="norm", eps=None):
+  return nn.RMSNorm(epsilon=cfg.norm_eps if eps is None else eps, dtype=dtype_of(cfg), param_dtype=jnp.float32,
                     scale_init=lp(nn.initializers.ones, (axis_name,)), name=name)
 
 

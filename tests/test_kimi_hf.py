@@ -1,0 +1,235 @@
+"""Kimi Linear, exactly: moe_jax against Hugging Face transformers' kimi_linear.
+
+The fixture tests/data/kimi_tiny (made by tests/kimi_reference.py with transformers 5.23.0:
+a 4-layer random model with both mixers, a dense first layer, 6 experts, shared qk_rope
+dims, 3 KDA heads beside 2 MLA heads) holds the checkpoint in both tensor namings and the
+reference's fp32 outputs. The `slow` tier runs the reference live (make reference-env).
+"""
+
+import json
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from configs import kimi_linear_48b
+from moe_jax import params as params_lib
+from moe_jax.infer.cache import init_cache
+from moe_jax.infer.generate import decode, forward_logits, inference_model, inference_variables
+from moe_jax.infer.generate import make_step, prefill
+from moe_jax.interop import kimi_config, kimi_hf
+from tests.conftest import ROOT, rel_err
+
+FIXTURE = os.path.join(ROOT, "tests", "data", "kimi_tiny")
+PUBLISHED = os.path.join(ROOT, "tests", "data", "kimi_linear_48b_a3b_config.json")
+TOL = 1e-4   # ‖ours − reference‖ / ‖reference‖ in fp32 (measured: 2.7e-7)
+REFERENCE_PYTHON = os.environ.get("KIMI_REFERENCE_PYTHON",
+                                  os.path.join(ROOT, ".venv-ref", "bin", "python"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return dict(np.load(os.path.join(FIXTURE, "reference.npz")))
+
+
+@pytest.fixture(scope="module", params=["released", "native"])
+def loaded(request):
+  return kimi_hf.load(os.path.join(FIXTURE, request.param))
+
+
+def _logits(config, variables, tokens, segment_ids=None):
+  with jax.default_matmul_precision("highest"):
+    return np.asarray(forward_logits(config, variables, tokens, segment_ids))
+
+
+def test_logits_match_transformers(loaded, reference):
+  config, variables = loaded
+  assert config.model.layer_pattern == "KAKA" and config.model.moe.first_dense == 1
+  logits = _logits(config, variables, reference["tokens"])
+  assert logits.shape == reference["logits"].shape and logits.dtype == np.float32
+  assert rel_err(logits, reference["logits"]) < TOL
+
+
+def test_packed_documents_and_padding_match(loaded, reference):
+  """Row 0 packs three documents (segment ids): each equals the reference run on that
+  document alone. Row 1 is right-padded after 25 tokens (the reference's attention mask)."""
+  config, variables = loaded
+  tokens, docs = reference["tokens"], reference["doc_lengths"]
+  seg = np.ones_like(tokens)
+  seg[0] = np.repeat(np.arange(1, len(docs) + 1), docs)
+  seg[1, 25:] = 0
+  logits = _logits(config, variables, np.where(seg > 0, tokens, 0), seg)
+  assert rel_err(logits[0], reference["packed_logits"]) < TOL
+  assert rel_err(logits[1, :25], reference["padded_logits_row1"]) < TOL
+  # Packing changes the answer: the documents after the first see no earlier context.
+  assert rel_err(reference["packed_logits"][13:], reference["logits"][0, 13:]) > 1e-2
+
+
+def test_greedy_continuation_matches_transformers(loaded, reference):
+  """32 greedy tokens through moe_jax's cache (chunked prefill, KDA states, MLA latents
+  with the shared key dims) equal transformers' generate."""
+  config, variables = loaded
+  n, prompt = len(reference["greedy"]), reference["tokens"][:1, :int(reference["prompt_len"])]
+  model = inference_model(config.model)
+  cache = init_cache(model.cfg, 1, prompt.shape[1] + n)
+  step = make_step(model)
+  vs = inference_variables(config.model, variables)
+  with jax.default_matmul_precision("highest"):
+    last, cache = prefill(step, vs, cache, prompt, np.array([prompt.shape[1]]), chunk=3)
+    out, n_new, _ = decode(step, vs, cache, last, jax.random.key(0), max_new=n,
+                           temperature=0.0, stop_tokens=())
+  assert int(n_new[0]) == n
+  np.testing.assert_array_equal(np.asarray(out[0]), reference["greedy"])
+
+
+def _tensors(hf_dir) -> dict:
+  out = {}
+  for name, path in kimi_hf.tensor_files(hf_dir).items():
+    with safe_open(path, "numpy") as f:
+      out[name] = f.get_tensor(name)
+  return out
+
+
+@pytest.mark.parametrize("naming", ["released", "native"])
+def test_round_trip_is_bit_identical(naming, tmp_path):
+  src = os.path.join(FIXTURE, naming)
+  config, variables = kimi_hf.load(src, dtype=None)
+  kimi_hf.save(config, variables, str(tmp_path), naming=naming,
+               dtypes=kimi_hf.tensor_dtypes(src), template=kimi_hf.read_config(src))
+  a, b = _tensors(src), _tensors(str(tmp_path))
+  assert sorted(a) == sorted(b)
+  for name in a:
+    assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+    assert a[name].tobytes() == b[name].tobytes(), name
+  assert kimi_config.from_hf(kimi_hf.read_config(str(tmp_path))) == kimi_config.from_hf(
+      kimi_hf.read_config(src))
+
+
+def test_bf16_shards_and_naming_change(tmp_path, reference):
+  """fp32 → bf16 shards (an index, several files) in the other naming → the same bf16
+  values on reload, and logits within bf16's rounding of the reference."""
+  config, variables = kimi_hf.load(os.path.join(FIXTURE, "released"))
+  out = str(tmp_path / "bf16")
+  kimi_hf.save(config, variables, out, naming="native", dtype=ml_dtypes.bfloat16,
+               max_shard_bytes=64 << 10)
+  assert os.path.exists(os.path.join(out, kimi_hf.INDEX))
+  assert len(set(kimi_hf.tensor_files(out).values())) > 2
+  assert {str(d) for d in kimi_hf.tensor_dtypes(out).values()} == {"bfloat16"}
+  config2, variables2 = kimi_hf.load(out, dtype=None)
+  assert config2.model.dtype == "bfloat16"
+  cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16), variables["params"])
+  for x, y in zip(jax.tree.leaves(cast), jax.tree.leaves(variables2["params"])):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  config2.model.dtype = "float32"
+  logits = _logits(config2, jax.tree.map(lambda x: x.astype(jnp.float32), variables2),
+                   reference["tokens"])
+  assert 1e-4 < rel_err(logits, reference["logits"]) < 2e-2
+
+
+def test_export_refuses_what_kimi_linear_cannot_express(tmp_path):
+  config, variables = kimi_hf.load(os.path.join(FIXTURE, "released"))
+  for field, value in (("kda_lower_bound", -5.0), ("mla_output_gate", True),
+                       ("attn_res", "block"), ("kda_output_gate_bias", True)):
+    bad = config.copy_and_resolve_references()
+    bad.model[field] = value
+    with pytest.raises(ValueError, match=f"model.{field}"):
+      kimi_hf.save(bad, variables, str(tmp_path / field))
+    assert not os.path.exists(tmp_path / field / "config.json")
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("model_type", "deepseek_v3", "model_type"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("num_key_value_heads", 1, "num_key_value_heads"),
+    ("topk_group", 1, None),                  # fine with one group
+    ("mla_use_nope", False, "mla_use_nope"),
+    ("tie_word_embeddings", True, "tie_word_embeddings"),
+])
+def test_config_errors_name_the_field(field, value, match):
+  hf = kimi_hf.read_config(os.path.join(FIXTURE, "released"))
+  hf[field] = value
+  if match is None:
+    kimi_config.from_hf(hf)
+    return
+  with pytest.raises(ValueError, match=match):
+    kimi_config.from_hf(hf)
+  grouped = dict(kimi_hf.read_config(os.path.join(FIXTURE, "released")), num_expert_group=2,
+                 topk_group=1)
+  with pytest.raises(ValueError, match="topk_group"):
+    kimi_config.from_hf(grouped)
+
+
+def test_loader_rejects_tensors_it_would_drop(tmp_path):
+  src = os.path.join(FIXTURE, "released")
+  config, variables = kimi_hf.load(src)
+  kimi_hf.save(config, variables, str(tmp_path))
+  tensors = _tensors(str(tmp_path))
+  tensors["model.layers.0.self_attn.extra.weight"] = np.zeros((2,), np.float32)
+  from safetensors.numpy import save_file
+  save_file(tensors, str(tmp_path / kimi_hf.SINGLE))
+  with pytest.raises(ValueError, match="map to nothing"):
+    kimi_hf.load(str(tmp_path))
+  del tensors["model.layers.0.self_attn.extra.weight"], tensors["lm_head.weight"]
+  save_file(tensors, str(tmp_path / kimi_hf.SINGLE))
+  with pytest.raises(KeyError, match="lm_head.weight"):
+    kimi_hf.load(str(tmp_path))
+
+
+def test_48b_config_is_the_published_one():
+  """configs/kimi_linear_48b.py, field by field, against the published config.json."""
+  with open(PUBLISHED) as f:
+    published = json.load(f)
+  ours, theirs = kimi_linear_48b.get_config().model, kimi_config.from_hf(published).model
+  differ = {k: (ours[k], theirs[k]) for k in theirs if k not in ("remat", "dtype")
+            and ours[k] != theirs[k]}
+  assert not differ
+  assert ours.layer_pattern == "KKKAKKKAKKKAKKKAKKKAKKKAKKA"
+  assert [i + 1 for i, k in enumerate(ours.layer_pattern) if k == "A"] == [4, 8, 12, 16, 20,
+                                                                           24, 27]
+  back = kimi_config.to_hf(kimi_linear_48b.get_config(), template=published)
+  assert back == {**published, "first_k_dense_replace": 1}
+  counts = params_lib.count(kimi_linear_48b.get_config())
+  non_embedding = counts["total_sum"] - counts["total"]["embedding"] - counts["total"]["lm_head"]
+  assert 48.0e9 < non_embedding < 48.5e9 and 49.0e9 < counts["total_sum"] < 49.2e9
+  assert 3.0e9 < counts["active_sum"] < 3.2e9
+
+
+def _reference(*args):
+  """tests/kimi_reference.py in the reference environment; its stderr in the failure."""
+  r = subprocess.run([REFERENCE_PYTHON, os.path.join(ROOT, "tests", "kimi_reference.py"),
+                      *map(str, args)], capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_live_against_transformers(tmp_path):
+  """The reference run now: a fresh random model and outputs by transformers, compared as
+  above; then moe_jax's export of it, loaded back by transformers' from_pretrained in both
+  namings, gives the reference's logits (with an attention mask too)."""
+  if not os.path.exists(REFERENCE_PYTHON):
+    pytest.fail(f"no reference environment at {REFERENCE_PYTHON}: run `make reference-env`")
+  _reference("make", "--out", tmp_path / "ref")
+  ref = dict(np.load(tmp_path / "ref" / "reference.npz"))
+  fixture = dict(np.load(os.path.join(FIXTURE, "reference.npz")))
+  np.testing.assert_array_equal(ref["logits"], fixture["logits"])   # the fixture is current
+  config, variables = kimi_hf.load(str(tmp_path / "ref" / "released"))
+  assert rel_err(_logits(config, variables, ref["tokens"]), ref["logits"]) < TOL
+  np.save(tmp_path / "tokens.npy", ref["tokens"])
+  np.save(tmp_path / "mask.npy", ref["mask"])
+  for naming in ("released", "native"):
+    out = tmp_path / f"export_{naming}"
+    kimi_hf.save(config, variables, str(out), naming=naming)
+    for mask, want in ((None, ref["logits"]), ("mask.npy", None)):
+      args = ["--mask", tmp_path / mask] if mask else []
+      _reference("logits", "--model", out, "--tokens", tmp_path / "tokens.npy", "--out",
+                 tmp_path / "out.npy", *args)
+      got = np.load(tmp_path / "out.npy")
+      if want is None:   # masked: row 1's live positions
+        assert rel_err(got[1, :25], ref["padded_logits_row1"]) < TOL
+      else:
+        assert rel_err(got, want) < TOL
