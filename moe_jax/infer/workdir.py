@@ -1,13 +1,12 @@
 """A trained model from its training workdir: config.json and the newest (or a given)
 checkpoint, as inference variables."""
 
-import json
 import os
 
 import jax
 import numpy as np
 
-from configs import base
+from configs import workdir as workdir_config
 from moe_jax import config as config_lib
 from moe_jax.model import layer_stack
 from moe_jax.model.transformer import HybridMoE
@@ -16,10 +15,7 @@ from moe_jax.train import checkpoint, optim, state as state_lib
 
 def load(workdir: str, step=None):
   """(config, variables {"params", "router"}, step) of a training workdir."""
-  c = base.get_config()   # fields added since that run keep their defaults
-  with open(os.path.join(workdir, "config.json")) as f:
-    c.update(json.load(f))
-  c = config_lib.validate(c)
+  c = config_lib.validate(workdir_config.get_config(workdir))
   model = HybridMoE(state_lib.frozen_model_config(c))
   T = c.model.kda_chunk_size
   example = {"tokens": np.zeros((1, T), np.int32), "segment_ids": np.ones((1, T), np.int32)}

@@ -111,11 +111,13 @@ def _restore_newest(manager, state, data_iter, steps, model_cfg=None):
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   failed = []
   for step in steps:
+    items = {"data": grain.checkpoint.CheckpointRestore(data_iter)}
+    if not has_data(manager, step):
+      items = {}   # weights only (scripts/convert_checkpoint.py): the data starts afresh
     try:
       restored = _restore_any_layout(
           lambda target: manager.restore(step, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(target),
-              data=grain.checkpoint.CheckpointRestore(data_iter))), abstract, model_cfg)
+              state=ocp.args.StandardRestore(target), **items)), abstract, model_cfg)
     except Exception as e:  # a truncated or missing file surfaces as many error types
       logging.warning("checkpoint step %d in %s cannot be read (%s: %s)", step,
                       manager.directory, type(e).__name__, e)
@@ -130,6 +132,22 @@ def _restore_newest(manager, state, data_iter, steps, model_cfg=None):
     return restored.state, step
   raise ValueError(f"no readable checkpoint in {manager.directory}; tried " + "; ".join(
       f"step {s}: {type(e).__name__}: {str(e)[:200]}" for s, e in failed))
+
+
+def has_data(manager: ocp.CheckpointManager, step: int) -> bool:
+  """Whether `step` holds a data-iterator position (converted weights have none)."""
+  return (manager.directory / str(step) / "data").exists()
+
+
+def save_weights(directory: str, state):
+  """A step-0 checkpoint of `state` without a data position: scripts/train.py resumes from
+  it with the data from the start (scripts/convert_checkpoint.py)."""
+  manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True),
+                                  item_names=("state", "data"))
+  manager.save(int(state.step), args=ocp.args.Composite(state=ocp.args.StandardSave(state)),
+               force=True)
+  manager.wait_until_finished()
+  manager.close()
 
 
 def _set_aside(manager, step: int) -> str:
