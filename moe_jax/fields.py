@@ -13,7 +13,8 @@ SOURCES = ("stdlib", "stdlib_packages", "files", "jsonl", "parquet", "array_reco
            "mqar", "tasks")
 DOCUMENT_SOURCES = ("stdlib", "stdlib_packages", "files", "jsonl", "parquet", "array_record")
 GLOB_SOURCES = ("files", "jsonl", "parquet", "array_record")   # data.paths is a glob
-TOKENIZER_KINDS = ("bytes", "sentencepiece:<model file>", "hf:<tokenizer.json>")
+TOKENIZER_KINDS = ("bytes", "sentencepiece:<model file>", "hf:<tokenizer.json>",
+                   "kimi:<tiktoken.model, or the directory holding it>")
 SYNTHETIC_TASKS = ("passkey", "mqar")
 SCHEDULES = ("cosine", "wsd")
 MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
@@ -52,11 +53,11 @@ def synthetic_tasks(data: ml_collections.ConfigDict) -> list[str]:
 
 
 def parse_tokenizer(spec) -> tuple[str, str]:
-  """data.tokenizer → (kind, file): ("bytes", "") or ("sentencepiece" | "hf", path)."""
+  """data.tokenizer → (kind, file): ("bytes", "") or ("sentencepiece" | "hf" | "kimi", path)."""
   if spec == "bytes":
     return "bytes", ""
   kind, _, path = spec.partition(":") if isinstance(spec, str) else ("", "", "")
-  if kind not in ("sentencepiece", "hf") or not path:
+  if kind not in ("sentencepiece", "hf", "kimi") or not path:
     raise ValueError(f"data.tokenizer must be one of {TOKENIZER_KINDS}, got {spec!r}")
   return kind, path
 

@@ -1,12 +1,15 @@
-"""Learned tokenizers (SentencePiece, Hugging Face): round trips, byte counts, appended
+"""Learned tokenizers (SentencePiece, Hugging Face) and Kimi's tiktoken one: round trips, byte counts, appended
 specials, vocab_size following the tokenizer, bits per byte over the same bytes, and
 generation decoding through the tokenizer."""
+
+import base64
+import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import tiny
+from configs import base as base_config, tiny
 from moe_jax import config as config_lib
 from moe_jax.data import pipeline, tokenizer_training, tokenizers
 from moe_jax.train import step as step_lib
@@ -155,3 +158,48 @@ def test_a_run_with_a_learned_tokenizer_sizes_the_model_and_generates_through_it
                       {"tokens": tokens, "segment_ids": seg})
     ids.append(int(np.argmax(logits[0, len(ids) - 1])))
   assert got == tok.decode(ids[T - n_new:])
+
+
+def _kimi_files(tmp_path, config=None):
+  """A tiny tiktoken.model (every byte, then a few merges) in Kimi's layout."""
+  pieces = [bytes([b]) for b in range(256)] + [b"th", b"he", b"the", b" the", b"in", b"ing",
+                                               "中文".encode()]
+  with open(tmp_path / "tiktoken.model", "w") as f:
+    f.writelines(f"{base64.b64encode(p).decode()} {r}\n" for r, p in enumerate(pieces))
+  if config is not None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  return len(pieces)
+
+
+def test_kimi_tokenizer_round_trip_and_byte_counts(tmp_path):
+  base = _kimi_files(tmp_path)
+  tok = tokenizers.load(f"kimi:{tmp_path}")
+  assert (tok.vocab_size, tok.bos, tok.eos, tok.pad) == (base + 256, base, base + 1, base + 255)
+  text = "the thing 中文 and Ünïcode's 12345\n\n<|im_end|>"
+  ids, nbytes = tok.encode_with_bytes(text)
+  assert ids[0] == tok.bos and ids[-1] == tok.eos
+  assert nbytes.sum() == len(text.encode("utf-8")) and (nbytes[1:-1] > 0).all()
+  assert tok.decode(ids) == text                        # specials in text stay text
+  assert tok.encode("the", bos=False, eos=False).tolist() == [258]   # the merged piece
+  assert max(ids[1:-1]) < base
+  c = base_config.get_config()
+  c.data.tokenizer = f"kimi:{tmp_path / 'tiktoken.model'}"
+  tokenizers.configure(c)
+  assert c.model.vocab_size == base + 256
+
+
+def test_kimi_tokenizer_names_from_its_config(tmp_path):
+  base = _kimi_files(tmp_path, {
+      "added_tokens_decoder": {str(base_id): {"content": name} for base_id, name in
+                               ((263, "[BOS]"), (264, "[EOS]"), (265, "<|im_end|>"),
+                                (518, "[PAD]"))},
+      "bos_token": "[BOS]", "eos_token": {"content": "<|im_end|>"}, "pad_token": "[PAD]"})
+  tok = tokenizers.load(f"kimi:{tmp_path}")
+  assert (tok.bos, tok.eos, tok.pad) == (base, base + 2, base + 255)
+  assert tok.decode([tok.bos, 258, tok.pad]) == "the"     # BOS, PAD dropped...
+  assert tok.decode([tok.eos]) == "" and tok.enc.decode([base + 2]) == "<|im_end|>"  # named
+
+
+def test_kimi_tokenizer_missing_file_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match="no tiktoken.model"):
+    tokenizers.load(f"kimi:{tmp_path}")

@@ -1,6 +1,7 @@
 """Tokenizers behind one interface: the byte default, SentencePiece and Hugging Face.
 
-`data.tokenizer` names one: "bytes", "sentencepiece:<model file>" or "hf:<tokenizer.json>".
+`data.tokenizer` names one: "bytes", "sentencepiece:<model file>", "hf:<tokenizer.json>" or
+"kimi:<tiktoken.model or its directory>" (Kimi Linear's tokenizer).
 Every tokenizer reports, for each token it emits, how many UTF-8 bytes of the text it
 covers (`encode_with_bytes`), from the library's own offsets; the eval divides total bits by
 the sum of those counts, so bits per byte mean the same whatever the tokenizer. A model
@@ -116,11 +117,74 @@ class HFTokenizer(_Subword):
     return self.tok.decode(ids, skip_special_tokens=False)
 
 
+class KimiTokenizer(_Subword):
+  """Kimi Linear's tokenizer (Moonshot's tokenization_kimi.py): tiktoken BPE ranks from
+  `tiktoken.model` split by Kimi's pattern, then 256 special ids. Their names come from a
+  tokenizer_config.json beside the file (added_tokens_decoder; bos/eos/pad_token), else
+  "<|reserved_token_i|>" with BOS, EOS and PAD at the released ids (ranks + 0, + 1, + 255).
+  Text never encodes to a special id. (tokenization_kimi.py registers 258 specials; the
+  model's embedding has ranks + 256 rows, so the last two can never be fed.)"""
+
+  PATTERN = "|".join([
+      r"""[\p{Han}]+""",
+      r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+      r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+      r"""\p{N}{1,3}""",
+      r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+      r"""\s*[\r\n]+""",
+      r"""\s+(?!\S)""",
+      r"""\s+""",
+  ])
+  SPECIALS = 256
+
+  def __init__(self, path: str):
+    import json
+
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+    model_file = os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path
+    ranks = load_tiktoken_bpe(model_file)
+    base = len(ranks)
+    config_file = os.path.join(os.path.dirname(model_file), "tokenizer_config.json")
+    config = {}
+    if os.path.exists(config_file):
+      with open(config_file) as f:
+        config = json.load(f)
+    names = {int(i): v["content"] for i, v in config.get("added_tokens_decoder", {}).items()}
+    specials = {names.get(i, f"<|reserved_token_{i}|>"): i
+                for i in range(base, base + self.SPECIALS)}
+    self.enc = tiktoken.Encoding(name=os.path.basename(model_file), pat_str=self.PATTERN,
+                                 mergeable_ranks=ranks, special_tokens=specials)
+    self.n = base + self.SPECIALS
+    named = lambda key, default: specials.get(_token_content(config.get(key)), default)
+    self._set_specials(named("bos_token", base), named("eos_token", base + 1),
+                       named("pad_token", base + 255))
+
+  def _ids_and_ends(self, text):
+    ids = self.enc.encode(text, disallowed_special=())
+    return ids, np.cumsum([len(self.enc.decode_single_token_bytes(i)) for i in ids])
+
+  def _decode(self, ids):
+    return self.enc.decode(ids)
+
+
+def _token_content(token):
+  """A tokenizer_config.json token field: "[BOS]" or {"content": "[BOS]", ...}."""
+  return token.get("content") if isinstance(token, dict) else token
+
+
 def load(spec: str):
-  """"bytes" | "sentencepiece:<model file>" | "hf:<tokenizer.json>" → a tokenizer."""
+  """"bytes" | "sentencepiece:<model file>" | "hf:<tokenizer.json>" | "kimi:<tiktoken.model
+  or its directory>" → a tokenizer."""
   kind, path = fields.parse_tokenizer(spec)
   if kind == "bytes":
     return ByteTokenizer()
+  if kind == "kimi":
+    model_file = os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path
+    if not os.path.isfile(model_file):
+      raise ValueError(f"data.tokenizer={spec!r}: no tiktoken.model at {model_file!r} (it "
+                       "comes with a Kimi-Linear checkpoint)")
+    return KimiTokenizer(path)
   if not os.path.isfile(path):
     raise ValueError(f"data.tokenizer={spec!r}: no file at {path!r} (train one with "
                      "scripts/train_tokenizer.py)")
