@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from benchmarks import bench_train, xprof_tables
 from tests.conftest import ROOT
@@ -170,3 +171,21 @@ def test_timing_clocks_run_each_call_and_wait_once_a_window():
   x = jnp.ones((8,))
   assert timing.pipelined_ms(f, (x,), iters=2, calls=3) > 0.0
   assert timing.median_ms(f, (x,), iters=2) > 0.0
+
+
+def test_bench_kimi_48b_writes_its_record(tmp_path):
+  """benchmarks/bench_kimi_48b.py end to end, shrunk (--small): a row per context with the
+  issue's fields and the memory plan; the full 48B's plan from shapes alone."""
+  r = subprocess.run([sys.executable, "-m", "benchmarks.bench_kimi_48b", "--small",
+                      "--contexts=64,128", "--prefill_chunk=32", "--decode_tokens=4",
+                      f"--out={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-2000:]
+  import json
+  record = json.loads((tmp_path / "kimi_48b_h200.json").read_text())
+  assert [row["context"] for row in record["rows"]] == [64, 128]
+  for row in record["rows"]:
+    assert row["prefill_tok_s"] > 0 and row["decode_ms_per_token"] > 0
+    assert row["prefill_s"] * row["prefill_tok_s"] == pytest.approx(row["context"])
+  assert {"date", "commit", "machine"} <= set(record)
+  assert "| 128 |" in (tmp_path / "kimi_48b_h200.md").read_text()
