@@ -11,8 +11,10 @@ import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import ml_dtypes
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from moe_jax.infer.generate import decode, forward_logits, inference_model, infe
 from moe_jax.infer import workdir as workdir_lib
 from moe_jax.infer.generate import make_step, prefill
 from moe_jax.interop import kimi_config, kimi_hf
+from moe_jax.model.transformer import HybridMoE
 from moe_jax.train.loop import train_and_evaluate
 from tests.conftest import ROOT, rel_err, subprocess_env
 
@@ -224,6 +227,14 @@ def test_live_against_transformers(tmp_path):
   assert rel_err(_logits(config, variables, ref["tokens"]), ref["logits"]) < TOL
   np.save(tmp_path / "tokens.npy", ref["tokens"])
   np.save(tmp_path / "mask.npy", ref["mask"])
+  # MLA's low-rank queries (the fixture has full-rank ones): a random moe_jax model,
+  # exported, against transformers' forward of the export.
+  q_config, q_variables = _random_kimi_model(q_lora_rank=8)
+  kimi_hf.save(q_config, q_variables, str(tmp_path / "q_lora"))
+  _reference("logits", "--model", tmp_path / "q_lora", "--tokens", tmp_path / "tokens.npy",
+             "--out", tmp_path / "q_lora.npy")
+  assert rel_err(_logits(q_config, q_variables, ref["tokens"]),
+                 np.load(tmp_path / "q_lora.npy")) < TOL
   for naming in ("released", "native"):
     out = tmp_path / f"export_{naming}"
     kimi_hf.save(config, variables, str(out), naming=naming)
@@ -268,3 +279,32 @@ def test_convert_checkpoint_round_trip_and_resume(naming, tmp_path, reference):
   assert out["step"] == 2 and out["resumed_from"] == 0 and np.isfinite(out["val_loss"])
   # A random 300-token model starts at the uniform loss, ln 300: the weights came through.
   assert abs(out["val_loss"] - np.log(300)) < 0.1
+
+
+def _random_kimi_model(q_lora_rank: int):
+  """A moe_jax model in the fixture's shape (query low-rank when q_lora_rank > 0), random,
+  norms and router biases off their init, computing in fp32."""
+  hf = dict(kimi_hf.read_config(os.path.join(FIXTURE, "released")), q_lora_rank=q_lora_rank or None)
+  config = kimi_config.from_hf(hf)
+  config.model.dtype = "float32"
+  m = ml_collections.FrozenConfigDict(config.model)
+  batch = {"tokens": jnp.zeros((1, 16), jnp.int32), "segment_ids": jnp.ones((1, 16), jnp.int32)}
+  variables = nn.meta.unbox(HybridMoE(m).init(jax.random.key(1), batch))
+  keys = iter(jax.random.split(jax.random.key(2), 1000))
+  shift = lambda path, x: (x + 0.2 * jax.random.normal(next(keys), x.shape)
+                           if "norm" in jax.tree_util.keystr(path) or x.ndim == 1 else x)
+  return config, {"params": jax.tree_util.tree_map_with_path(shift, variables["params"]),
+                  "router": jax.tree_util.tree_map_with_path(shift, variables["router"])}
+
+
+def test_low_rank_queries_round_trip(tmp_path, reference):
+  """moe_jax → HF → moe_jax with q_a / q_a_norm / q_b (MLA's low-rank queries): the same
+  arrays, the same logits."""
+  config, variables = _random_kimi_model(q_lora_rank=8)
+  kimi_hf.save(config, variables, str(tmp_path), naming="released")
+  assert kimi_hf.read_config(str(tmp_path))["q_lora_rank"] == 8
+  config2, variables2 = kimi_hf.load(str(tmp_path))
+  for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(variables2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(_logits(config, variables, reference["tokens"]),
+                                _logits(config2, variables2, reference["tokens"]))
