@@ -75,6 +75,10 @@ def get_config(arg=None):
   moe.route_scale = 1.0         # combine weights: top-k scores renormalised, times this
   moe.dispatch = "dropless"     # dropless (sort + grouped matmul) | capacity ([E, C, D] batched)
   moe.capacity_factor = 1.25    # capacity path: C = ceil(factor * tokens * top_k / E)
+  # Dropless with an expert mesh axis P > 1 (parallel/expert.py): all-to-all slots per
+  # destination = this x the balanced load (tokens * top_k / P); the overflow goes in more
+  # rounds, never dropped. Larger: fewer rounds when routing is skewed, more memory.
+  moe.ep_buffer_factor = 2.0
   moe.grouped_matmul = ""       # "" = mosaic (GPU) / tokamax (TPU) for bf16, else xla; or xla | tokamax | mosaic
   # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
   # gather | grouped | fused

@@ -282,7 +282,8 @@ def _validate_moe(c: ml_collections.ConfigDict):
                       ("grouped_matmul", GROUPED_MATMULS), ("balancer", BALANCERS)):
     if e[f] not in accepted:
       _fail(f"model.moe.{f}", e[f], f"one of {accepted}")
-  for f in ("route_scale", "router_init_scale", "capacity_factor", "bias_clamp"):
+  for f in ("route_scale", "router_init_scale", "capacity_factor", "bias_clamp",
+            "ep_buffer_factor"):
     if not e[f] > 0:
       _fail(f"model.moe.{f}", e[f], "> 0")
   for f in ("router_init_reg", "z_loss", "aux_loss_coef", "bias_rate", "quantile_step"):

@@ -59,7 +59,22 @@ def mosaic_kernels(hlo_text: str) -> dict:
   return dict(sorted(collections.Counter(names).items()))
 
 
-def compile_for(c, topology: str) -> dict:
+def ep_buffers_gb(c, chips: int) -> dict:
+  """Per chip, one MoE layer's all-to-all send buffer [P, S, D] (bf16) for its local
+  assignments: the worst case (S = all of them: the dispatch before rounds) and the
+  load-sized one (S = ep_buffer_factor × the balanced share; parallel/expert.py)."""
+  from moe_jax.parallel import expert as expert_parallel
+  m, P = c.model, c.mesh.expert
+  if P <= 1 or not m.moe.num_experts:
+    return {}
+  tokens = c.data.batch_size * c.data.seq_len // chips
+  A = tokens * m.moe.top_k
+  width = m.moe.latent_dim or m.d_model
+  S = expert_parallel.slots(A, P, m.moe.ep_buffer_factor)
+  return {"worst_case_gb": P * A * width * 2 / 1e9, "load_sized_gb": P * S * width * 2 / 1e9}
+
+
+def compile_for(c, topology: str, config_path: str = "") -> dict:
   config_lib.validate(c)
   devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
   mesh = make_mesh(c.mesh, devices)
@@ -82,7 +97,11 @@ def compile_for(c, topology: str) -> dict:
   chip = topology.split(":")[0]
   counts = params_lib.count(c)
   kernels = mosaic_kernels(compiled.as_text())
-  return {"mosaic_kernels": kernels, "topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind,
+  return {"config": config_path, "moe_dispatch": c.model.moe.dispatch,
+          "ep_buffer_factor": c.model.moe.ep_buffer_factor,
+          "global_batch": c.data.batch_size * c.data.seq_len,
+          "ep_buffer_per_layer": ep_buffers_gb(c, len(devices)),
+          "mosaic_kernels": kernels, "topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind,
           "mesh": dict(mesh.shape), "batch": [c.data.batch_size, c.data.seq_len],
           "per_device_bytes": per_device, "per_device_total_gb": total / 1e9,
           "hbm_gb": HBM_GB.get(chip), "lower_s": t_lower, "compile_s": t_compile,
@@ -92,7 +111,8 @@ def compile_for(c, topology: str) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  r = compile_for(_CONFIG.value, _TOPOLOGY.value)
+  r = compile_for(_CONFIG.value, _TOPOLOGY.value,
+                  config_flags.get_config_filename(flags.FLAGS["config"]))
   if _OUT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     with open(_OUT.value, "w") as f:

@@ -59,7 +59,7 @@ from moe_jax.train.loop import train_and_evaluate
 c = make_small_config()
 c.schedule.total_steps = 5
 c.checkpoint.every_steps = 100
-c.mesh.data, c.mesh.fsdp = 2, 2
+c.mesh.data, c.mesh.fsdp, c.mesh.expert = (int(a) for a in sys.argv[4:7])
 first = train_and_evaluate(c, sys.argv[3], progress=False, stop_after=3)
 second = train_and_evaluate(c, sys.argv[3], progress=False)
 print("LOSSES", json.dumps([l for _, l in first["history"] + second["history"]]),
@@ -67,16 +67,18 @@ print("LOSSES", json.dumps([l for _, l in first["history"] + second["history"]])
 """
 
 
-def _two_process_losses(tmp_path):
-  """data=2 × fsdp=2 over two processes of two CPU devices each (jax.distributed, gloo);
-  each trains steps 1-3, checkpoints (orbax, both processes), then resumes to step 5."""
+def _two_process_losses(tmp_path, data=2, fsdp=2, expert=1):
+  """A data × fsdp × expert mesh over two processes of two CPU devices each
+  (jax.distributed, gloo); each trains steps 1-3, checkpoints (orbax, both processes), then
+  resumes to step 5."""
   import socket
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  workdir = tmp_path / "two_processes"
+  workdir = tmp_path / f"two_processes_{data}x{fsdp}x{expert}"
   procs = [subprocess.Popen([sys.executable, "-c", _RUN_PROCESS, f"localhost:{port}", str(i),
-                             str(workdir)], env=cpu_devices_env(2), cwd=ROOT, text=True,
+                             str(workdir), str(data), str(fsdp), str(expert)],
+                            env=cpu_devices_env(2), cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
   outs = [p.communicate(timeout=600) for p in procs]
   for p, (_, err) in zip(procs, outs):
@@ -97,7 +99,8 @@ def test_sharded_training_equals_one_device(tmp_path):
   layer) from: data=2 × fsdp=2 over two processes (each loading its half of every batch,
   stopped at step 3 and resumed from the checkpoint both wrote), and expert=2 × sequence=4
   on 8 (experts sharded, tokens moved by all-to-all; time sharded: ring attention for MLA,
-  state passing for KDA; one run for both, as each alone took as long)."""
+  state passing for KDA; one run for both, as each alone took as long), and expert=4 over
+  the two processes (the all-to-all crossing them)."""
   one = _losses(tmp_path, 1, 1, 1)
   assert len(one) == 5
   two = _two_process_losses(tmp_path)
@@ -108,3 +111,8 @@ def test_sharded_training_equals_one_device(tmp_path):
   assert len(sharded) == 5
   for a, b in zip(one, sharded):
     assert abs(a - b) <= 1e-4 * abs(b), ("expert=2 × sequence=4", one, sharded)
+  # Expert parallelism across the two processes: the expert axis spans all four devices,
+  # so the dropless all-to-all rounds cross processes (gloo).
+  across = _two_process_losses(tmp_path, data=1, fsdp=1, expert=4)
+  for a, b in zip(one, across):
+    assert abs(a - b) <= 1e-4 * abs(b), ("expert=4 over two processes", one, across)

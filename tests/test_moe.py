@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import base
+from moe_jax import config as config_lib
 from moe_jax.model import moe as moe_lib
 from moe_jax.model import router
 from moe_jax.model.moe import MoE
@@ -431,11 +432,17 @@ def test_latent_params_are_counted_as_always_active():
 
 # ---- expert parallelism (8 fake CPU devices, in a subprocess) ------------------------------
 
+# Router biases that set the routing (8 experts, top 3): uniform (none: the random router
+# spreads tokens), random, and adversarial: every token to experts 0, 1, 2 (one expert's
+# worth of every token lands on one shard at expert 8; all of them on shard 0 at expert 2).
+ROUTINGS = {"uniform": [0.0] * 8, "random": [0.3, -0.2, 0.1, 0.4, -0.4, 0.0, 0.2, -0.1],
+            "adversarial": [9.0, 8.0, 7.0, 0.0, 0.0, 0.0, 0.0, 0.0]}
+
 _EP = """
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
-from tests.test_moe import _moe_cfg, _init
+from tests.test_moe import _moe_cfg, _init, ROUTINGS
 from moe_jax.model.moe import MoE
 from moe_jax.fields import MESH_AXES
 rel = lambda a, b: float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
@@ -451,26 +458,39 @@ def a2a_widths(jaxpr):  # last dims of every all_to_all's float operands, sub-ja
         if hasattr(sub, "eqns"):
           out |= a2a_widths(sub)
   return out
+x = jax.random.normal(jax.random.key(5), (8, 16, 32))
 for data, expert, dispatch, factor, latent in (
-    (1, 8, "dropless", 1.25, 0), (2, 4, "dropless", 1.25, 0), (1, 8, "capacity", 8.0, 0),
-    (1, 8, "capacity", 0.5, 0), (2, 4, "dropless", 1.25, 8)):
-  cfg = _moe_cfg(dispatch=dispatch, capacity_factor=factor, latent_dim=latent)
-  x = jax.random.normal(jax.random.key(5), (8, 16, 32))
+    (1, 8, "dropless", 1.25, 0), (2, 4, "dropless", 1.25, 0), (4, 2, "dropless", 1.25, 0),
+    (1, 8, "capacity", 8.0, 0), (1, 8, "capacity", 0.5, 0), (2, 4, "dropless", 1.25, 8)):
+  cfg = _moe_cfg(dispatch=dispatch, capacity_factor=factor, latent_dim=latent,
+                 ep_buffer_factor=factor)
   variables = _init(cfg, x)
-  def loss(p, x):
-    y, stats = MoE(cfg).apply({**variables, "params": p}, x)
-    return (y ** 2).sum() + (y * x).sum(), (y, stats["dropped_fraction"])
-  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-  (_, (y1, d1)), g1 = grad(variables["params"], x)
+  def loss(p, router, x):
+    y, stats = MoE(cfg).apply({**variables, "params": p, "router": router}, x)
+    return (y ** 2).sum() + (y * x).sum(), (y, stats)
+  grad1 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))   # under the mesh
   mesh = Mesh(np.array(jax.devices()).reshape(data, 1, expert, 1, 1), MESH_AXES)
-  with jax.set_mesh(mesh):
-    (_, (y8, d8)), g8 = grad(variables["params"], x)
-    text = grad.lower(variables["params"], x).as_text()
-    widths = sorted(a2a_widths(jax.make_jaxpr(grad)(variables["params"], x).jaxpr))
-  results[f"{data}x{expert} {dispatch} {factor}" + (f" latent {latent}" if latent else "")] = {
-      "y": rel(y8, y1), "dropped_ep": float(d8), "all_to_all": text.count("all_to_all"),
-      "a2a_widths": widths,
-      "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))}
+  key = f"{data}x{expert} {dispatch} {factor}" + (f" latent {latent}" if latent else "")
+  for routing, bias in ROUTINGS.items():
+    if (dispatch == "capacity" or latent) and routing != "random":
+      continue
+    router = {**variables["router"], "bias": jnp.asarray(bias, jnp.float32)}
+    (_, (y1, s1)), g1 = grad1(variables["params"], router, x)
+    with jax.set_mesh(mesh):
+      (_, (y8, s8)), g8 = grad(variables["params"], router, x)
+      text = grad.lower(variables["params"], router, x).as_text()
+      widths = sorted(a2a_widths(jax.make_jaxpr(grad)(variables["params"], router, x).jaxpr))
+    g1, g8 = (g1[0], g1[2]), (g8[0], g8[2])   # params and x (the router bias gets none)
+    results[f"{key} {routing}"] = {
+        "y": rel(y8, y1), "dropped_ep": float(s8["dropped_fraction"]),
+        "stats": max(rel(s8[k], s1[k]) for k in ("load", "max_vio", "entropy", "aux_loss")),
+        "rounds": float(s8["ep_rounds"]), "fill": float(s8["ep_buffer_fill"]),
+        "all_to_all": text.count("all_to_all"), "a2a_widths": widths,
+        "grads": max(rel(a, b) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)))}
+  if dispatch == "dropless" and not latent:   # the three routings ran through one executable
+    with jax.set_mesh(mesh):
+      results[f"{key} compiles"] = grad._cache_size()
 print("RESULT", json.dumps(results))
 """
 
@@ -486,26 +506,54 @@ def expert_parallel_runs():
   return json.loads(line.split(" ", 1)[1])
 
 
-@pytest.mark.parametrize("mesh", ["1x8", "2x4"])
-def test_expert_parallel_equals_single_device(expert_parallel_runs, mesh):
-  r = expert_parallel_runs[f"{mesh} dropless 1.25"]
+@pytest.mark.parametrize("routing", ["uniform", "random"])
+@pytest.mark.parametrize("mesh", ["1x8", "2x4", "4x2"])
+def test_expert_parallel_equals_single_device(expert_parallel_runs, mesh, routing):
+  """Dropless over expert axes 8, 4, 2: outputs, every gradient (params and input) and the
+  router statistics equal one device's; nothing dropped."""
+  r = expert_parallel_runs[f"{mesh} dropless 1.25 {routing}"]
   assert r["all_to_all"] > 0  # really exchanged tokens
-  assert r["y"] <= 1e-5 and r["grads"] <= 1e-5 and r["dropped_ep"] == 0.0
+  assert r["y"] <= 1e-5 and r["grads"] <= 1e-5 and r["stats"] <= 1e-6
+  assert r["dropped_ep"] == 0.0 and r["rounds"] >= 1
+
+
+@pytest.mark.parametrize("mesh", ["1x8", "2x4", "4x2"])
+def test_expert_parallel_adversarial_routing_takes_more_rounds_and_drops_nothing(
+    expert_parallel_runs, mesh):
+  """Every token to experts 0-2 (on one shard at expert 2): buffers of 1.25× the balanced
+  load overflow, the rest goes in further rounds, and the result is still one device's; the
+  three routings ran through one compiled step."""
+  r = expert_parallel_runs[f"{mesh} dropless 1.25 adversarial"]
+  assert r["y"] <= 1e-5 and r["grads"] <= 1e-5 and r["stats"] <= 1e-6
+  assert r["dropped_ep"] == 0.0
+  assert r["fill"] > 1.25 and r["rounds"] == np.ceil(r["fill"]) > 1
+  assert expert_parallel_runs[f"{mesh} dropless 1.25 compiles"] == 1
 
 
 def test_latent_expert_parallel_equals_single_device_and_moves_latent_rows(
     expert_parallel_runs):
   """Latent MoE (R = 8 of d_model 32) under data 2 × expert 4: equal to one device, and every
   all-to-all (forward and backward) carries R-wide rows, 4× smaller than d_model rows."""
-  r = expert_parallel_runs["2x4 dropless 1.25 latent 8"]
+  r = expert_parallel_runs["2x4 dropless 1.25 latent 8 random"]
   assert r["y"] <= 1e-5 and r["grads"] <= 1e-5 and r["dropped_ep"] == 0.0
   assert r["a2a_widths"] == [8]
-  assert expert_parallel_runs["2x4 dropless 1.25"]["a2a_widths"] == [32]
+  assert expert_parallel_runs["2x4 dropless 1.25 random"]["a2a_widths"] == [32]
 
 
 def test_expert_parallel_capacity(expert_parallel_runs):
   """Per-destination buffers: roomy ones change nothing, tight ones drop and count."""
-  roomy = expert_parallel_runs["1x8 capacity 8.0"]
+  roomy = expert_parallel_runs["1x8 capacity 8.0 random"]
   assert roomy["y"] <= 1e-5 and roomy["grads"] <= 1e-5 and roomy["dropped_ep"] == 0.0
-  tight = expert_parallel_runs["1x8 capacity 0.5"]
+  tight = expert_parallel_runs["1x8 capacity 0.5 random"]
   assert tight["dropped_ep"] > 0.0 and tight["y"] > 1e-3
+
+
+def test_bad_buffer_factor_and_mesh_are_clear_errors():
+  c = make_small_config()
+  c.model.moe.ep_buffer_factor = 0.0
+  with pytest.raises(ValueError, match="model.moe.ep_buffer_factor"):
+    config_lib.validate(c)
+  c = make_small_config()
+  c.mesh.expert = 3
+  with pytest.raises(ValueError, match="mesh.expert"):
+    config_lib.validate(c)

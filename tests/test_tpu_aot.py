@@ -28,6 +28,12 @@ def test_train_step_compiles_for_a_tpu_slice(tmp_path):
   assert run.returncode == 0, run.stderr[-3000:]
   r = json.loads(out.read_text())
   assert r["chips"] == 8 and r["device_kind"].startswith("TPU v5")
+  assert r["config"].endswith("configs/tiny.py") and r["moe_dispatch"] == "dropless"
+  assert r["global_batch"] == r["batch"][0] * r["batch"][1]
+  # Dropless expert parallelism in rounds: the send buffer is the load's, not every
+  # assignment on one shard (P = 2, factor 2: the two are equal here; trillion's differ).
+  ep = r["ep_buffer_per_layer"]
+  assert 0 < ep["load_sized_gb"] <= ep["worst_case_gb"]
   assert r["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "sequence": 2, "tensor": 1}
   # KDA's four kernels (3 KDA layers; the forward recurrence twice: the chunk states are
   # recomputed for the backward), tokamax's grouped matmul, and MLA's ring steps over the

@@ -16,7 +16,8 @@ Two single-device dispatch paths (model.moe.dispatch):
   their token gets nothing from that expert, only the residual and shared path.
 
 With an `expert` mesh axis > 1, `parallel/expert.py` exchanges tokens between
-expert shards with all-to-all instead.
+expert shards with all-to-all instead: dropless in rounds of buffers sized by the load
+(model.moe.ep_buffer_factor), or one round that drops past capacity.
 """
 
 import flax.linen as nn
@@ -118,23 +119,25 @@ def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C
 
 
 def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
-  """(y [N, D], dropped assignments) by the dispatch path the config and the mesh pick."""
+  """(y [N, D], dropped assignments, expert-parallel stats: {} on one expert shard, else
+  ep_rounds and ep_buffer_fill, parallel/expert.py) by the path the config and mesh pick."""
   N, K = idx_NxK.shape
   E = gate_up_ExDx2xF.shape[0]
   ep = axis_size("expert")
   if ep > 1:
-    return expert_parallel.moe_ffn(
+    y_NxD, stats = expert_parallel.moe_ffn(
         x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, expert_shards=ep,
         capacity_factor=mc.capacity_factor if mc.dispatch == "capacity" else None,
-        implementation=mc.grouped_matmul)
+        buffer_factor=mc.get("ep_buffer_factor", 2.0), implementation=mc.grouped_matmul)
+    return y_NxD, stats.pop("dropped"), stats
   if mc.dispatch == "dropless" and N * K <= E and (
       decode := decode_path(mc.decode_dispatch, N * K)) != "grouped":
     return gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD,
-                    fused=decode == "fused"), 0
+                    fused=decode == "fused"), 0, {}
   if mc.dispatch == "dropless":
-    return dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, mc.grouped_matmul), 0
+    return dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, mc.grouped_matmul), 0, {}
   C = capacity(N, K, E, mc.capacity_factor)
-  return with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, C)
+  return (*with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, C), {})
 
 
 def sown_routes(model_cfg, intermediates: dict, shape_BxT) -> dict:
@@ -212,7 +215,8 @@ class MoE(nn.Module):
 
     x_NxD = x_NxD.astype(dtype)
     with jax.named_scope("moe_dispatch"):   # sort, gather, all-to-all, combine
-      y_NxW, dropped = routed_experts(mc, z_NxW.astype(dtype), idx_NxK, w_NxK, gate_up, down)
+      y_NxW, dropped, ep_stats = routed_experts(mc, z_NxW.astype(dtype), idx_NxK, w_NxK,
+                                                gate_up, down)
     y_NxD = (dense(cfg, D, ("moe_latent", "embed"), "latent_up", scale=out_scale(cfg))(y_NxW)
              if R else y_NxW)
     if mc.num_shared:
@@ -222,6 +226,7 @@ class MoE(nn.Module):
     with jax.named_scope("router"):
       stats = router.routing_stats(mc, logits_NxE, scores_NxE, idx_NxK, bias_E,
                                    jnp.asarray(dropped, jnp.float32) / idx_NxK.size)
+      stats.update(ep_stats)
     penalty = mc.z_loss * stats["z_loss"]
     if mc.balancer == "aux_loss":
       penalty = penalty + mc.aux_loss_coef * stats["aux_loss"]

@@ -37,14 +37,21 @@ def loss_fn(params, router_vars, apply_fn, batch, patch_loss_weight=0.0):
 
 
 def routing_metrics(routing: dict) -> dict:
-  """Per MoE layer: load per expert (a vector), MaxVio, dropped share, entropy, bias range."""
+  """Per MoE layer: load per expert (a vector), MaxVio, dropped share, entropy, bias range;
+  with expert parallelism its rounds and buffer fill, and both for the worst layer."""
   out = {}
   for layer, s in routing.items():
     for k in ("load", "max_vio", "dropped_fraction", "entropy", "bias_min", "bias_max",
               "aux_loss"):
       out[f"moe/{layer}/{k}"] = s[k]
+    for k in ("ep_rounds", "ep_buffer_fill"):   # expert parallelism (parallel/expert.py)
+      if k in s:
+        out[f"moe/{layer}/{k}"] = s[k]
   if routing:
     out["moe/max_vio_mean"] = jnp.mean(jnp.stack([s["max_vio"] for s in routing.values()]))
+  for k in ("ep_rounds", "ep_buffer_fill"):     # the worst layer's
+    if any(k in s for s in routing.values()):
+      out[f"moe/{k}"] = jnp.max(jnp.stack([s[k] for s in routing.values() if k in s]))
   return out
 
 
