@@ -51,8 +51,8 @@ def get_config(arg=None):
   e.score = "sigmoid"
   e.route_scale = 2.5
 
-  e.dispatch = "capacity"       # dropless EP buffers are sized for all on one expert shard
-  e.capacity_factor = 1.25
+  e.dispatch = "dropless"       # all-to-all rounds of load-sized buffers: nothing dropped
+  e.ep_buffer_factor = 2.0
 
   c.data.seq_len = 8192
   c.data.batch_size = 768       # one row per (fsdp, expert) pair
