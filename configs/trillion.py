@@ -52,7 +52,7 @@ def get_config(arg=None):
   e.route_scale = 2.5
 
   e.dispatch = "dropless"       # all-to-all rounds of load-sized buffers: nothing dropped
-  e.ep_buffer_factor = 2.0
+  e.ep_buffer_factor = 1.25     # slots: 1.25 × the balanced load, as capacity had
 
   c.data.seq_len = 8192
   c.data.batch_size = 768       # one row per (fsdp, expert) pair

@@ -130,14 +130,15 @@ def _rounds_bwd(shards, S, implementation, res, dy_AxD):
     _, vjp = jax.vjp(lambda x, gu, dn: _local_experts(x, e_T, gu, dn, implementation),
                      x_T, gate_up, down)
     dx_T, dgu, ddn = vjp(dy_T.astype(x_T.dtype))
-    return (dx_AxD + _send_back(dx_T, slot_r_A, shards, S),
-            dgate_up + dgu.astype(jnp.float32), ddown + ddn.astype(jnp.float32))
+    return (dx_AxD + _send_back(dx_T, slot_r_A, shards, S), dgate_up + dgu, ddown + ddn)
 
-  zeros = lambda a: jnp.zeros_like(a, jnp.float32)   # zeros_like keeps a's varying axes
+  # The expert-weight gradients sum over rounds in the weights' dtype, as one round's
+  # grouped matmul returns them: an fp32 accumulator of the local experts cost 1.4 GB more
+  # per layer at trillion's shapes (benchmarks/tpu.md); a balanced batch is one round.
+  # (zeros_like keeps the varying mesh axes the loop carry must have.)
   dx_AxD, dgate_up, ddown = jax.lax.fori_loop(
-      0, rounds, body, (jnp.zeros_like(x_AxD), zeros(gate_up), zeros(down)))
-  return (dx_AxD, None, None, None, None, dgate_up.astype(gate_up.dtype),
-          ddown.astype(down.dtype))
+      0, rounds, body, (jnp.zeros_like(x_AxD), jnp.zeros_like(gate_up), jnp.zeros_like(down)))
+  return dx_AxD, None, None, None, None, dgate_up, ddown
 
 
 _rounds.defvjp(_rounds_fwd, _rounds_bwd)
