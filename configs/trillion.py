@@ -6,17 +6,17 @@ MLA NoPE with a 512-rank KV latent and a 1536-rank query bottleneck.
 
 Layout for a TPU v5p-3072 slice (v5p:8x12x16, 1536 chips), the smallest that fits with a
 margin, chosen by compiling the train step for each slice on a CPU host
-(scripts/aot_compile.py; benchmarks/tpu.md): fsdp 32 × expert 24 × sequence 2,
-capacity-factor dispatch, 768 rows of 8192 tokens per step (6.3 M tokens; 4096 tokens per
-chip). XLA plans 76.2 of 95.7 GB per chip (22.9 GB of state, 51.3 GB of temporaries; 20%
-spare), with every Mosaic kernel in. Tried and rejected: 1024 chips (v5p:8x8x16, fsdp 32 ×
-expert 16, 512 rows), 90.9 GB, 5% spare; the same 1536 chips as fsdp 16 × expert 48,
-81.0 GB (the dense weights shard only 16 ways). On 2048 chips (v5p:8x16x16, fsdp 64 ×
-expert 16, 1024 rows) it is 67.3 GB. What does not fit: dropless dispatch (its all-to-all
-buffers are sized for every assignment landing on one expert shard: 240 GB of temporaries
-at expert 16), and a `data` axis, which replicates the expert weights (31 GB of state per
-chip at data 4 × fsdp 32). fsdp must divide d_model 7168 (so no factor 3: the slice's 3
-goes to the expert axis, 384 / 24 = 16 experts per shard).
+(scripts/aot_compile.py; benchmarks/tpu.md): fsdp 32 × expert 24 × sequence 2, 768 rows of
+8192 tokens per step (6.3 M tokens; 4096 tokens per chip), and **dropless** dispatch: the
+expert-parallel all-to-all runs in rounds of buffers sized at 2× the balanced load
+(model.moe.ep_buffer_factor), the overflow of a skewed batch going in more rounds, so no
+token is ever dropped. XLA plans 80.5 of 95.7 GB per chip (22.9 GB of state, 54.4 GB of
+temporaries, 3.2 GB of code; 16% spare; 78.5 GB at a factor of 1.25), with every Mosaic
+kernel in. The same plan with
+buffers for the worst case (every assignment on one shard, the dispatch before rounds)
+needs 109 GB of temporaries and does not compile. A `data` axis replicates the expert
+weights (31 GB of state per chip at data 4 × fsdp 32); fsdp must divide d_model 7168 (so
+no factor 3: the slice's 3 goes to the expert axis, 384 / 24 = 16 experts per shard).
 
   python scripts/param_count.py --config=configs/trillion.py
 """
@@ -52,7 +52,7 @@ def get_config(arg=None):
   e.route_scale = 2.5
 
   e.dispatch = "dropless"       # all-to-all rounds of load-sized buffers: nothing dropped
-  e.ep_buffer_factor = 1.25     # slots: 1.25 × the balanced load, as capacity had
+  e.ep_buffer_factor = 2.0      # slots per round: 2 × the balanced load (base's default)
 
   c.data.seq_len = 8192
   c.data.batch_size = 768       # one row per (fsdp, expert) pair
