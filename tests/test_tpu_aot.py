@@ -49,3 +49,19 @@ def test_train_step_compiles_for_a_tpu_slice(tmp_path):
   per_device = r["per_device_bytes"]
   assert 0 < per_device["argument"] < per_device["temp"]
   assert 0 < r["per_device_total_gb"] < r["hbm_gb"]
+
+
+def test_trillion_plan_record_is_the_config_and_fits():
+  """The committed compile report of configs/trillion.py (benchmarks/tpu.md): dropless,
+  the config's mesh, buffer factor and global batch, within 90% of the chip's HBM."""
+  from configs import trillion
+  c = trillion.get_config()
+  r = json.loads(open(os.path.join(ROOT, "benchmarks", "aot",
+                                   "trillion_v5p_8x12x16_dropless.json")).read())
+  assert r["config"] == "configs/trillion.py" and r["moe_dispatch"] == c.model.moe.dispatch
+  assert r["moe_dispatch"] == "dropless" and r["ep_buffer_factor"] == c.model.moe.ep_buffer_factor
+  assert r["global_batch"] == c.data.batch_size * c.data.seq_len == 768 * 8192
+  assert {k: r["mesh"][k] for k in ("data", "fsdp", "expert", "sequence")} == {
+      k: c.mesh[k] for k in ("data", "fsdp", "expert", "sequence")}
+  assert r["per_device_total_gb"] <= 0.9 * r["hbm_gb"]
+  assert r["ep_buffer_per_layer"]["load_sized_gb"] * 10 < r["ep_buffer_per_layer"]["worst_case_gb"]
