@@ -47,11 +47,11 @@ def model_config():
   return c
 
 
-def memory_plan(c, L: int) -> dict:
+def memory_plan(c, L: int, total_params: int) -> dict:
   """Bytes the run must hold, from shapes: bf16 weights, the bf16 MLA latent cache for
   L + decoded positions, the fp32 KDA states and conv tails."""
   m = c.model
-  weights = params_lib.count(c)["total_sum"] * 2
+  weights = total_params * 2
   cache = jax.eval_shape(lambda: init_cache(m, FLAGS.batch, L + FLAGS.decode_tokens))
   cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
   return {"weights_gib": weights / GIB, "cache_gib": cache_bytes / GIB,
@@ -96,7 +96,7 @@ def main(argv):
       stop_tokens=(-1,)), donate_argnums=1)
   max_len = contexts[-1] + FLAGS.decode_tokens
   for L in contexts:
-    plan = memory_plan(c, L)
+    plan = memory_plan(c, L, base["total_params"])
     print(f"{time.strftime('%H:%M:%S')} context {L}: plan {plan}", flush=True)
     row = {"context": L, **{k: round(v, 2) for k, v in plan.items()}}
     try:

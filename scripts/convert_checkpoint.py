@@ -57,10 +57,9 @@ def from_hf(hf_dir: str, workdir: str, dtype: str):
   T = config.model.kda_chunk_size
   example = {"tokens": np.zeros((1, T), np.int32), "segment_ids": np.ones((1, T), np.int32)}
   mesh = make_mesh(config.mesh)
+  tx = optim.make_optimizer(config)
   with jax.set_mesh(mesh):
-    abstract, shardings, _ = state_lib.train_state_plan(model, optim.make_optimizer(config),
-                                                        example, mesh, config)
-    tx = optim.make_optimizer(config)
+    abstract, shardings, _ = state_lib.train_state_plan(model, tx, example, mesh, config)
     params = jax.device_put(variables["params"], shardings.params)
     router = jax.device_put(variables["router"], shardings.router)
     opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)

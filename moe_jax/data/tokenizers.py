@@ -142,7 +142,7 @@ class KimiTokenizer(_Subword):
 
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
-    model_file = os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path
+    model_file = kimi_model_file(path)
     ranks = load_tiktoken_bpe(model_file)
     base = len(ranks)
     config_file = os.path.join(os.path.dirname(model_file), "tokenizer_config.json")
@@ -168,6 +168,11 @@ class KimiTokenizer(_Subword):
     return self.enc.decode(ids)
 
 
+def kimi_model_file(path: str) -> str:
+  """data.tokenizer=kimi:<path>: the tiktoken.model file, or the one in that directory."""
+  return os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path
+
+
 def _token_content(token):
   """A tokenizer_config.json token field: "[BOS]" or {"content": "[BOS]", ...}."""
   return token.get("content") if isinstance(token, dict) else token
@@ -180,7 +185,7 @@ def load(spec: str):
   if kind == "bytes":
     return ByteTokenizer()
   if kind == "kimi":
-    model_file = os.path.join(path, "tiktoken.model") if os.path.isdir(path) else path
+    model_file = kimi_model_file(path)
     if not os.path.isfile(model_file):
       raise ValueError(f"data.tokenizer={spec!r}: no tiktoken.model at {model_file!r} (it "
                        "comes with a Kimi-Linear checkpoint)")

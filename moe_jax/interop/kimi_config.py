@@ -11,6 +11,8 @@ import ml_collections
 
 from configs import base
 from moe_jax.data import tokenizer
+from moe_jax.model.kda import kda_heads
+from moe_jax.model.transformer import mixer_kind
 
 MODEL_TYPE = "kimi_linear"
 KINDS = {"linear_attention": "K", "full_attention": "A"}
@@ -173,8 +175,7 @@ def to_hf(c: ml_collections.ConfigDict, template: dict | None = None) -> dict:
   config.json whose other fields (token ids, dtype, max length...) are kept."""
   m = c.model
   refuse_unmapped(m)
-  L, pattern = m.n_layers, "".join(m.layer_pattern[i % len(m.layer_pattern)]
-                                   for i in range(m.n_layers))
+  L, pattern = m.n_layers, "".join(mixer_kind(m, i) for i in range(m.n_layers))
   hf = dict(template or {})
   for stale in ("layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim",
                 "linear_conv_kernel_dim", "qk_head_dim"):
@@ -203,6 +204,6 @@ def to_hf(c: ml_collections.ConfigDict, template: dict | None = None) -> dict:
       linear_attn_config={
           "kda_layers": [i + 1 for i in range(L) if pattern[i] == "K"],
           "full_attn_layers": [i + 1 for i in range(L) if pattern[i] == "A"],
-          "num_heads": m.get("kda_n_heads", 0) or m.n_heads, "head_dim": m.kda_head_dim,
+          "num_heads": kda_heads(m), "head_dim": m.kda_head_dim,
           "short_conv_kernel_size": m.kda_conv_size})
   return hf

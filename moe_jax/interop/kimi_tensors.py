@@ -14,6 +14,10 @@ w[i]; moe_jax's ShortConv kernel [W, C] multiplies x[t-j] by w[j]: the taps are 
 
 import numpy as np
 
+from moe_jax.fields import is_moe
+from moe_jax.model.kda import kda_heads
+from moe_jax.model.transformer import mixer_kind
+
 NAMINGS = ("released", "native")
 
 
@@ -41,19 +45,6 @@ def _conv_to_hf(w_WxC):
   return np.ascontiguousarray(w_WxC[::-1].T[:, None, :])
 
 
-def is_moe_layer(m, i: int) -> bool:
-  return m.moe.num_experts > 0 and i >= m.moe.first_dense
-
-
-def kind(m, i: int) -> str:
-  return m.layer_pattern[i % len(m.layer_pattern)]
-
-
-def heads(m):
-  """(MLA heads, KDA heads)."""
-  return m.n_heads, m.get("kda_n_heads", 0) or m.n_heads
-
-
 class Reader:
   """get(*names): the first of the candidate names the checkpoint holds, as numpy."""
 
@@ -72,7 +63,7 @@ class Reader:
 
 
 def _kda_to_ours(m, r: Reader, p: str) -> dict:
-  H, K = heads(m)[1], m.kda_head_dim
+  H, K = kda_heads(m), m.kda_head_dim
   out = {f"{x}_proj": {"kernel": _t(r.get(f"{p}{x}_proj.weight"))} for x in "qkv"}
   if r.has(f"{p}conv1d.weight"):
     convs = np.split(r.get(f"{p}conv1d.weight"), 3, axis=0)
@@ -94,7 +85,7 @@ def _kda_to_ours(m, r: Reader, p: str) -> dict:
 
 
 def _kda_to_hf(m, w: dict, p: str, naming: str) -> dict:
-  H = heads(m)[1]
+  H = kda_heads(m)
   out = {f"{p}{x}_proj.weight": _t(w[f"{x}_proj"]["kernel"]) for x in "qkv"}
   convs = [_conv_to_hf(w[f"{x}_conv"]["kernel"]) for x in "qkv"]
   gp = p if naming == "released" else f"{p}forget_gate."
@@ -115,7 +106,7 @@ def _kda_to_hf(m, w: dict, p: str, naming: str) -> dict:
 
 
 def _mla_to_ours(m, r: Reader, p: str) -> dict:
-  H = heads(m)[0]
+  H = m.n_heads
   Dn, Dr, Dv = m.mla_qk_head_dim, m.get("mla_qk_rope_dim", 0), m.mla_v_head_dim
   out = {}
   if m.mla_q_lora_rank:
@@ -203,11 +194,11 @@ def _dense_to_ours(r: Reader, p: str) -> dict:
 def layer_to_ours(m, i: int, r: Reader):
   """(params["layer_i"], router["layer_i"] or None) of layer i."""
   p = f"model.layers.{i}."
-  mixer = (_kda_to_ours if kind(m, i) == "K" else _mla_to_ours)(m, r, f"{p}self_attn.")
+  mixer = (_kda_to_ours if mixer_kind(m, i) == "K" else _mla_to_ours)(m, r, f"{p}self_attn.")
   params = {"mixer_norm": {"scale": r.get(f"{p}input_layernorm.weight")},
             "mixer": mixer,
             "ffn_norm": {"scale": r.get(f"{p}post_attention_layernorm.weight")}}
-  if is_moe_layer(m, i):
+  if is_moe(m, i):
     params["ffn"], router = _moe_to_ours(m, r, p)
     return params, {"ffn": router}
   params["ffn"] = _dense_to_ours(r, p)
@@ -220,11 +211,11 @@ def layer_to_hf(m, i: int, params: dict, router: dict | None, naming: str) -> di
   p = f"model.layers.{i}."
   out = {f"{p}input_layernorm.weight": params["mixer_norm"]["scale"],
          f"{p}post_attention_layernorm.weight": params["ffn_norm"]["scale"]}
-  if kind(m, i) == "K":
+  if mixer_kind(m, i) == "K":
     out.update(_kda_to_hf(m, params["mixer"], f"{p}self_attn.", naming))
   else:
     out.update(_mla_to_hf(m, params["mixer"], f"{p}self_attn."))
-  if is_moe_layer(m, i):
+  if is_moe(m, i):
     out.update(_moe_to_hf(params["ffn"], router["ffn"], p, naming))
   else:
     out.update({f"{p}mlp.{hf}.weight": _t(params["ffn"]["mlp"][ours]["kernel"])
