@@ -12,10 +12,8 @@ does not fit is a row with its error and the plan's numbers. Writes kimi_48b_h20
 and kimi_48b_h200.md (date, commit, machine, shapes) into --out.
 """
 
-import datetime
 import json
 import os
-import subprocess
 import time
 import traceback
 
@@ -24,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks import bench_long_context as blc
+from benchmarks import bench_long_context as blc, provenance
 from benchmarks.random_variables import random_variables
 from configs import kimi_linear_48b
 from moe_jax import params as params_lib
@@ -58,20 +56,12 @@ def memory_plan(c, L: int, total_params: int) -> dict:
           "logits_chunk_gib": FLAGS.batch * FLAGS.prefill_chunk * m.vocab_size * 4 / GIB}
 
 
-def commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
 def main(argv):
   del argv
   c = model_config()
   contexts = sorted(int(x) for x in FLAGS.contexts.split(","))
   chunk = min(FLAGS.prefill_chunk, contexts[0])
-  base = {"date": datetime.date.today().isoformat(), "commit": commit(),
+  base = {"date": provenance.today(), "commit": provenance.commit(),
           "machine": str(jax.devices()[0].device_kind), "batch": FLAGS.batch,
           "prefill_chunk": chunk, "decode_tokens": FLAGS.decode_tokens, "dtype": "bfloat16",
           "total_params": params_lib.count(c)["total_sum"]}

@@ -14,6 +14,14 @@ without the embedding and head: the "48B"), 3.1 B active per token (the "A3B"):
 
   python scripts/param_count.py --config=configs/kimi_linear_48b.py
 
+Variant `:h200_slice`: the same layer shapes, cut to the first 4 layers (KKKA: one dense
+KDA layer, two MoE KDA layers, one MoE MLA layer) so that training at 8K fits one H200:
+6.43 B parameters (0.78 B active), 103 GB of fp32 parameters, gradients and AdamW
+moments, one 8K row a step (benchmarks/bench_train.py, row `h200_slice`). It keeps what toy shapes hide: 256
+experts of width 1024 make many small grouped matmuls, and the 163840-token head is a
+large share of the step. A fifth layer (another MoE layer: +1.82 B parameters, +29 GB, 132 GB
+before activations) does not fit the H200's 141 GB.
+
 Released weights load with moe_jax.interop.kimi_hf (scripts/convert_checkpoint.py); the
 byte-level data pipeline wastes most of this vocabulary: train it with data.tokenizer set
 to Kimi's tokenizer (docs/kimi_linear.md).
@@ -22,8 +30,12 @@ to Kimi's tokenizer (docs/kimi_linear.md).
 from configs import base
 
 
+VARIANTS = ("", "h200_slice")
+
+
 def get_config(arg=None):
-  del arg
+  if (arg or "") not in VARIANTS:
+    raise ValueError(f"configs/kimi_linear_48b.py arg must be one of {VARIANTS}; got {arg!r}")
   c = base.get_config()
   m = c.model
   m.vocab_size = 163840
@@ -63,4 +75,13 @@ def get_config(arg=None):
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.expert = 8
+  if arg == "h200_slice":
+    m.n_layers = 4
+    m.layer_pattern = "KKKA"
+    # as configs/long_context_1b.py trains at 8K on one GPU
+    m.remat_policy = "residuals_recompute_prologue"
+    c.data.seq_len = 8192
+    c.data.batch_size = 1
+    c.mesh.fsdp = 1
+    c.mesh.expert = 1
   return c

@@ -189,3 +189,50 @@ def test_bench_kimi_48b_writes_its_record(tmp_path):
     assert row["prefill_s"] * row["prefill_tok_s"] == pytest.approx(row["context"])
   assert {"date", "commit", "machine"} <= set(record)
   assert "| 128 |" in (tmp_path / "kimi_48b_h200.md").read_text()
+
+
+def test_attention_flops_count_causal_pairs_within_documents():
+  """The MFU numerator's attention term counts the (query, key) pairs a causal, document-
+  masked kernel computes: L·(L+1)/2 a document, none for padding; a row of one document is
+  the full-row count; and MFU divides by 989 TFLOP/s (762 only for mfu_measured_peak)."""
+  import numpy as np
+  from configs import long_context_1b
+  seg = np.array([[1, 1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1], [3, 3, 4, 4, 4, 4, 0]])
+  assert bench_train.attention_pairs(seg) == (6 + 3) + 28 + (3 + 10)
+  c = long_context_1b.get_config()
+  c.data.seq_len, c.data.batch_size = 8192, 4
+  full = bench_train.model_flops_per_step(c)
+  assert full["attention_pairs"] == full["attention_pairs_full_row"] == 4 * 8192 * 8193 // 2
+  # 4 MLA layers (KKKA × 4), 16 heads, d_qk + d_v = 128
+  assert full["mla_attention"] == 6 * 4 * full["attention_pairs"] * 16 * 128
+  docs = bench_train.attention_pairs(np.repeat(np.arange(1, 9), 1024)[None].repeat(4, 0))
+  packed = bench_train.model_flops_per_step(c, docs)
+  assert docs == 4 * 8 * 1024 * 1025 // 2
+  assert packed["mla_attention"] * 8 == pytest.approx(full["mla_attention"], rel=1e-3)
+  assert packed["total"] - packed["mla_attention"] == full["total"] - full["mla_attention"]
+  assert bench_train.mfu(989e12, 1000.0, 1) == pytest.approx(1.0)
+  assert bench_train.mfu(762e12, 1000.0, 2, bench_train.MEASURED_PEAK_FLOPS) == 0.5
+
+
+@pytest.mark.slow
+def test_bench_train_row_and_its_baseline_on_cpu(tmp_path):
+  """A row and its `_baseline` (the same code, given as --baseline_dir) in one call: both
+  dated and stamped with a commit, the same loss after the same data, the markdown's
+  "× baseline" column, and the attention pairs of the batches the timed steps ran."""
+  import json
+  out = tmp_path / "out"
+  run = subprocess.run(
+      [sys.executable, "-m", "benchmarks.bench_train", "--rows=tiny_cpu", f"--out={out}",
+       "--steps=2", "--warm=", f"--baseline_dir={ROOT}", "--set=data.seq_len=128",
+       "--set=data.batch_size=4"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+      env={**os.environ, "PYTHONPATH": ROOT, "MOE_JAX_COMMIT": "abc1234"})
+  assert run.returncode == 0, run.stderr[-3000:]
+  rows = {r["row"]: r for r in json.load(open(out / "train.json"))}
+  row, base = rows["tiny_cpu"], rows["tiny_cpu_baseline"]
+  assert row["commit"] == "abc1234" and base["commit"].startswith("baseline:")
+  assert row["date"] == base["date"] and row["dispatch"] == base["dispatch"] == "dropless"
+  assert row["loss_after"] == pytest.approx(base["loss_after"], rel=1e-5)
+  assert 0 < row["attention_pairs_per_step"] <= 4 * 128 * 129 / 2
+  assert row["flops"]["attention_pairs"] == row["attention_pairs_per_step"]
+  md = (out / "train.md").read_text()
+  assert "commit abc1234" in md and "× baseline" in md and "tiny_cpu_baseline" in md

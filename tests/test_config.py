@@ -12,12 +12,15 @@ from tests.conftest import ROOT
 
 def test_configs_load_and_validate():
   for c in (base.get_config(), tiny.get_config(), tiny.get_config("mqar"),
-            kimi_linear_48b.get_config(), trillion.get_config(),
+            kimi_linear_48b.get_config(), kimi_linear_48b.get_config("h200_slice"),
+            trillion.get_config(),
             long_context_1b.get_config(), long_context_1b.get_config("all_mla")):
     assert config_lib.validate(c) is c
   assert tiny.get_config("mqar").data.source == "mqar"
   with pytest.raises(ValueError, match="configs/tiny.py arg"):
     tiny.get_config("nope")
+  with pytest.raises(ValueError, match=r"kimi_linear_48b.py arg must be one of .*'h200_sliced'"):
+    kimi_linear_48b.get_config("h200_sliced")
 
 
 def test_command_line_overrides(monkeypatch):

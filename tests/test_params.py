@@ -37,6 +37,24 @@ def test_kimi_linear_48b_is_48b_total_3b_active():
   assert abs(counts["active_sum"] / 3e9 - 1) < 0.05    # 3.14 B
 
 
+def test_kimi_h200_slice_keeps_the_published_layers_and_fits_one_h200():
+  """The slice's layers are the full model's first four, parameter for parameter, and its
+  fp32 training state (params, grads, two AdamW moments: 16 B a param) leaves room on one
+  H200 (141 GB) that a fifth layer would take."""
+  full, cut = kimi_linear_48b.get_config(), kimi_linear_48b.get_config("h200_slice")
+  assert (cut.model.n_layers, cut.model.layer_pattern, cut.data.seq_len) == (4, "KKKA", 8192)
+  for k in ("d_model", "n_heads", "kda_head_dim", "mla_kv_lora_rank", "vocab_size"):
+    assert cut.model[k] == full.model[k]
+  assert cut.model.moe.to_dict() == full.model.moe.to_dict()
+  c_full, c_cut = params.count(full), params.count(cut)
+  for part in ("routed_experts", "router", "shared_experts"):   # 3 of the 26 MoE layers
+    assert c_cut["total"][part] * 26 == c_full["total"][part] * 3
+  assert c_cut["total"]["dense_ffn"] == c_full["total"]["dense_ffn"]
+  state_gb = 16 * c_cut["total_sum"] / 1e9
+  per_moe_layer_gb = 16 * c_cut["total"]["routed_experts"] / 3 / 1e9
+  assert 95 < state_gb < 110 and state_gb + per_moe_layer_gb > 125   # 102.8, +29.0
+
+
 def test_trillion_is_about_1t_total_30b_active():
   counts = params.count(trillion.get_config())
   assert abs(counts["total_sum"] / 1e12 - 1) < 0.05    # 1.027 T
