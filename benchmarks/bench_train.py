@@ -50,7 +50,7 @@ from absl import app, flags  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks import provenance  # noqa: E402
+from benchmarks import provenance, train_floors  # noqa: E402
 from benchmarks.xprof_tables import (device_gaps, hlo_ops, op_of, tool_rows,  # noqa: E402
                                      trace_events)
 
@@ -346,6 +346,7 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
       rec["phase_error"] = f"{type(e).__name__}: {e}"
   # Outside the mesh (params.count traces one row) and after the timed start-up.
   rec["flops"] = flops = model_flops_per_step(c, rec["attention_pairs_per_step"])
+  rec["phase_floor_ms"] = train_floors.phase_floors_ms(c, flops, PEAK_FLOPS)
   if rec["platform"] == "gpu":
     rec["peak_tflops"] = PEAK_FLOPS / 1e12
     for key, ms in (("", "step_ms"), ("_pipelined", "step_ms_pipelined")):
@@ -492,7 +493,9 @@ def markdown(records: list[dict], extra) -> str:
   if not phases:
     return "\n".join(lines) + "\n"
   lines += ["", "Per-phase device time (ms per step: GPU kernel time by the named scope of the "
-            "op it ran for; `kernels` is their sum, against the step time):", ""]
+            "op it ran for; `kernels` is their sum, against the step time). Under each row, "
+            "each phase's floor (benchmarks/train_floors.py: its FLOPs at 989 TFLOP/s or its "
+            "HBM traffic at 4.8 TB/s):", ""]
   lines += ["| row | kernels | " + " | ".join(phases) + " |",
             "|---|---|" + "---|" * len(phases)]
   for row, rs in by_row.items():
@@ -500,6 +503,10 @@ def markdown(records: list[dict], extra) -> str:
     if ph:
       lines.append(f"| {row} | {rs['cold']['kernel_ms_per_step']:.1f} | "
                    + " | ".join(f"{ph.get(p, 0):.1f}" for p in phases) + " |")
+      fl = rs["cold"].get("phase_floor_ms") or {}
+      if fl:
+        lines.append(f"| floor | {sum(fl.values()):.1f} | "
+                     + " | ".join(f"{fl[p]:.1f}" if p in fl else "" for p in phases) + " |")
   for row, rs in by_row.items():
     cold = rs.get("cold", {})
     if "device_idle_ms_per_step" in cold:

@@ -236,3 +236,26 @@ def test_bench_train_row_and_its_baseline_on_cpu(tmp_path):
   assert row["flops"]["attention_pairs"] == row["attention_pairs_per_step"]
   md = (out / "train.md").read_text()
   assert "commit abc1234" in md and "× baseline" in md and "tiny_cpu_baseline" in md
+
+
+def test_phase_floors_are_flops_at_peak_or_bytes_at_bandwidth():
+  """Each phase's floor: its FLOPs at the peak or its HBM bytes at the bandwidth, the larger
+  (train_floors.py's module docstring)."""
+  from benchmarks import train_floors
+  from configs import kimi_linear_48b
+  from moe_jax import params
+  c = kimi_linear_48b.get_config("h200_slice")
+  flops = bench_train.model_flops_per_step(c)
+  counts, tokens = params.count(c), 8192
+  fl = train_floors.phase_floors_ms(c, flops)
+  assert fl["optimizer"] == pytest.approx(28 * counts["total_sum"] / 4.8e12 * 1e3)   # 37.5
+  assert fl["loss"] == pytest.approx(6 * 163840 * 2304 * tokens / 989e12 * 1e3)       # 18.8
+  experts_flops = 6 * counts["active"]["routed_experts"] * tokens / 989e12
+  experts_bytes = counts["total"]["routed_experts"] * (3 * 2 + 4) / 4.8e12   # bf16 ×3, fp32
+  assert fl["moe_experts"] == pytest.approx(1e3 * max(experts_flops, experts_bytes))
+  assert fl["mla"] == pytest.approx(
+      (6 * counts["active"]["mla"] * tokens + flops["mla_attention"]) / 989e12 * 1e3)
+  # halving the bandwidth doubles exactly the memory-bound floors
+  slow = train_floors.phase_floors_ms(c, flops, hbm_bytes_per_s=2.4e12)
+  assert slow["optimizer"] == pytest.approx(2 * fl["optimizer"])
+  assert slow["loss"] == fl["loss"] and slow["kda"] == fl["kda"]
