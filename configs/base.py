@@ -48,6 +48,9 @@ def get_config(arg=None):
   m.mla_qk_head_dim = 64        # per-head query/key dims (Kimi Linear's qk_nope_head_dim)
   m.mla_qk_rope_dim = 0         # + dims of one key part all heads share (Kimi Linear's
                                 # qk_rope_head_dim; never rotated: NoPE, model/mla.py)
+  m.mla_rope_theta = 0.0        # > 0: rotate those shared dims and the queries' matching
+                                # dims by RoPE at this base (10000: standard, no scaling);
+                                # 0 = NoPE. The positional control of configs/stages.py:h200
   m.mla_v_head_dim = 64
   m.mla_output_gate = True      # sigmoid gate on each head's output (Kimi Linear: none)
   m.mla_latent_norm_eps = 0.0   # RMSNorm epsilon of the q / kv latents; 0 = norm_eps

@@ -48,6 +48,12 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _non_negative_int(f"model.{f}", m[f])
   if not isinstance(m.mla_latent_norm_eps, (int, float)) or m.mla_latent_norm_eps < 0:
     _fail("model.mla_latent_norm_eps", m.mla_latent_norm_eps, ">= 0 (0 = model.norm_eps)")
+  theta = m.get("mla_rope_theta", 0.0)
+  if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta < 0:
+    _fail("model.mla_rope_theta", theta, "0 (NoPE) or a positive RoPE base such as 10000.0")
+  if theta and (m.mla_qk_rope_dim <= 0 or m.mla_qk_rope_dim % 2):
+    _fail("model.mla_qk_rope_dim", m.mla_qk_rope_dim,
+          f"a positive even number of dims for RoPE to rotate (model.mla_rope_theta={theta})")
   for f in ("kda_output_gate_bias", "mla_output_gate"):
     if not isinstance(m[f], bool):
       _fail(f"model.{f}", m[f], "True or False")

@@ -49,6 +49,10 @@ def test_command_line_overrides(monkeypatch):
     ("model.mla_implementation", "cudnn", r"model\.mla_implementation must be one of "
                                           r"\('', 'xla', 'gpu', 'tpu'\), got 'cudnn'"),
     ("model.dtype", "float16", r"model\.dtype must be one of .*got 'float16'"),
+    ("model.mla_rope_theta", -1.0, r"model\.mla_rope_theta must be 0 \(NoPE\) or a positive "
+                                   r"RoPE base .*got -1\.0"),
+    ("model.mla_rope_theta", 10000.0, r"model\.mla_qk_rope_dim must be a positive even number "
+                                      r"of dims for RoPE .*got 0"),
     ("data.source", "web", r"data\.source must be one of .*got 'web'"),
     ("schedule.warmup_steps", 10_000, r"schedule\.warmup_steps must be in \[0, "),
     ("mesh.data", 0, r"mesh\.data must be a positive integer or -1 \(all remaining devices\), got 0"),

@@ -209,6 +209,18 @@ def test_latent_moe_decode_reproduces_full_forward():
   assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
 
 
+def test_rope_mla_decode_reproduces_full_forward():
+  """RoPE on MLA's shared key dims (model.mla_rope_theta): the cache stores the turned key
+  dims at each row's positions and decode turns each new query by its own, so prefill +
+  token-by-token decode give the full forward's logits."""
+  c = make_small_config()
+  c.model.update({"dtype": "float32", "n_layers": 2, "layer_pattern": "KA",
+                  "mla_qk_rope_dim": 4, "mla_rope_theta": 10_000.0})
+  lengths, prompt = np.array([14, 9]), np.array([5, 3])
+  _, errs = _prefill_then_decode_errors(c, lengths, prompt, cache_len=16, seed=3)
+  assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
+
+
 @pytest.mark.gpu
 def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch):
   """Kimi-Linear-48B's MLA shapes (32 heads, kv_lora_rank 512, qk 128, v 128, no q LoRA):

@@ -138,6 +138,32 @@ def test_extrapolation_evals():
   assert wins.shape == (3, 128) and (wins[:, 1:] == ord("x")).all()
 
 
+def test_attention_entropy_reads_the_shared_key_dims():
+  """With shared (RoPE-turned) key dims (mla_qk_rope_dim), the entropy eval's keys are the
+  cache's latents through k_b plus those dims: with k_b zeroed only they score, so
+  attention is not uniform; with the queries' matching dims zeroed too, it is exactly."""
+  c = make_small_config()
+  c.model.update({"n_layers": 2, "layer_pattern": "KA", "mla_qk_rope_dim": 4,
+                  "mla_rope_theta": 10_000.0, "dtype": "float32"})
+  model = extrapolation.inference_model(c.model)
+  example = {"tokens": np.zeros((1, 32), np.int32), "segment_ids": np.ones((1, 32), np.int32)}
+  variables = nn.meta.unbox(model.init(jax.random.key(0), example))
+  variables = {"params": variables["params"], "router": variables.get("router", {})}
+  tokens = np.random.default_rng(0).integers(0, 256, size=(1, 64)).astype(np.int32)
+  _, _, inter, cache = extrapolation.run_chunks(model, variables, tokens, 32, capture_last=True)
+  ent = extrapolation.attention_entropy(variables["params"], inter, cache, 16)
+  assert 0.0 < ent["layer_1/entropy_normalised"] <= 1.0
+  zeroed = jax.tree_util.tree_map_with_path(
+      lambda p, x: jnp.zeros_like(x) if "k_b" in jax.tree_util.keystr(p) else x,
+      variables["params"])
+  shared_only = extrapolation.attention_entropy(zeroed, inter, cache, 16)
+  assert shared_only["layer_1/entropy_normalised"] < 1.0 - 1e-4
+  Dqk = c.model.mla_qk_head_dim
+  no_rope_q = jax.tree.map(lambda q: q.at[..., Dqk:].set(0.0), inter)
+  uniform = extrapolation.attention_entropy(zeroed, no_rope_q, cache, 16)
+  assert uniform["layer_1/entropy_normalised"] == pytest.approx(1.0, abs=1e-5)
+
+
 def test_stage_config_errors():
   sc = stages_config.get_config("cpu")
   sc.stages.s1k.tokens_per_step = 1000

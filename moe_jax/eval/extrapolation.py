@@ -21,6 +21,7 @@ from tqdm import tqdm
 from moe_jax.data import mqar, passkey, tokenizer
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import inference_model, inference_variables
+from moe_jax.model.mla import with_shared_key
 
 LN2 = math.log(2.0)
 
@@ -76,13 +77,15 @@ def attention_entropy(params, inter, cache, n_queries: int) -> dict[str, float]:
     mixer_params = params
     for key in path:
       mixer_params = mixer_params[key]
-    w_kb_RxHxD = mixer_params["k_b"]["kernel"]       # [R, H, D]: the latent → key map
+    w_kb_RxHxDqk = mixer_params["k_b"]["kernel"]     # [R, H, Dqk]: the latent → key map
+    R = w_kb_RxHxDqk.shape[0]
     layer = path[0]
-    ckv_BxSxR = cache["layers"][layer]["ckv"]
+    ckv_BxSxW = cache["layers"][layer]["ckv"].astype(jnp.float32)   # W = R + shared dims
     B, C, H, D = q_BxCxHxD.shape
-    S = ckv_BxSxR.shape[1]
+    S = ckv_BxSxW.shape[1]
     n = min(n_queries, C)
-    k_BxSxHxD = jnp.einsum("bsr,rhd->bshd", ckv_BxSxR.astype(jnp.float32), w_kb_RxHxD)
+    k_BxSxHxD = with_shared_key(jnp.einsum("bsr,rhd->bshd", ckv_BxSxW[..., :R], w_kb_RxHxDqk),
+                                ckv_BxSxW[..., R:])
     s_BxHxNxS = jnp.einsum("bnhd,bshd->bhns", q_BxCxHxD[:, C - n:].astype(jnp.float32),
                            k_BxSxHxD) * D ** -0.5
     pos_N = S - n + jnp.arange(n)

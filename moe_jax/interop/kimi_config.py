@@ -154,6 +154,7 @@ def refuse_unmapped(m):
       ("model.mla_output_gate", m.get("mla_output_gate", True), False),
       ("model.attn_res", m.attn_res, "none"),
       ("model.tie_embeddings", m.tie_embeddings, False),
+      ("model.mla_rope_theta", m.get("mla_rope_theta", 0.0), 0.0),
       ("model.vision.patch_size", m.vision.patch_size, 0),
       ("model.moe.latent_dim", m.moe.latent_dim, 0),
       ("model.moe.score", m.moe.score, "sigmoid"),

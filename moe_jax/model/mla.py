@@ -9,7 +9,10 @@ With model.mla_qk_rope_dim = Dr > 0 (DeepSeek's and Kimi Linear's layout) each h
 query has Dr more dims, and kv_a emits Dr more features that join every head's key
 unchanged: one key part shared by all heads. Kimi Linear is NoPE, so these dims are
 never rotated; they are plain learned features, kept so its checkpoints map exactly.
-The scores are scaled by (Dqk + Dr)^-1/2.
+The scores are scaled by (Dqk + Dr)^-1/2. With model.mla_rope_theta > 0 those Dr dims,
+the shared key's and each query's, turn by RoPE (model/rope.py: DeepSeek's decoupled
+RoPE), at each token's position in its document, or, with a cache, its index in the
+row; the cache stores the turned key dims.
 
 With a cache ({"ckv": [B, S, R + Dr] latents, "length": [B] filled positions}) the new
 tokens' latents (with their shared key dims) are written at each row's length and
@@ -23,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from moe_jax.model import remat
+from moe_jax.model import remat, rope
 from moe_jax.model.layers import dense, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size, per_device
 from moe_jax.parallel.ring_attention import ring_attention
@@ -51,11 +54,19 @@ class MLAMixer(nn.Module):
     else:
       q_BxTxHxDq = dense(cfg, (H, Dq), ("embed", "heads", "kv"), "q_proj")(x_BxTxD)
 
-    # Kept only when asked (apply(..., mutable=["intermediates"])): attention-entropy evals.
-    self.sow("intermediates", "q", q_BxTxHxDq)
     kv_BxTxW = dense(cfg, R + Dr, ("embed", "kv_lora"), "kv_a")(x_BxTxD)
     ckv_BxTxR = rms_norm(cfg, "kv_a_norm", "kv_lora", eps=latent_eps)(kv_BxTxW[..., :R])
-    kr_BxTxDr = kv_BxTxW[..., R:]   # the shared key dims: not normed, not rotated
+    kr_BxTxDr = kv_BxTxW[..., R:]   # the shared key dims: not normed; rotated only by RoPE
+    theta = cfg.get("mla_rope_theta", 0.0)
+    if theta:
+      T = x_BxTxD.shape[1]
+      pos_BxT = (rope.document_positions(segment_ids_BxT) if cache is None
+                 else cache["length"][:, None] + jnp.arange(T, dtype=jnp.int32))
+      q_BxTxHxDq = jnp.concatenate(
+          [q_BxTxHxDq[..., :Dqk], rope.rotate(q_BxTxHxDq[..., Dqk:], pos_BxT, theta)], -1)
+      kr_BxTxDr = rope.rotate(kr_BxTxDr, pos_BxT, theta)
+    # Kept only when asked (apply(..., mutable=["intermediates"])): attention-entropy evals.
+    self.sow("intermediates", "q", q_BxTxHxDq)
     k_b = dense(cfg, (H, Dqk), ("kv_lora", "heads", "kv"), "k_b")
     v_b = dense(cfg, (H, Dv), ("kv_lora", "heads", "kv"), "v_b")
 
