@@ -3,6 +3,15 @@
   :cpu  the tiny model on package-length stdlib documents with 20% passkey and MQAR rows,
         128 → 512 → 1K at 2048 tokens per step, then the control run straight at 1K and
         the evals to 8× (the 2-core CPU, under 10 min in all)
+  :h200 a 0.18 B-active hybrid MoE (configs/long_context_1b.py cut to 12 layers, with 32
+        shared key dims in MLA so that its RoPE control has the same parameters), pretrained
+        at 2K on stdlib documents with 20% passkey and MQAR rows, then 8K and 32K, at 64K
+        tokens a step on one H200; evals at 1×, 2×, 4× and 8× of 32K with passkey at five
+        depths. Each device call resumes where the last stopped. The controls:
+          --config.run.model.mla_rope_theta=10000.0   RoPE on those dims (run `rope`)
+          --config.run.seed=1 --config.run.data.shuffle_seed=1   the second seed
+        and `python -m benchmarks.context_gpu` gathers the runs' results into
+        benchmarks/context_gpu.{json,md}.
   :1b   configs/long_context_1b.py, 8K → 64K → 256K → 1M (the method's layout; GPUs)
 
   python scripts/extend_context.py --config=configs/stages.py:cpu --workdir=workdir/stages
@@ -41,6 +50,8 @@ def get_config(arg="cpu"):
   ev.retrieval_rows = 8         # passkey and MQAR rows per length
   ev.chunk = 1024               # the eval runs the inference path in chunks of this
   ev.entropy_queries = 128      # MLA attention entropy over the last this many positions
+  ev.passkey_depths = ""        # comma-separated key depths in [0, 1] with their own passkey
+                                # accuracy (besides the random-depth one); "" = none
 
   if arg == "cpu":
     run = tiny.get_config()
@@ -55,6 +66,25 @@ def get_config(arg="cpu"):
     sc.stages.s1k = _stage(1024, 24, 2048, 1e-3, 5)
     sc.stage_names = "s128,s512,s1k"
     ev.chunk = 512
+  elif arg == "h200":
+    run = long_context_1b.get_config()
+    run.model.n_layers = 12
+    run.model.mla_qk_rope_dim = 32
+    run.data.source = "stdlib_packages"
+    run.data.synthetic_fraction = 0.2
+    run.data.synthetic_tasks = "passkey,mqar"
+    run.eval.every_steps = 200
+    run.eval.num_batches = 4
+    run.checkpoint.every_steps = 200
+    sc.stages.s2k = _stage(2048, 1200, 65536, 6e-4, 100)
+    sc.stages.s8k = _stage(8192, 300, 65536, 3e-4, 30)
+    sc.stages.s32k = _stage(32768, 150, 65536, 2e-4, 15)
+    sc.stage_names = "s2k,s8k,s32k"
+    ev.multipliers = "1,2,4,8"
+    ev.max_windows = 4
+    ev.retrieval_rows = 32
+    ev.chunk = 8192
+    ev.passkey_depths = "0,0.25,0.5,0.75,1"
   elif arg == "1b":
     run = long_context_1b.get_config()
     run.data.source = "stdlib_packages"
@@ -70,6 +100,6 @@ def get_config(arg="cpu"):
     sc.stage_names = "s8k,s64k,s256k,s1m"
     ev.chunk = 8192
   else:
-    raise ValueError(f"configs/stages.py arg must be one of 'cpu', '1b'; got {arg!r}")
+    raise ValueError(f"configs/stages.py arg must be one of 'cpu', 'h200', '1b'; got {arg!r}")
   sc.run = run
   return sc

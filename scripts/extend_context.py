@@ -138,7 +138,9 @@ def main(argv):
     results[run] = extrapolation.evaluate_lengths(
         c.model, variables, docs, _lengths(sc), chunk=sc.eval.chunk, buckets=sc.eval.buckets,
         max_windows=sc.eval.max_windows, retrieval_rows=sc.eval.retrieval_rows,
-        entropy_queries=sc.eval.entropy_queries, tasks=tasks, cfg_data=c.data)
+        entropy_queries=sc.eval.entropy_queries, tasks=tasks, cfg_data=c.data,
+        passkey_depths=tuple(float(d) for d in sc.eval.get("passkey_depths", "").split(",")
+                             if d))
   with open(os.path.join(workdir, "extrapolation.json"), "w") as f:
     json.dump(results, f, indent=1)
   print(report(sc, workdir, results))

@@ -2,6 +2,7 @@
 state and Adam's moments exactly and restarts the schedule; a run killed mid-stage resumes to
 the same result as an uninterrupted one; the extrapolation evals are consistent."""
 
+import json
 import shutil
 
 import jax
@@ -174,3 +175,52 @@ def test_stage_config_errors():
     stages.stage_names(sc)
   with pytest.raises(ValueError, match="configs/stages.py arg must be one of"):
     stages_config.get_config("tpu")
+
+
+def test_context_record_rows_from_extend_context_workdirs(tmp_path):
+  """benchmarks/context_gpu.py: a NoPE workdir gives `staged` and `direct` rows, a RoPE one
+  `rope` and `rope_direct`, with the seed from the run's config, passkey by depth, and the
+  trained length of the last stage; the markdown has a column per depth."""
+  from benchmarks import context_gpu
+  result = lambda L, acc: {"length": L, "windows": 2, "bits_per_byte": 2.0 + L / 1e4,
+                           "passkey/row_acc": acc, "passkey@0/row_acc": acc / 2,
+                           "passkey@0.5/row_acc": acc, "mqar/row_acc": 0.25}
+  for name, theta, seed in (("nope", 0.0, 1), ("rope", 10000.0, 0)):
+    w = tmp_path / name
+    for stage, L in (("s2k", 2048), ("s8k", 8192)):
+      (w / stage).mkdir(parents=True)
+      (w / stage / "config.json").write_text(json.dumps(
+          {"seed": seed, "data": {"seq_len": L}, "model": {"mla_rope_theta": theta}}))
+    runs = {"staged": [result(8192, 0.9), result(65536, 0.5)], "control": [result(8192, 0.7)]}
+    (w / "extrapolation.json").write_text(json.dumps(runs))
+  stamp = {"date": "d", "commit": "c", "machine": "m"}
+  rows = context_gpu.rows_of(str(tmp_path / "nope"), stamp) + context_gpu.rows_of(
+      str(tmp_path / "rope"), stamp)
+  got = {(r["run"], r["seed"], r["eval_len"]): r for r in rows}
+  assert set(got) == {("staged", 1, 8192), ("staged", 1, 65536), ("direct", 1, 8192),
+                      ("rope", 0, 8192), ("rope", 0, 65536), ("rope_direct", 0, 8192)}
+  r = got[("staged", 1, 65536)]
+  assert (r["trained_len"], r["passkey_acc"], r["mqar_acc"]) == (8192, 0.5, 0.25)
+  assert r["passkey_acc_by_depth"] == {"0": 0.25, "0.5": 0.5} and r["machine"] == "m"
+  md = context_gpu.markdown(rows)
+  assert "passkey @ 0 | passkey @ 0.5" in md and "| staged | 1 | 8192 | 65536 | 8 | 0.500 |" in md
+  with pytest.raises(ValueError, match="has no extrapolation.json"):
+    context_gpu.rows_of(str(tmp_path / "nope" / "s2k"), stamp)
+
+
+def test_passkey_accuracy_at_a_fixed_depth():
+  """retrieval_accuracy at a fixed key depth keys its numbers `passkey@<depth>/…`; the
+  rows it scores hold the key sentence at that depth of the filler."""
+  from moe_jax.data import passkey
+  c = make_small_config()
+  model = extrapolation.inference_model(c.model)
+  example = {"tokens": np.zeros((1, 64), np.int32), "segment_ids": np.ones((1, 64), np.int32)}
+  variables = nn.meta.unbox(model.init(jax.random.key(0), example))
+  variables = {"params": variables["params"], "router": variables.get("router", {})}
+  out = extrapolation.retrieval_accuracy(model, variables, "passkey", 128, 2, 64, c.data, 0.5)
+  assert set(out) == {"passkey@0.5/token_acc", "passkey@0.5/row_acc"}
+  assert all(0.0 <= v <= 1.0 for v in out.values())
+  rows = passkey.PasskeyRows(128, depth=0.5, seed=10_000)
+  _, at, _ = rows.layout(0)
+  n_filler = 128 - 1 - len(passkey._key_sentence(b"00000")) - len(passkey.QUESTION) - 5
+  assert at == 1 + round(0.5 * n_filler)

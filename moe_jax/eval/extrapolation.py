@@ -121,11 +121,13 @@ def document_windows(docs: list[bytes], length: int, max_windows: int) -> np.nda
 
 
 def retrieval_accuracy(model, variables, task: str, length: int, rows: int, chunk: int,
-                       cfg_data) -> dict[str, float]:
+                       cfg_data, depth: float = -1.0) -> dict[str, float]:
   """Greedy (teacher-forced) accuracy on the answer tokens: per token, and rows with every
-  answer token right."""
+  answer token right. Passkey rows put the key at `depth` of the filler (negative: a random
+  depth per row), keyed `passkey@<depth>/…` when fixed."""
   if task == "passkey":
-    src = passkey.PasskeyRows(length, seed=10_000)
+    src = passkey.PasskeyRows(length, depth=depth, seed=10_000)
+    task = task if depth < 0 else f"passkey@{depth:g}"
   else:
     src = mqar.MQARRows(length, cfg_data.mqar_num_pairs, cfg_data.mqar_vocab, seed=10_000)
   examples = [src[i] for i in range(rows)]
@@ -140,9 +142,10 @@ def retrieval_accuracy(model, variables, task: str, length: int, rows: int, chun
 
 def evaluate_lengths(model_cfg, variables, docs: list[bytes], lengths: list[int], *,
                      chunk: int, buckets: int, max_windows: int, retrieval_rows: int,
-                     entropy_queries: int, tasks: tuple[str, ...], cfg_data) -> list[dict]:
-  """One row per length: windows used, mean bits/byte, loss per bucket, retrieval and MLA
-  attention entropy."""
+                     entropy_queries: int, tasks: tuple[str, ...], cfg_data,
+                     passkey_depths: tuple[float, ...] = ()) -> list[dict]:
+  """One row per length: windows used, mean bits/byte, loss per bucket, retrieval (passkey
+  also at each of passkey_depths) and MLA attention entropy."""
   model = inference_model(model_cfg)
   variables = inference_variables(model_cfg, variables)
   rows = []
@@ -158,6 +161,9 @@ def evaluate_lengths(model_cfg, variables, docs: list[bytes], lengths: list[int]
       row.update(attention_entropy(variables["params"], inter, cache, entropy_queries))
     for task in tasks:
       row.update(retrieval_accuracy(model, variables, task, L, retrieval_rows, ch, cfg_data))
+      for depth in passkey_depths if task == "passkey" else ():
+        row.update(retrieval_accuracy(model, variables, task, L, retrieval_rows, ch, cfg_data,
+                                      depth))
     rows.append(row)
   return rows
 

@@ -1,0 +1,127 @@
+"""Gathers staged-extension runs (scripts/extend_context.py workdirs) into
+benchmarks/context_gpu.json and context_gpu.md (+ .png): one row per (run, seed, eval
+length), the schema the long-context record keeps.
+
+  python -m benchmarks.context_gpu --workdirs=/tmp/st_s0,/tmp/st_s1,/tmp/rope_s0 --out=$OUT
+
+A workdir's staged run is `staged` (NoPE) or `rope` (model.mla_rope_theta > 0); its
+control run, trained straight at the final length on the same tokens, is `direct` (or
+`rope_direct`). The seed is the run config's `seed`. Rows: run, seed, trained_len,
+eval_len, passkey_acc (all answer digits right, random key depth), passkey_acc_by_depth,
+mqar_acc, bits_per_byte, with date, commit and machine. Rows of other (run, seed) pairs
+already in --out's JSON are kept.
+"""
+
+import json
+import os
+
+from absl import app, flags
+
+from benchmarks import provenance
+
+_WORKDIRS = flags.DEFINE_list("workdirs", [], "extend_context.py workdirs to gather.")
+_OUT = flags.DEFINE_string("out", "benchmarks", "Where context_gpu.json/.md/.png go.")
+_MACHINE = flags.DEFINE_string("machine", "", "The machine the runs ran on (default: JAX's "
+                               "first device).")
+
+
+def _last_stage_config(workdir: str) -> dict:
+  names = [n for n in os.listdir(workdir) if os.path.isdir(os.path.join(workdir, n))
+           and n != "control" and os.path.exists(os.path.join(workdir, n, "config.json"))]
+  configs = [json.load(open(os.path.join(workdir, n, "config.json"))) for n in names]
+  if not configs:
+    raise ValueError(f"--workdirs: {workdir!r} has no stage with a config.json")
+  return max(configs, key=lambda c: c["data"]["seq_len"])
+
+
+def rows_of(workdir: str, stamp: dict) -> list[dict]:
+  """The record rows of one extend_context.py workdir."""
+  path = os.path.join(workdir, "extrapolation.json")
+  if not os.path.exists(path):
+    raise ValueError(f"--workdirs: {workdir!r} has no extrapolation.json (evals not run)")
+  c = _last_stage_config(workdir)
+  rope = bool(c["model"].get("mla_rope_theta", 0.0))
+  names = {"staged": "rope" if rope else "staged", "control": "rope_direct" if rope else "direct"}
+  trained = c["data"]["seq_len"]
+  out = []
+  for run, results in json.load(open(path)).items():
+    for r in results:
+      depths = {k.split("@")[1].split("/")[0]: v for k, v in r.items()
+                if k.startswith("passkey@") and k.endswith("/row_acc")}
+      out.append({"run": names[run], "seed": c["seed"], "trained_len": trained,
+                  "eval_len": r["length"], "passkey_acc": r.get("passkey/row_acc"),
+                  "passkey_acc_by_depth": depths, "mqar_acc": r.get("mqar/row_acc"),
+                  "bits_per_byte": r.get("bits_per_byte"),
+                  "bits_by_bucket": r.get("bits_by_bucket"), **stamp})
+  return out
+
+
+def markdown(rows: list[dict]) -> str:
+  depths = sorted({d for r in rows for d in r["passkey_acc_by_depth"]}, key=float)
+  head = (["run", "seed", "trained", "eval length", "× trained", "passkey"]
+          + [f"passkey @ {d}" for d in depths] + ["MQAR", "bits/byte"])
+  fmt = lambda v: "—" if v is None else f"{v:.3f}"
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in sorted(rows, key=lambda r: (r["run"], r["seed"], r["eval_len"])):
+    lines.append("| " + " | ".join(
+        [r["run"], str(r["seed"]), str(r["trained_len"]), str(r["eval_len"]),
+         f"{r['eval_len'] / r['trained_len']:g}", fmt(r["passkey_acc"])]
+        + [fmt(r["passkey_acc_by_depth"].get(d)) for d in depths]
+        + [fmt(r["mqar_acc"]), fmt(r["bits_per_byte"])]) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(1, 3, figsize=(14, 4))
+  runs = sorted({(r["run"], r["seed"]) for r in rows})
+  for run, seed in runs:
+    rs = sorted((r for r in rows if (r["run"], r["seed"]) == (run, seed)),
+                key=lambda r: r["eval_len"])
+    x = [r["eval_len"] for r in rs]
+    for a, key in zip(ax, ("passkey_acc", "mqar_acc", "bits_per_byte")):
+      y = [r[key] for r in rs]
+      if any(v is not None for v in y):
+        a.plot(x, [float("nan") if v is None else v for v in y], "o-",
+               label=f"{run} (seed {seed})")
+  for a, title in zip(ax, ("passkey (all digits right)", "MQAR (row)", "held-out bits/byte")):
+    a.set(title=title, xlabel="eval length (tokens)")
+    a.set_xscale("log", base=2)
+    a.grid(alpha=0.3)
+    a.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv):
+  del argv
+  if not _WORKDIRS.value:
+    raise app.UsageError("--workdirs: give at least one extend_context.py workdir")
+  machine = _MACHINE.value
+  if not machine:
+    import jax
+    machine = jax.devices()[0].device_kind
+  stamp = {"date": provenance.today(), "commit": provenance.commit(), "machine": machine}
+  new = [row for w in _WORKDIRS.value for row in rows_of(w, stamp)]
+  json_path = os.path.join(_OUT.value, "context_gpu.json")
+  old = json.load(open(json_path)) if os.path.exists(json_path) else []
+  done = {(r["run"], r["seed"]) for r in new}
+  rows = [r for r in old if (r["run"], r["seed"]) not in done] + new
+  os.makedirs(_OUT.value, exist_ok=True)
+  with open(json_path, "w") as f:
+    json.dump(rows, f, indent=1)
+  md = (f"# Staged context extension on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, "
+        f"{machine}; `configs/stages.py:h200`, gathered by `python -m benchmarks.context_gpu`. "
+        "passkey: every answer digit right, key at a random depth; passkey @ d: the key at "
+        "depth d of the filler (0 = a whole context away from the question).\n\n"
+        + markdown(rows) + "\n![curves](context_gpu.png)\n")
+  with open(os.path.join(_OUT.value, "context_gpu.md"), "w") as f:
+    f.write(md)
+  plot(rows, os.path.join(_OUT.value, "context_gpu.png"))
+  print(md)
+
+
+if __name__ == "__main__":
+  app.run(main)
