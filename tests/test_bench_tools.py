@@ -259,3 +259,49 @@ def test_phase_floors_are_flops_at_peak_or_bytes_at_bandwidth():
   slow = train_floors.phase_floors_ms(c, flops, hbm_bytes_per_s=2.4e12)
   assert slow["optimizer"] == pytest.approx(2 * fl["optimizer"])
   assert slow["loss"] == fl["loss"] and slow["kda"] == fl["kda"]
+
+
+def test_decode_batch_search_ends_beside_the_first_batch_that_does_not_fit():
+  """bench_decode's search: doubling to the first out-of-memory batch, then bisection, so
+  the largest batch that fits (37 here) sits next to one that did not (38); other errors
+  propagate; with a resolution of 8 it stops within 8."""
+  from benchmarks import batch_search
+
+  def measure(b):
+    if b > 37:
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+    return {"ms_per_token": 1.0 + b / 100}
+
+  rows = batch_search.search_batches(measure, 1024)
+  assert [r["batch"] for r in rows] == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+  fits = [r["batch"] for r in rows if not r["oom"]]
+  assert max(fits) == 37 and {"batch": 38, "oom": True} in rows
+  coarse = batch_search.search_batches(measure, 1024, resolution=8)
+  assert [r["batch"] for r in coarse][-1] == 40 and coarse[-1]["oom"]
+  assert [r["batch"] for r in batch_search.search_batches(measure, 16)] == [1, 2, 4, 8, 16]
+
+  def broken(b):
+    raise ValueError("a shape error")
+  with pytest.raises(ValueError, match="a shape error"):
+    batch_search.search_batches(broken, 8)
+
+
+@pytest.mark.slow
+def test_bench_decode_rows_on_cpu(tmp_path):
+  """bench_decode at a toy size on CPU (--small): rows in decode.json's schema for both
+  variants, tokens_per_s = batch · 1000 / ms_per_token."""
+  import json
+  run = subprocess.run(
+      [sys.executable, "-m", "benchmarks.bench_decode", "--small", "--contexts=64",
+       "--batches=1,2", "--decode_tokens=4", "--repeats=2", f"--out={tmp_path}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env={**os.environ, "PYTHONPATH": ROOT, "MOE_JAX_COMMIT": "abc1234"})
+  assert run.returncode == 0, run.stderr[-3000:]
+  rows = json.load(open(tmp_path / "decode.json"))
+  assert {(r["variant"], r["batch"]) for r in rows} == {
+      ("hybrid", 1), ("hybrid", 2), ("all_mla", 1), ("all_mla", 2)}
+  for r in rows:
+    assert r["context"] == 64 and r["commit"] == "abc1234" and r["oom"] is False
+    assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_token"])
+    assert r["ms_per_token"] > 0 and r["peak_gib"] > 0
+  assert "Largest batch that fits" in (tmp_path / "decode.md").read_text()

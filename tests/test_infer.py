@@ -98,6 +98,31 @@ def test_decode_reproduces_full_forward(hybrid, key_block, impl, matmul, monkeyp
   assert bool(kernel_calls) == (matmul == "pallas")
 
 
+def test_greedy_batch_decode_equals_each_row_alone_and_the_full_forward(hybrid):
+  """Greedy decoding of 3 prompts (13, 5, 9 tokens) together gives each row the tokens it
+  gets decoded alone (batch 1), and every generated token is the argmax of the full
+  forward over the prompt and the tokens before it."""
+  model, variables, tokens, _ = hybrid
+  step, prompt, n = make_step(model), np.array([13, 5, 9]), 10
+  greedy = functools.partial(decode, step, max_new=n, temperature=0.0, stop_tokens=(-1,))
+
+  def run(rows):
+    cache = init_cache(model.cfg, len(rows), 32)
+    last, cache = prefill(step, variables, cache, tokens[rows, :13], prompt[rows], chunk=5)
+    out, n_new, _ = greedy(variables, cache, last, jax.random.key(0))
+    assert (np.asarray(n_new) == n).all()
+    return np.asarray(out)
+
+  together = run(np.arange(3))
+  for b in range(3):
+    np.testing.assert_array_equal(together[b], run(np.array([b]))[0])
+    seq = np.concatenate([tokens[b, :prompt[b]], together[b]])[None]
+    logits, _ = jax.jit(model.apply)(variables, {"tokens": seq,
+                                                 "segment_ids": np.ones_like(seq)})
+    np.testing.assert_array_equal(np.asarray(logits[0, prompt[b] - 1:-1].argmax(-1)),
+                                  together[b])
+
+
 @pytest.mark.parametrize("impl", ["xla", "gpu", "tpu"])
 def test_chunked_prefill_equals_one_shot(hybrid, monkeypatch, impl):
   """Chunks of 7 (< kv_lora_rank: latent-space attention) vs one chunk of 40 (≥ rank: keys

@@ -1,0 +1,131 @@
+"""Decode at long contexts: ms per step and tokens/s from batch 1 up to the largest batch
+that fits, hybrid against all-MLA, into benchmarks/decode.json and decode.md.
+
+  python -m benchmarks.bench_decode --out=$OUT [--contexts=131072,262144,1048576]
+
+configs/long_context_1b.py and its `:all_mla` variant (bf16, random weights, the model's
+defaults: no benchmark-only switch) decode --decode_tokens tokens greedily over a cache
+filled to each context with random latents and states (bench_long_context.py
+--decode_only: decode cost depends on the shapes and the filled length, not the values).
+Per (variant, context) the batch doubles from 1 until a batch does not fit, then bisects
+between the last batch that fit and the first that did not, so the largest batch that
+fits has a row at the next batch tried with `oom: true` (--resolution apart; 1: the
+exact largest batch). Each batch: one decode to compile
+and warm up, then the median of --repeats timed decodes.
+
+Rows: context, batch, variant, ms_per_token (one decode step of the whole batch),
+tokens_per_s (= batch · 1000 / ms_per_token), peak_gib (the compiled decode's arguments,
+outputs and temporaries, without the buffers it donates and gets back), oom, date, commit.
+"""
+
+import gc
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from benchmarks import bench_long_context as blc, provenance
+from benchmarks.batch_search import search_batches
+from benchmarks.random_variables import random_variables
+from moe_jax.infer.generate import decode, inference_model, make_step
+
+_BATCHES = flags.DEFINE_list("batches", [], "Batches to time instead of the search.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 1024, "The search stops here.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed decodes per batch (median).")
+_RESOLUTION = flags.DEFINE_integer("resolution", 1, "The bisection stops when the batch that "
+                                   "did not fit is at most this far above the one that did.")
+
+GIB = 1 << 30
+
+
+def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:
+  n, repeats = blc._DECODE.value, _REPEATS.value
+  max_len = L + n * (repeats + 1)
+  step = make_step(model)
+  jdecode = jax.jit(lambda v, cache, logits: decode(
+      step, v, cache, logits, jax.random.key(0), max_new=n, temperature=0.0,
+      stop_tokens=(-1,)), donate_argnums=1)
+  cache = blc.random_cache(model.cfg, batch, max_len, L)
+  logits = jax.random.normal(jax.random.key(1), (batch, model.cfg.vocab_size), jnp.float32)
+  compiled = jdecode.lower(variables, cache, logits).compile()
+  mem = compiled.memory_analysis()
+  peak = None
+  if mem is not None:
+    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes) / GIB
+  out, _, cache = compiled(variables, cache, logits)   # warm-up
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    out, _, cache = compiled(variables, cache, logits)
+    jax.block_until_ready(out)
+    times.append(time.perf_counter() - t)
+  ms = 1e3 * statistics.median(times) / n
+  print(f"{variant} {L} × {batch}: {ms:.3f} ms/token, {batch * 1e3 / ms:,.0f} tokens/s", flush=True)
+  return {"variant": variant, "context": L, "ms_per_token": ms,
+          "tokens_per_s": batch * 1e3 / ms, "peak_gib": peak,
+          "ms_per_token_runs": [1e3 * t / n for t in times]}
+
+
+def markdown(rows: list[dict], stamp: dict) -> str:
+  lines = [f"## {stamp['date']}, commit {stamp['commit']}, {stamp['machine']}", "",
+           "| context | variant | batch | ms/token (a step of the batch) | tokens/s | peak GiB |",
+           "|---|---|---|---|---|---|"]
+  for r in sorted(rows, key=lambda r: (r["context"], r["variant"], r["batch"])):
+    if r["oom"]:
+      lines.append(f"| {r['context']} | {r['variant']} | {r['batch']} | out of memory | | |")
+    else:
+      peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "—"
+      lines.append(f"| {r['context']} | {r['variant']} | {r['batch']} | "
+                   f"{r['ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | {peak} |")
+  lines += ["", "Largest batch that fits, and the hybrid's tokens/s over all-MLA's there:", ""]
+  for L in sorted({r["context"] for r in rows}):
+    best = {v: max((r for r in rows if r["context"] == L and r["variant"] == v
+                    and not r["oom"]), key=lambda r: r["batch"], default=None)
+            for v in ("hybrid", "all_mla")}
+    if all(best.values()):
+      h, a = best["hybrid"], best["all_mla"]
+      lines.append(f"* {L}: hybrid batch {h['batch']} ({h['tokens_per_s']:,.0f} tokens/s), "
+                   f"all-MLA batch {a['batch']} ({a['tokens_per_s']:,.0f}): "
+                   f"**{h['tokens_per_s'] / a['tokens_per_s']:.2f}×**")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  del argv
+  stamp = {"date": provenance.today(), "commit": provenance.commit(),
+           "machine": jax.devices()[0].device_kind}
+  contexts = sorted(int(x) for x in blc._CONTEXTS.value.split(","))
+  rows = []
+  for variant in blc._VARIANTS.value.split(","):
+    model = inference_model(blc.model_config(variant))
+    variables = random_variables(model, model.cfg.kda_chunk_size)
+    for L in contexts:
+      def measure(b, L=L):
+        try:
+          return measure_decode(variant, model, variables, L, b)
+        finally:
+          gc.collect()
+      found = ([{**measure(int(b)), "batch": int(b), "oom": False} for b in _BATCHES.value]
+               if _BATCHES.value else search_batches(measure, _MAX_BATCH.value, _RESOLUTION.value))
+      rows += [{"variant": variant, "context": L, **r, **stamp} for r in found]
+  if blc._OUT.value:
+    os.makedirs(blc._OUT.value, exist_ok=True)
+    path = os.path.join(blc._OUT.value, "decode.json")
+    old = json.load(open(path)) if os.path.exists(path) else []
+    done = {(r["variant"], r["context"]) for r in rows}
+    with open(path, "w") as f:
+      json.dump([r for r in old if (r["variant"], r["context"]) not in done] + rows, f,
+                indent=1)
+    with open(os.path.join(blc._OUT.value, "decode.md"), "a") as f:
+      f.write("\n" + markdown(rows, stamp))
+  print(markdown(rows, stamp))
+
+
+if __name__ == "__main__":
+  app.run(main)
