@@ -8,19 +8,27 @@ then GRPO with verifiable rewards, routing replay on.
 
   cpu    the tiny model on addition (2–3 digits) and key retrieval, 2-core CPU, < 10 min
   tools  the multi-turn tool environment (lookup / calc calls), end to end
+  h200   a 0.13 B-active hybrid MoE in bf16 (configs/long_context_1b.py's layers, 8 of
+         them) on addition, retrieval (32 pairs) and the tool task together, on one H200:
+         256 held-out problems per task; routing replay on. Its controls:
+           --config.rl.routing_replay=False           replay off
+           --config.rl.seed=1 --config.seed=1         the second seed
+           --config.rl.init_workdir=W                 start from a GPU-trained checkpoint
+         `python -m benchmarks.grpo_gpu --workdirs=...` gathers the runs into
+         benchmarks/grpo_gpu.{json,md}.
 """
 
 import ml_collections
 
-from configs import tiny
+from configs import long_context_1b, tiny
 
-ARGS = ("cpu", "tools")
+ARGS = ("cpu", "tools", "h200")
 
 
 def get_config(arg=None):
   if arg not in ARGS:
     raise ValueError(f"configs/grpo.py arg must be one of {ARGS}; got {arg!r}")
-  c = tiny.get_config()
+  c = tiny.get_config() if arg != "h200" else long_context_1b.get_config()
   # Two MLA layers (KAKA) instead of tiny's one: on the 2-core CPU MLA is cheaper per token
   # than KDA at these lengths, and the retrieval task needs attention.
   c.model.layer_pattern = "KAKA"
@@ -70,6 +78,25 @@ def get_config(arg=None):
   rl.eval_prompts = 128         # held-out problems for pass@1 (greedy)
   rl.eval_samples = 4           # and this many samples each at rl.temperature (0 = greedy only)
 
+  if arg == "h200":
+    # The warm-up's length is what sets greedy pass@1 before GRPO (it must land in [0.2,
+    # 0.7] for every task): retune c.schedule.total_steps after a first GPU run.
+    c.model.n_layers = 8
+    c.model.layer_pattern = "KKKA"
+    c.model.remat = False
+    c.data.tasks = "addition,retrieval,tools"
+    c.data.retrieval_pairs = 32
+    c.data.seq_len = 384
+    c.data.batch_size = 64
+    c.optim.learning_rate = 1e-3
+    c.schedule.update(total_steps=600, warmup_steps=50)
+    c.eval.every_steps = 600
+    c.checkpoint.every_steps = 25
+    c.log.every_steps = 50
+    rl.update(steps=150, prompts_per_step=32, group_size=16, max_prompt_tokens=330,
+              max_new_tokens=32, max_turns=2, passes=2, learning_rate=2e-5, lr_warmup_steps=10,
+              eval_every=50, eval_prompts=768, eval_samples=4,
+              rewards="exact_answer:1,digit_match:0.5,tool_calls:-0.05")
   if arg == "tools":
     # A short warm-up: after 480 steps the tool format is perfect (pass@1 1.0) and GRPO has
     # nothing to learn; after 60 the model calls tools but no answer is right (no reward

@@ -44,6 +44,11 @@ def _np_grpo(logp, old, ref, adv, mask, lo, hi, beta, norm, max_tokens):
   return loss, (clipped * mask).sum() / mask.sum(), ((np.exp(d) - d - 1) * mask).sum() / mask.sum()
 
 
+def _np_kl_rollout(logp, old, mask):
+  d = old - logp
+  return ((np.exp(d) - d - 1) * mask).sum() / mask.sum()
+
+
 @pytest.mark.parametrize("norm", loss_lib.NORMS)
 def test_grpo_loss_equals_numpy_reference(norm):
   rng = np.random.default_rng(0)
@@ -62,6 +67,8 @@ def test_grpo_loss_equals_numpy_reference(norm):
   assert 0.05 < want_clip < 0.95   # the fixture exercises clipping
   assert abs(float(m["clip_fraction"]) - want_clip) < 1e-6
   assert abs(float(m["kl"]) - want_kl) < 1e-5
+  assert abs(float(m["kl_rollout"]) - _np_kl_rollout(logp, old, mask)) < 1e-5
+  assert float(m["kl_rollout"]) > 0.01   # the fixture's rollout policy differs
 
 
 def test_grpo_loss_rejects_unknown_normalisation():
@@ -298,10 +305,47 @@ def test_grpo_runs_and_resumes_exactly(tmp_path):
   assert int(straight["state"].step) == 3 * c.rl.passes
   m = straight["last_metrics"]
   for k in ("reward/mean", "accuracy", "kl", "clip_fraction", "response_tokens",
-            "route_mismatch/first_pass", "tokens_per_sec", "accuracy/addition"):
+            "route_mismatch/first_pass", "kl_rollout/first_pass", "tokens_per_sec",
+            "accuracy/addition"):
     assert k in m and np.isfinite(m[k])
   assert m["route_mismatch/first_pass"] < 0.01 and m["kl"] >= 0
+  # the first pass runs the rollout's params: fp32 inference and training paths agree
+  assert 0 <= m["kl_rollout/first_pass"] < 1e-4
   assert set(straight["start"]) == {f"{p}/{t}" for p in ("pass@1", "pass@1_sampled")
                                     for t in ("addition", "retrieval", "mean")}
   assert all(0.0 <= v <= 1.0 for v in straight["final"].values())
   assert straight["grpo_s"] > 0 and resumed["grpo_s"] > 0
+
+
+def test_grpo_record_rows_from_a_workdir(tmp_path):
+  """benchmarks/grpo_gpu.py: a finished run gives one row per task with its held-out count
+  (the tasks taken in turn), pass@1 before and after, and the mean first-pass gaps; the
+  h200 config validates, holds out ≥ 256 problems per task and trains the tool task."""
+  import json
+  from benchmarks import grpo_gpu
+  from configs import grpo as grpo_config
+  from moe_jax import config as config_lib
+  c = grpo_config.get_config("h200")
+  config_lib.validate(c)
+  w = tmp_path / "run"
+  w.mkdir()
+  (w / "config.json").write_text(c.to_json())
+  tasks = ("addition", "retrieval", "tools")
+  start = {f"pass@1/{t}": 0.3 for t in tasks} | {f"pass@1_sampled/{t}": 0.2 for t in tasks}
+  final = {f"pass@1/{t}": 0.5 + 0.1 * i for i, t in enumerate(tasks)} | {
+      f"pass@1_sampled/{t}": 0.4 for t in tasks}
+  (w / "summary.json").write_text(json.dumps({"start": start, "final": final, "step": 150}))
+  (w / "metrics_grpo.jsonl").write_text("\n".join(json.dumps(
+      {"step": s, "route_mismatch/first_pass": 0.01 * s, "kl_rollout/first_pass": 1e-3,
+       "clip_fraction": 0.1}) for s in (1, 2, 3)) + "\n")
+  rows = grpo_gpu.rows_of(str(w), {"date": "d", "commit": "c", "machine": "m"})
+  assert [r["task"] for r in rows] == list(tasks)
+  assert [r["n_heldout"] for r in rows] == [256, 256, 256]
+  r = rows[2]
+  assert (r["seed"], r["replay"], r["greedy_pass1_before"]) == (0, True, 0.3)
+  assert r["greedy_pass1_after"] == pytest.approx(0.7) and r["sampled_pass1_after"] == 0.4
+  assert r["route_mismatch"] == pytest.approx(0.02) and r["kl_rollout"] == pytest.approx(1e-3)
+  assert "| tools | 0 | on | 256 | 0.300 → 0.700 (+0.400) |" in grpo_gpu.markdown(rows)
+  (w / "summary.json").write_text(json.dumps({"start": start, "step": 3}))
+  with pytest.raises(ValueError, match="has not finished"):
+    grpo_gpu.rows_of(str(w), {})

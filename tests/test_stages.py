@@ -224,3 +224,19 @@ def test_passkey_accuracy_at_a_fixed_depth():
   _, at, _ = rows.layout(0)
   n_filler = 128 - 1 - len(passkey._key_sentence(b"00000")) - len(passkey.QUESTION) - 5
   assert at == 1 + round(0.5 * n_filler)
+
+
+def test_h200_stages_validate_and_the_rope_control_has_the_same_parameters():
+  """configs/stages.py:h200: every stage and the direct control validate; 100–300 M active
+  parameters; its RoPE control turns existing dims, so the parameters are the same."""
+  from moe_jax import config as config_lib, params
+  sc = stages_config.get_config("h200")
+  for name in stages.stage_names(sc):
+    config_lib.validate(stages.stage_config(sc, name))
+  control = config_lib.validate(stages.control_config(sc))
+  assert control.data.seq_len == 32768
+  nope = params.count(stages.stage_config(sc, "s2k"))
+  assert 100e6 <= nope["active_sum"] <= 300e6
+  sc.run.model.mla_rope_theta = 10000.0
+  rope = params.count(config_lib.validate(stages.stage_config(sc, "s2k")))
+  assert rope == nope

@@ -8,6 +8,11 @@ Per trained token t of completion i (mask m = 1; prompt, padding and tool output
   kl = exp(logp_ref − logp) − (logp_ref − logp) − 1          (k3, Schulman; ≥ 0)
   ℓ = pg + β·kl
 
+Reported, not optimised: kl_rollout, the k3 KL from the rollout policy, exp(logp_rollout −
+logp) − (logp_rollout − logp) − 1. On a rollout batch's first pass the params are the
+rollout's, so it measures how far the training forward's policy is from the one that
+sampled (routing, numerics): what routing replay exists to shrink.
+
 Normalisation (rl.loss_norm):
   token     Σ ℓ·m / Σ m over the batch (every token weighs the same; DAPO)
   sequence  mean over completions of Σ_t ℓ·m / Σ_t m (GRPO as published)
@@ -29,7 +34,8 @@ def token_logprobs(logits_BxTxV, targets_BxT, temperature: float):
 def grpo_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, ref_logp_BxT=None,
               clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
               norm: str = "token", max_tokens: int | None = None):
-  """(scalar loss, metrics {"clip_fraction", "kl", "ratio"}: means over trained tokens)."""
+  """(scalar loss, metrics {"clip_fraction", "kl", "kl_rollout", "ratio"}: means over
+  trained tokens)."""
   if norm not in NORMS:
     raise ValueError(f"rl.loss_norm must be one of {NORMS}, got {norm!r}")
   mask_BxT = mask_BxT.astype(jnp.float32)
@@ -39,8 +45,7 @@ def grpo_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, ref_logp_BxT=None,
   loss_BxT = -jnp.minimum(ratio_BxT * adv_Bx1, clipped_BxT * adv_Bx1)
   kl_BxT = jnp.zeros_like(loss_BxT)
   if ref_logp_BxT is not None and kl_coef:
-    d_BxT = ref_logp_BxT - logp_BxT
-    kl_BxT = jnp.exp(d_BxT) - d_BxT - 1.0
+    kl_BxT = _k3(ref_logp_BxT - logp_BxT)
     loss_BxT = loss_BxT + kl_coef * kl_BxT
   n = jnp.maximum(mask_BxT.sum(), 1.0)
   if norm == "token":
@@ -56,5 +61,11 @@ def grpo_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, ref_logp_BxT=None,
       (ratio_BxT > 1.0 + clip_high) & (adv_Bx1 > 0))
   metrics = {"clip_fraction": (was_clipped_BxT * mask_BxT).sum() / n,
              "kl": (kl_BxT * mask_BxT).sum() / n,
+             "kl_rollout": (_k3(old_logp_BxT - logp_BxT) * mask_BxT).sum() / n,
              "ratio": (ratio_BxT * mask_BxT).sum() / n}
   return loss, metrics
+
+
+def _k3(d_BxT):
+  """Schulman's k3 estimator of KL(π‖π_other) from d = logp_other − logp: ≥ 0, unbiased."""
+  return jnp.exp(d_BxT) - d_BxT - 1.0

@@ -262,10 +262,12 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
       passes = jax.device_get(passes)
       step += 1
       dt = time.perf_counter() - t0
-      m = {k: v for k, v in passes[-1].items() if k != "route_mismatch"}
-      if "route_mismatch" in passes[0]:
-        m["route_mismatch/first_pass"] = passes[0]["route_mismatch"]
-        m["route_mismatch/last_pass"] = passes[-1]["route_mismatch"]
+      # The rollout/training gaps, on the first pass (the rollout's params) and the last.
+      gaps = ("route_mismatch", "kl_rollout")
+      m = {k: v for k, v in passes[-1].items() if k not in gaps}
+      for k in gaps:
+        if k in passes[0]:
+          m[f"{k}/first_pass"], m[f"{k}/last_pass"] = passes[0][k], passes[-1][k]
       m.update({"reward/mean": reward_R.mean(), "reward/std": reward_R.std(),
                 "accuracy": correct_R.mean(), "response_tokens": ep.generated.mean(),
                 "tool_calls": ep.tool_calls.mean(), "rollout_s": t_roll,

@@ -1,0 +1,103 @@
+"""Gathers GRPO runs (scripts/grpo.py workdirs) into benchmarks/grpo_gpu.json and
+grpo_gpu.md: one row per (task, seed, replay), the schema the post-training record keeps.
+
+  python -m benchmarks.grpo_gpu --workdirs=/tmp/g_s0,/tmp/g_s0_noreplay,/tmp/g_s1 --out=$OUT
+
+Per run (its config.json and summary.json) and task: seed (rl.seed), replay
+(rl.routing_replay), n_heldout (held-out problems of that task: pass@1 draws them in turn
+over the tasks), greedy and sampled pass@1 before and after GRPO, and from
+metrics_grpo.jsonl the means over GRPO steps of route_mismatch (the training forward's own
+top-k against the rollout's, on each batch's first pass), kl_rollout (the same pass's k3 KL
+from the rollout policy) and clip_fraction; with date, commit and machine. Rows of other
+(task, seed, replay) already in --out's JSON are kept. Curves: benchmarks/grpo_report.py.
+"""
+
+import json
+import os
+
+import numpy as np
+from absl import app, flags
+
+from benchmarks import provenance
+
+_WORKDIRS = flags.DEFINE_list("workdirs", [], "scripts/grpo.py workdirs to gather.")
+_OUT = flags.DEFINE_string("out", "benchmarks", "Where grpo_gpu.json and .md go.")
+_MACHINE = flags.DEFINE_string("machine", "", "The machine the runs ran on (default: JAX's "
+                               "first device).")
+
+
+def _mean(rows: list[dict], key: str):
+  vals = [r[key] for r in rows if key in r]
+  return float(np.mean(vals)) if vals else None
+
+
+def rows_of(workdir: str, stamp: dict) -> list[dict]:
+  """The record rows of one finished scripts/grpo.py workdir."""
+  c = json.load(open(os.path.join(workdir, "config.json")))
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  if "final" not in summary:
+    raise ValueError(f"--workdirs: {workdir!r} has not finished (no final pass@1 in "
+                     "summary.json)")
+  train = [json.loads(line) for line in open(os.path.join(workdir, "metrics_grpo.jsonl"))
+           if line.strip()]
+  tasks = [t.strip() for t in c["data"]["tasks"].split(",") if t.strip()]
+  n_eval = c["rl"]["eval_prompts"]
+  before, after = summary["start"], summary["final"]
+  gaps = {"route_mismatch": _mean(train, "route_mismatch/first_pass"),
+          "kl_rollout": _mean(train, "kl_rollout/first_pass"),
+          "clip_fraction": _mean(train, "clip_fraction")}
+  return [{"task": t, "seed": c["rl"]["seed"], "replay": bool(c["rl"]["routing_replay"]),
+           "n_heldout": len(range(i, n_eval, len(tasks))), "grpo_steps": summary["step"],
+           "greedy_pass1_before": before[f"pass@1/{t}"],
+           "greedy_pass1_after": after[f"pass@1/{t}"],
+           "sampled_pass1_before": before.get(f"pass@1_sampled/{t}"),
+           "sampled_pass1_after": after.get(f"pass@1_sampled/{t}"),
+           **gaps, "workdir": os.path.basename(os.path.normpath(workdir)), **stamp}
+          for i, t in enumerate(tasks)]
+
+
+def markdown(rows: list[dict]) -> str:
+  f = lambda v: "—" if v is None else f"{v:.3f}"
+  lines = ["| task | seed | replay | held out | greedy pass@1 before → after (Δ) | "
+           "sampled before → after | route mismatch | KL from rollout | clip fraction |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for r in sorted(rows, key=lambda r: (r["task"], r["seed"], not r["replay"])):
+    d = r["greedy_pass1_after"] - r["greedy_pass1_before"]
+    lines.append(
+        f"| {r['task']} | {r['seed']} | {'on' if r['replay'] else 'off'} | {r['n_heldout']} | "
+        f"{f(r['greedy_pass1_before'])} → {f(r['greedy_pass1_after'])} ({d:+.3f}) | "
+        f"{f(r['sampled_pass1_before'])} → {f(r['sampled_pass1_after'])} | "
+        f"{f(r['route_mismatch'])} | {f(r['kl_rollout'])} | {f(r['clip_fraction'])} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  del argv
+  if not _WORKDIRS.value:
+    raise app.UsageError("--workdirs: give at least one scripts/grpo.py workdir")
+  machine = _MACHINE.value
+  if not machine:
+    import jax
+    machine = jax.devices()[0].device_kind
+  stamp = {"date": provenance.today(), "commit": provenance.commit(), "machine": machine}
+  new = [row for w in _WORKDIRS.value for row in rows_of(w, stamp)]
+  json_path = os.path.join(_OUT.value, "grpo_gpu.json")
+  old = json.load(open(json_path)) if os.path.exists(json_path) else []
+  key = lambda r: (r["task"], r["seed"], r["replay"])
+  done = {key(r) for r in new}
+  rows = [r for r in old if key(r) not in done] + new
+  os.makedirs(_OUT.value, exist_ok=True)
+  with open(json_path, "w") as fh:
+    json.dump(rows, fh, indent=1)
+  md = (f"# GRPO on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, {machine}; "
+        "`configs/grpo.py:h200`, gathered by `python -m benchmarks.grpo_gpu`. Means over GRPO "
+        "steps of each batch's first pass: route mismatch (the training forward's own top-k "
+        "against the rollout's), KL from the rollout policy (k3), clip fraction.\n\n"
+        + markdown(rows))
+  with open(os.path.join(_OUT.value, "grpo_gpu.md"), "w") as fh:
+    fh.write(md)
+  print(md)
+
+
+if __name__ == "__main__":
+  app.run(main)
