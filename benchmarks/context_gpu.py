@@ -19,10 +19,7 @@ from absl import app, flags
 
 from benchmarks import provenance
 
-_WORKDIRS = flags.DEFINE_list("workdirs", [], "extend_context.py workdirs to gather.")
-_OUT = flags.DEFINE_string("out", "benchmarks", "Where context_gpu.json/.md/.png go.")
-_MACHINE = flags.DEFINE_string("machine", "", "The machine the runs ran on (default: JAX's "
-                               "first device).")
+FLAGS = flags.FLAGS
 
 
 def _last_stage_config(workdir: str) -> dict:
@@ -97,19 +94,19 @@ def plot(rows: list[dict], path: str):
 
 def main(argv):
   del argv
-  if not _WORKDIRS.value:
+  if not FLAGS.workdirs:
     raise app.UsageError("--workdirs: give at least one extend_context.py workdir")
-  machine = _MACHINE.value
+  machine = FLAGS.machine
   if not machine:
     import jax
     machine = jax.devices()[0].device_kind
   stamp = {"date": provenance.today(), "commit": provenance.commit(), "machine": machine}
-  new = [row for w in _WORKDIRS.value for row in rows_of(w, stamp)]
-  json_path = os.path.join(_OUT.value, "context_gpu.json")
+  new = [row for w in FLAGS.workdirs for row in rows_of(w, stamp)]
+  json_path = os.path.join(FLAGS.out, "context_gpu.json")
   old = json.load(open(json_path)) if os.path.exists(json_path) else []
   done = {(r["run"], r["seed"]) for r in new}
   rows = [r for r in old if (r["run"], r["seed"]) not in done] + new
-  os.makedirs(_OUT.value, exist_ok=True)
+  os.makedirs(FLAGS.out, exist_ok=True)
   with open(json_path, "w") as f:
     json.dump(rows, f, indent=1)
   md = (f"# Staged context extension on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, "
@@ -117,11 +114,20 @@ def main(argv):
         "passkey: every answer digit right, key at a random depth; passkey @ d: the key at "
         "depth d of the filler (0 = a whole context away from the question).\n\n"
         + markdown(rows) + "\n![curves](context_gpu.png)\n")
-  with open(os.path.join(_OUT.value, "context_gpu.md"), "w") as f:
+  with open(os.path.join(FLAGS.out, "context_gpu.md"), "w") as f:
     f.write(md)
-  plot(rows, os.path.join(_OUT.value, "context_gpu.png"))
+  plot(rows, os.path.join(FLAGS.out, "context_gpu.png"))
   print(md)
 
 
+def define_flags():
+  """At run time, not import: tests import this module beside other tools' flags."""
+  flags.DEFINE_list("workdirs", [], "extend_context.py workdirs to gather.")
+  flags.DEFINE_string("out", "benchmarks", "Where context_gpu.json/.md/.png go.")
+  flags.DEFINE_string("machine", "", "The machine the runs ran on (default: JAX's first "
+                      "device).")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

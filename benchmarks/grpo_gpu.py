@@ -20,10 +20,7 @@ from absl import app, flags
 
 from benchmarks import provenance
 
-_WORKDIRS = flags.DEFINE_list("workdirs", [], "scripts/grpo.py workdirs to gather.")
-_OUT = flags.DEFINE_string("out", "benchmarks", "Where grpo_gpu.json and .md go.")
-_MACHINE = flags.DEFINE_string("machine", "", "The machine the runs ran on (default: JAX's "
-                               "first device).")
+FLAGS = flags.FLAGS
 
 
 def _mean(rows: list[dict], key: str):
@@ -73,20 +70,20 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv):
   del argv
-  if not _WORKDIRS.value:
+  if not FLAGS.workdirs:
     raise app.UsageError("--workdirs: give at least one scripts/grpo.py workdir")
-  machine = _MACHINE.value
+  machine = FLAGS.machine
   if not machine:
     import jax
     machine = jax.devices()[0].device_kind
   stamp = {"date": provenance.today(), "commit": provenance.commit(), "machine": machine}
-  new = [row for w in _WORKDIRS.value for row in rows_of(w, stamp)]
-  json_path = os.path.join(_OUT.value, "grpo_gpu.json")
+  new = [row for w in FLAGS.workdirs for row in rows_of(w, stamp)]
+  json_path = os.path.join(FLAGS.out, "grpo_gpu.json")
   old = json.load(open(json_path)) if os.path.exists(json_path) else []
   key = lambda r: (r["task"], r["seed"], r["replay"])
   done = {key(r) for r in new}
   rows = [r for r in old if key(r) not in done] + new
-  os.makedirs(_OUT.value, exist_ok=True)
+  os.makedirs(FLAGS.out, exist_ok=True)
   with open(json_path, "w") as fh:
     json.dump(rows, fh, indent=1)
   md = (f"# GRPO on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, {machine}; "
@@ -94,10 +91,19 @@ def main(argv):
         "steps of each batch's first pass: route mismatch (the training forward's own top-k "
         "against the rollout's), KL from the rollout policy (k3), clip fraction.\n\n"
         + markdown(rows))
-  with open(os.path.join(_OUT.value, "grpo_gpu.md"), "w") as fh:
+  with open(os.path.join(FLAGS.out, "grpo_gpu.md"), "w") as fh:
     fh.write(md)
   print(md)
 
 
+def define_flags():
+  """At run time, not import: tests import this module beside other tools' flags."""
+  flags.DEFINE_list("workdirs", [], "scripts/grpo.py workdirs to gather.")
+  flags.DEFINE_string("out", "benchmarks", "Where grpo_gpu.json and .md go.")
+  flags.DEFINE_string("machine", "", "The machine the runs ran on (default: JAX's first "
+                      "device).")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

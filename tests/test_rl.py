@@ -2,6 +2,10 @@
 gradients on a real multi-turn rollout, routing replay, rollout log-probs against the
 training forward, rewards and tools, the warm-up rows, and exact resume."""
 
+import os
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -23,7 +27,7 @@ from moe_jax.rl.tasks import Problem, Task
 from moe_jax.rl.trainer import policy_model_config, train_grpo
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
-from tests.conftest import make_small_config, rel_err
+from tests.conftest import ROOT, make_small_config, rel_err
 
 
 # ---- the loss against NumPy --------------------------------------------------------------
@@ -346,6 +350,13 @@ def test_grpo_record_rows_from_a_workdir(tmp_path):
   assert r["greedy_pass1_after"] == pytest.approx(0.7) and r["sampled_pass1_after"] == 0.4
   assert r["route_mismatch"] == pytest.approx(0.02) and r["kl_rollout"] == pytest.approx(1e-3)
   assert "| tools | 0 | on | 256 | 0.300 → 0.700 (+0.400) |" in grpo_gpu.markdown(rows)
+  out = tmp_path / "out"   # the command line, as a device call runs it
+  run = subprocess.run([sys.executable, "-m", "benchmarks.grpo_gpu", f"--workdirs={w}",
+                        f"--out={out}", "--machine=NVIDIA H200"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  assert run.returncode == 0, run.stderr[-2000:]
+  saved = json.load(open(out / "grpo_gpu.json"))
+  assert len(saved) == 3 and saved[0]["machine"] == "NVIDIA H200"
   (w / "summary.json").write_text(json.dumps({"start": start, "step": 3}))
   with pytest.raises(ValueError, match="has not finished"):
     grpo_gpu.rows_of(str(w), {})

@@ -3,7 +3,10 @@ state and Adam's moments exactly and restarts the schedule; a run killed mid-sta
 the same result as an uninterrupted one; the extrapolation evals are consistent."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +22,7 @@ from moe_jax.infer.workdir import load
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import optim, stages, state as state_lib
-from tests.conftest import make_small_config
+from tests.conftest import ROOT, make_small_config
 
 
 def _stages(tmp_corpus):
@@ -206,6 +209,14 @@ def test_context_record_rows_from_extend_context_workdirs(tmp_path):
   assert "passkey @ 0 | passkey @ 0.5" in md and "| staged | 1 | 8192 | 65536 | 8 | 0.500 |" in md
   with pytest.raises(ValueError, match="has no extrapolation.json"):
     context_gpu.rows_of(str(tmp_path / "nope" / "s2k"), stamp)
+  out = tmp_path / "out"   # the command line, as a device call runs it
+  run = subprocess.run([sys.executable, "-m", "benchmarks.context_gpu",
+                        f"--workdirs={tmp_path / 'nope'},{tmp_path / 'rope'}", f"--out={out}",
+                        "--machine=NVIDIA H200"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert len(json.load(open(out / "context_gpu.json"))) == 6
+  assert (out / "context_gpu.png").stat().st_size > 0
 
 
 def test_passkey_accuracy_at_a_fixed_depth():
