@@ -7,7 +7,7 @@
         shared key dims in MLA so that its RoPE control has the same parameters), pretrained
         at 2K on stdlib documents with 20% passkey and MQAR rows, then 8K and 32K, at 64K
         tokens a step on one H200; evals at 1×, 2×, 4× and 8× of 32K with passkey at five
-        depths. A run (stages, its direct control, evals) is sized for one device call;
+        depths. A run (stages, its direct control, evals) is sized for one ten-minute job;
         rerun, it resumes where it stopped. The controls:
           --config.run.model.mla_rope_theta=10000.0   RoPE on those dims (run `rope`)
           --config.run.seed=1 --config.run.data.shuffle_seed=1   the second seed
@@ -78,8 +78,8 @@ def get_config(arg="cpu"):
     run.eval.num_batches = 4
     run.checkpoint.every_steps = 200
     # 38 M tokens a run (26 M at 2K, 7.9 M at 8K, 3.9 M at 32K), so that a run and its
-    # evals fit one device call: a device machine's disk does not outlive the session, and
-    # a checkpoint with its Adam moments (10 GB) cannot be carried to the next one.
+    # evals fit one ten-minute job on one H200 and do not depend on checkpoints (10 GB with
+    # the Adam moments) outliving the job.
     sc.stages.s2k = _stage(2048, 400, 65536, 6e-4, 40)
     sc.stages.s8k = _stage(8192, 120, 65536, 3e-4, 12)
     sc.stages.s32k = _stage(32768, 60, 65536, 2e-4, 6)
