@@ -27,10 +27,11 @@ ratio against 762 TFLOP/s, the bf16 matmul rate measured through JAX on the H200
                                                   C keys) and state read/update, ×3)
 Recomputation (remat) is not counted: it is cost, not model work.
 
---baseline_dir=DIR times each row a second time on the code in DIR (a checkout of the
-previous default, e.g. `git worktree add /tmp/base <rev>`; carried to a device as an
-ignored path) in the same call, as row `<row>_baseline`: its loss after the timed steps
-sits beside the row's, the same data and seeds.
+--baseline_dir=DIR times each row a second time on the code in DIR (its moe_jax,
+pallas_kernels and configs: the previous default) in the same run, as row
+`<row>_baseline`: its loss after the timed steps sits beside the row's, the same data and
+seeds. `.baseline/` is ignored by git, for a checkout to carry to another machine:
+  mkdir -p .baseline && git archive <rev> moe_jax pallas_kernels configs | tar -x -C .baseline
 """
 
 import time
