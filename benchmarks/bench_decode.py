@@ -19,7 +19,6 @@ outputs and temporaries, without the buffers it donates and gets back), oom, dat
 """
 
 import gc
-import json
 import os
 import statistics
 import time
@@ -66,7 +65,8 @@ def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:
     jax.block_until_ready(out)
     times.append(time.perf_counter() - t)
   ms = 1e3 * statistics.median(times) / n
-  print(f"{variant} {L} × {batch}: {ms:.3f} ms/token, {batch * 1e3 / ms:,.0f} tokens/s", flush=True)
+  print(f"{variant} {L} × {batch}: {ms:.3f} ms/token, {batch * 1e3 / ms:,.0f} tokens/s",
+        flush=True)
   return {"variant": variant, "context": L, "ms_per_token": ms,
           "tokens_per_s": batch * 1e3 / ms, "peak_gib": peak,
           "ms_per_token_runs": [1e3 * t / n for t in times]}
@@ -98,8 +98,7 @@ def markdown(rows: list[dict], stamp: dict) -> str:
 
 def main(argv):
   del argv
-  stamp = {"date": provenance.today(), "commit": provenance.commit(),
-           "machine": jax.devices()[0].device_kind}
+  stamp = provenance.stamp()
   contexts = sorted(int(x) for x in blc._CONTEXTS.value.split(","))
   rows = []
   for variant in blc._VARIANTS.value.split(","):
@@ -115,13 +114,8 @@ def main(argv):
                if _BATCHES.value else search_batches(measure, _MAX_BATCH.value, _RESOLUTION.value))
       rows += [{"variant": variant, "context": L, **r, **stamp} for r in found]
   if blc._OUT.value:
-    os.makedirs(blc._OUT.value, exist_ok=True)
-    path = os.path.join(blc._OUT.value, "decode.json")
-    old = json.load(open(path)) if os.path.exists(path) else []
-    done = {(r["variant"], r["context"]) for r in rows}
-    with open(path, "w") as f:
-      json.dump([r for r in old if (r["variant"], r["context"]) not in done] + rows, f,
-                indent=1)
+    provenance.merge_rows(os.path.join(blc._OUT.value, "decode.json"), rows,
+                          lambda r: (r["variant"], r["context"], r["batch"]))
     with open(os.path.join(blc._OUT.value, "decode.md"), "a") as f:
       f.write("\n" + markdown(rows, stamp))
   print(markdown(rows, stamp))

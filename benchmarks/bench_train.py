@@ -345,7 +345,13 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
       rec.update(phase_profile(trace_dir, n_prof, ops) or {})
     except Exception as e:  # the profile is best effort; the timings above stand
       rec["phase_error"] = f"{type(e).__name__}: {e}"
-  # Outside the mesh (params.count traces one row) and after the timed start-up.
+  return rec   # FLOPs and MFU: add_mfu, in the parent, by this checkout's formula
+
+
+def add_mfu(rec: dict, name: str, extra=()) -> dict:
+  """A measured row with its model FLOPs (this checkout's formula and row config, also for
+  a `_baseline` row: both rows are counted alike), each phase's floor and, on a GPU, MFU."""
+  c = row_config(name, extra)
   rec["flops"] = flops = model_flops_per_step(c, rec["attention_pairs_per_step"])
   rec["phase_floor_ms"] = train_floors.phase_floors_ms(c, flops, PEAK_FLOPS)
   if rec["platform"] == "gpu":
@@ -466,7 +472,8 @@ def markdown(records: list[dict], extra) -> str:
            "each packed document.", ""]
   head = ("| row | device | dispatch | tokens/step | cold: init ‖ (lower + compile) = wall; "
           "launch→1st step s | warm: same | step ms (blocked; pipelined) | tokens/s | "
-          "× baseline or 1 device | MFU (blocked; pipelined) [762] | loss after | peak GiB / device |")
+          "× baseline or 1 device | MFU (blocked; pipelined) [762] | loss after | "
+          "peak GiB / device |")
   lines += [head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   by_row = {}
   for r in records:
@@ -551,6 +558,12 @@ def main(argv):
     records += run_row(name, _STEPS.value, _SET.value)
     if _BASELINE_DIR.value:
       records += run_row(name, _STEPS.value, _SET.value, _BASELINE_DIR.value)
+  # Counting traces the model abstractly: on the CPU, after the rows' processes are done
+  # (a GPU client here would have held device memory while they ran).
+  import jax
+  jax.config.update("jax_platforms", "cpu")
+  records = [add_mfu(r, r["row"].removesuffix("_baseline"), _SET.value) if "step_ms" in r
+             else r for r in records]
   old = json.load(open(json_path)) if os.path.exists(json_path) else []
   measured = {r["row"] for r in records}
   keep = [r for r in old if r["row"] not in measured]

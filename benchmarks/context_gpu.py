@@ -96,21 +96,13 @@ def main(argv):
   del argv
   if not FLAGS.workdirs:
     raise app.UsageError("--workdirs: give at least one extend_context.py workdir")
-  machine = FLAGS.machine
-  if not machine:
-    import jax
-    machine = jax.devices()[0].device_kind
-  stamp = {"date": provenance.today(), "commit": provenance.commit(), "machine": machine}
+  stamp = provenance.stamp(FLAGS.machine)
   new = [row for w in FLAGS.workdirs for row in rows_of(w, stamp)]
-  json_path = os.path.join(FLAGS.out, "context_gpu.json")
-  old = json.load(open(json_path)) if os.path.exists(json_path) else []
-  done = {(r["run"], r["seed"]) for r in new}
-  rows = [r for r in old if (r["run"], r["seed"]) not in done] + new
-  os.makedirs(FLAGS.out, exist_ok=True)
-  with open(json_path, "w") as f:
-    json.dump(rows, f, indent=1)
+  rows = provenance.merge_rows(os.path.join(FLAGS.out, "context_gpu.json"), new,
+                               lambda r: (r["run"], r["seed"]))
   md = (f"# Staged context extension on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, "
-        f"{machine}; `configs/stages.py:h200`, gathered by `python -m benchmarks.context_gpu`. "
+        f"{stamp['machine']}; `configs/stages.py:h200`, gathered by "
+        "`python -m benchmarks.context_gpu`. "
         "passkey: every answer digit right, key at a random depth; passkey @ d: the key at "
         "depth d of the filler (0 = a whole context away from the question).\n\n"
         + markdown(rows) + "\n![curves](context_gpu.png)\n")

@@ -72,21 +72,11 @@ def main(argv):
   del argv
   if not FLAGS.workdirs:
     raise app.UsageError("--workdirs: give at least one scripts/grpo.py workdir")
-  machine = FLAGS.machine
-  if not machine:
-    import jax
-    machine = jax.devices()[0].device_kind
-  stamp = {"date": provenance.today(), "commit": provenance.commit(), "machine": machine}
+  stamp = provenance.stamp(FLAGS.machine)
   new = [row for w in FLAGS.workdirs for row in rows_of(w, stamp)]
-  json_path = os.path.join(FLAGS.out, "grpo_gpu.json")
-  old = json.load(open(json_path)) if os.path.exists(json_path) else []
-  key = lambda r: (r["task"], r["seed"], r["replay"])
-  done = {key(r) for r in new}
-  rows = [r for r in old if key(r) not in done] + new
-  os.makedirs(FLAGS.out, exist_ok=True)
-  with open(json_path, "w") as fh:
-    json.dump(rows, fh, indent=1)
-  md = (f"# GRPO on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, {machine}; "
+  rows = provenance.merge_rows(os.path.join(FLAGS.out, "grpo_gpu.json"), new,
+                               lambda r: (r["task"], r["seed"], r["replay"]))
+  md = (f"# GRPO on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, {stamp['machine']}; "
         "`configs/grpo.py:h200`, gathered by `python -m benchmarks.grpo_gpu`. Means over GRPO "
         "steps of each batch's first pass: route mismatch (the training forward's own top-k "
         "against the rollout's), KL from the rollout policy (k3), clip fraction.\n\n"

@@ -26,3 +26,24 @@ def commit() -> str:
 
 def today() -> str:
   return datetime.date.today().isoformat()
+
+
+def stamp(machine: str = "") -> dict:
+  """{"date", "commit", "machine"}; machine defaults to JAX's first device's kind."""
+  if not machine:
+    import jax
+    machine = jax.devices()[0].device_kind
+  return {"date": today(), "commit": commit(), "machine": machine}
+
+
+def merge_rows(json_path: str, new: list[dict], key) -> list[dict]:
+  """Writes json_path's rows with those whose key(row) a new row has replaced by the new
+  ones (a record keeps what this run did not measure again); returns all rows."""
+  import json
+  old = json.load(open(json_path)) if os.path.exists(json_path) else []
+  done = {key(r) for r in new}
+  rows = [r for r in old if key(r) not in done] + new
+  os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+  with open(json_path, "w") as f:
+    json.dump(rows, f, indent=1)
+  return rows
