@@ -40,6 +40,18 @@ def _stage(seq_len, steps, tokens_per_step, learning_rate, warmup_steps, *,
       "remat": ml_collections.FieldReference(remat, field_type=bool)})
 
 
+def _retrieval_mix(run, fraction, every_steps):
+  """Package-length stdlib documents with this share of passkey and MQAR rows; evals and
+  checkpoints every `every_steps`."""
+  run.data.source = "stdlib_packages"
+  run.data.synthetic_fraction = fraction
+  run.data.synthetic_tasks = "passkey,mqar"
+  run.eval.every_steps = every_steps
+  run.eval.num_batches = 4
+  run.checkpoint.every_steps = every_steps
+  return run
+
+
 def get_config(arg="cpu"):
   sc = ml_collections.ConfigDict()
   sc.carry_optimizer = True     # Adam moments carried over a stage boundary (stages.py says why)
@@ -55,12 +67,7 @@ def get_config(arg="cpu"):
                                 # accuracy (besides the random-depth one); "" = none
 
   if arg == "cpu":
-    run = tiny.get_config()
-    run.data.source = "stdlib_packages"
-    run.data.synthetic_fraction = 0.2
-    run.data.synthetic_tasks = "passkey,mqar"
-    run.eval.every_steps = 100
-    run.eval.num_batches = 4
+    run = _retrieval_mix(tiny.get_config(), 0.2, 100)
     run.checkpoint.every_steps = 50
     sc.stages.s128 = _stage(128, 160, 2048, 3e-3, 20)
     sc.stages.s512 = _stage(512, 40, 2048, 1.5e-3, 10)
@@ -68,15 +75,9 @@ def get_config(arg="cpu"):
     sc.stage_names = "s128,s512,s1k"
     ev.chunk = 512
   elif arg == "h200":
-    run = long_context_1b.get_config()
+    run = _retrieval_mix(long_context_1b.get_config(), 0.2, 200)
     run.model.n_layers = 12
     run.model.mla_qk_rope_dim = 32
-    run.data.source = "stdlib_packages"
-    run.data.synthetic_fraction = 0.2
-    run.data.synthetic_tasks = "passkey,mqar"
-    run.eval.every_steps = 200
-    run.eval.num_batches = 4
-    run.checkpoint.every_steps = 200
     # 38 M tokens a run (26 M at 2K, 7.9 M at 8K, 3.9 M at 32K), so that a run and its
     # evals fit one ten-minute job on one H200 and do not depend on checkpoints (10 GB with
     # the Adam moments) outliving the job.
@@ -90,13 +91,7 @@ def get_config(arg="cpu"):
     ev.chunk = 8192
     ev.passkey_depths = "0,0.25,0.5,0.75,1"
   elif arg == "1b":
-    run = long_context_1b.get_config()
-    run.data.source = "stdlib_packages"
-    run.data.synthetic_fraction = 0.1
-    run.data.synthetic_tasks = "passkey,mqar"
-    run.eval.every_steps = 200
-    run.eval.num_batches = 4
-    run.checkpoint.every_steps = 200
+    run = _retrieval_mix(long_context_1b.get_config(), 0.1, 200)
     sc.stages.s8k = _stage(8192, 2000, 262144, 3e-4, 200)
     sc.stages.s64k = _stage(65536, 500, 262144, 1.5e-4, 50, remat=True)
     sc.stages.s256k = _stage(262144, 200, 524288, 1e-4, 20, remat=True)
