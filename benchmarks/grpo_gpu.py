@@ -54,7 +54,8 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-  f = lambda v: "—" if v is None else f"{v:.3f}"
+  def f(v, digits=3):
+    return "—" if v is None else f"{v:.2e}" if digits == "e" else f"{v:.{digits}f}"
   lines = ["| task | seed | replay | held out | greedy pass@1 before → after (Δ) | "
            "sampled before → after | route mismatch | KL from rollout | clip fraction |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -64,7 +65,8 @@ def markdown(rows: list[dict]) -> str:
         f"| {r['task']} | {r['seed']} | {'on' if r['replay'] else 'off'} | {r['n_heldout']} | "
         f"{f(r['greedy_pass1_before'])} → {f(r['greedy_pass1_after'])} ({d:+.3f}) | "
         f"{f(r['sampled_pass1_before'])} → {f(r['sampled_pass1_after'])} | "
-        f"{f(r['route_mismatch'])} | {f(r['kl_rollout'])} | {f(r['clip_fraction'])} |")
+        f"{f(r['route_mismatch'], 4)} | {f(r['kl_rollout'], 'e')} | "
+        f"{f(r['clip_fraction'])} |")
   return "\n".join(lines) + "\n"
 
 
