@@ -85,6 +85,8 @@ def plot(rows: list[dict], path: str):
                label=f"{run} (seed {seed})")
   for a, title in zip(ax, ("passkey (all digits right)", "MQAR (row)", "held-out bits/byte")):
     a.set(title=title, xlabel="eval length (tokens)")
+    if "bits" not in title:
+      a.set_ylim(-0.02, 1.02)
     a.set_xscale("log", base=2)
     a.grid(alpha=0.3)
     a.legend(fontsize=7)
