@@ -73,6 +73,11 @@ def test_grpo_loss_equals_numpy_reference(norm):
   assert abs(float(m["kl"]) - want_kl) < 1e-5
   assert abs(float(m["kl_rollout"]) - _np_kl_rollout(logp, old, mask)) < 1e-5
   assert float(m["kl_rollout"]) > 0.01   # the fixture's rollout policy differs
+  # Nearly equal policies (|d| ~ 1e-5): exp(d) − d − 1 in float32 would go below 0.
+  near = jnp.asarray(logp, jnp.float32) + 1e-5 * jnp.asarray(rng.normal(size=(B, T)), jnp.float32)
+  _, m_near = loss_lib.grpo_loss(near, jnp.asarray(logp, jnp.float32), jnp.asarray(adv),
+                                 jnp.asarray(mask))
+  assert 0.0 <= float(m_near["kl_rollout"]) < 1e-9
 
 
 def test_grpo_loss_rejects_unknown_normalisation():

@@ -67,5 +67,7 @@ def grpo_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, ref_logp_BxT=None,
 
 
 def _k3(d_BxT):
-  """Schulman's k3 estimator of KL(π‖π_other) from d = logp_other − logp: ≥ 0, unbiased."""
-  return jnp.exp(d_BxT) - d_BxT - 1.0
+  """Schulman's k3 estimator of KL(π‖π_other) from d = logp_other − logp: unbiased, ≥ 0.
+  As expm1(d) − d: exp(d) − d − 1 in float32 cancels to a few 1e-9 below 0 when the two
+  policies agree (|d| ~ 1e-5, as between the rollout and the first training pass)."""
+  return jnp.maximum(jnp.expm1(d_BxT) - d_BxT, 0.0)
