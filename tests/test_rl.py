@@ -80,6 +80,24 @@ def test_grpo_loss_equals_numpy_reference(norm):
   assert 0.0 <= float(m_near["kl_rollout"]) < 1e-9
 
 
+def test_token_logprobs_and_entropy_equal_numpy():
+  """The policy's log-prob of each target and its entropy (nats) at temperature 0.7, from
+  one log-softmax: against NumPy; uniform logits give ln V."""
+  rng = np.random.default_rng(1)
+  logits = rng.normal(0, 2, (2, 5, 11))
+  targets = rng.integers(0, 11, (2, 5))
+  z = logits / 0.7
+  logp_all = z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(
+      -1, keepdims=True)
+  logp, ent = loss_lib.token_logprobs_and_entropy(jnp.asarray(logits, jnp.float32),
+                                                  jnp.asarray(targets), 0.7)
+  np.testing.assert_allclose(logp, np.take_along_axis(logp_all, targets[..., None], -1)[..., 0],
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ent, -(np.exp(logp_all) * logp_all).sum(-1), rtol=1e-5, atol=1e-5)
+  _, flat = loss_lib.token_logprobs_and_entropy(jnp.zeros((1, 2, 11)), jnp.zeros((1, 2), int), 1.0)
+  np.testing.assert_allclose(flat, np.log(11.0), rtol=1e-6)
+
+
 def test_grpo_loss_rejects_unknown_normalisation():
   with pytest.raises(ValueError, match="rl.loss_norm"):
     loss_lib.grpo_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.zeros(1), jnp.ones((1, 2)),
@@ -313,13 +331,14 @@ def test_grpo_runs_and_resumes_exactly(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert int(straight["state"].step) == 3 * c.rl.passes
   m = straight["last_metrics"]
-  for k in ("reward/mean", "accuracy", "kl", "clip_fraction", "response_tokens",
+  for k in ("reward/mean", "accuracy", "kl", "clip_fraction", "response_tokens", "entropy",
             "route_mismatch/first_pass", "kl_rollout/first_pass", "tokens_per_sec",
             "accuracy/addition"):
     assert k in m and np.isfinite(m[k])
   assert m["route_mismatch/first_pass"] < 0.01 and m["kl"] >= 0
   # the first pass runs the rollout's params: fp32 inference and training paths agree
   assert 0 <= m["kl_rollout/first_pass"] < 1e-4
+  assert 0 < m["entropy"] < np.log(c.model.vocab_size)
   assert set(straight["start"]) == {f"{p}/{t}" for p in ("pass@1", "pass@1_sampled")
                                     for t in ("addition", "retrieval", "mean")}
   assert all(0.0 <= v <= 1.0 for v in straight["final"].values())

@@ -27,8 +27,16 @@ NORMS = ("token", "sequence", "constant")
 
 def token_logprobs(logits_BxTxV, targets_BxT, temperature: float):
   """log softmax(logits / temperature) at each target, fp32 (the sampled policy's)."""
+  return token_logprobs_and_entropy(logits_BxTxV, targets_BxT, temperature)[0]
+
+
+def token_logprobs_and_entropy(logits_BxTxV, targets_BxT, temperature: float):
+  """(token_logprobs, the sampled policy's entropy at each position in nats), from one
+  log-softmax. The entropy is reported, not optimised (its gradient is stopped): whether
+  updates sharpen the policy (greedy gains) or flatten it (greedy losses)."""
   logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
-  return jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], -1)[..., 0]
+  ent_BxT = jax.lax.stop_gradient(-(jnp.exp(logp_BxTxV) * logp_BxTxV).sum(-1))
+  return jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], -1)[..., 0], ent_BxT
 
 
 def grpo_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, ref_logp_BxT=None,

@@ -97,12 +97,14 @@ def make_pass(model_cfg, rl):
       if rl.routing_replay and "routes" in batch:
         variables["replay"] = replay.replay_variables(model_cfg, batch["routes"])
       (logits, aux), inter = model.apply(variables, inputs, mutable=["intermediates"])
-      logp = loss_lib.token_logprobs(logits, batch["targets"], rl.temperature)
+      logp, ent = loss_lib.token_logprobs_and_entropy(logits, batch["targets"], rl.temperature)
       loss, m = loss_lib.grpo_loss(
           logp, batch["old_logp"], batch["advantages"], batch["train_mask"],
           ref_logp_BxT=batch.get("ref_logp"), clip_low=rl.clip_low, clip_high=rl.clip_high,
           kl_coef=rl.kl_coef, norm=rl.loss_norm,
           max_tokens=rl.max_turns * rl.max_new_tokens)
+      mask = batch["train_mask"].astype(jnp.float32)
+      m["entropy"] = (ent * mask).sum() / jnp.maximum(mask.sum(), 1.0)
       penalty = sum((s["penalty"] for s in aux["routing"].values()), jnp.float32(0.0))
       return loss + penalty, (m, inter.get("intermediates", {}))
 
