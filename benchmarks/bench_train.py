@@ -354,11 +354,16 @@ def add_mfu(rec: dict, name: str, extra=()) -> dict:
   c = row_config(name, extra)
   rec["flops"] = flops = model_flops_per_step(c, rec["attention_pairs_per_step"])
   rec["phase_floor_ms"] = train_floors.phase_floors_ms(c, flops, PEAK_FLOPS)
-  if rec["platform"] == "gpu":
-    rec["peak_tflops"] = PEAK_FLOPS / 1e12
-    for key, ms in (("", "step_ms"), ("_pipelined", "step_ms_pipelined")):
-      rec[f"mfu{key}"] = mfu(flops["total"], rec[ms], rec["devices"])
-      rec[f"mfu{key}_measured_peak"] = mfu(flops["total"], rec[ms], rec["devices"],
+  return _with_mfu(rec, flops) if rec["platform"] == "gpu" else rec
+
+
+def _with_mfu(rec: dict, flops: dict) -> dict:
+  """rec with peak_tflops and MFU (against 989, and the measured 762) of its step times."""
+  rec["peak_tflops"] = PEAK_FLOPS / 1e12
+  for key, ms in (("", "step_ms"), ("_pipelined", "step_ms_pipelined")):
+    if rec.get(ms):
+      rec[f"mfu{key}"] = mfu(flops["total"], rec[ms], rec.get("devices", 1))
+      rec[f"mfu{key}_measured_peak"] = mfu(flops["total"], rec[ms], rec.get("devices", 1),
                                            MEASURED_PEAK_FLOPS)
   return rec
 
@@ -395,16 +400,10 @@ def restate(rec: dict) -> dict:
     flops = {**old, "mla_attention": mla, "total": old["matmul"] + mla + old["kda"],
              "attention_pairs": pairs,
              "attention_pairs_full_row": c.data.batch_size * c.data.seq_len ** 2 // 2}
-  out = {**rec, "flops": flops, "peak_tflops": PEAK_FLOPS / 1e12,
-         "restated": {"date": provenance.today(), "was": {k: rec.get(k) for k in (
-             "mfu", "mfu_pipelined")}, "how": "bench_train --restate: 989 TFLOP/s, "
-             "document-masked attention pairs; step times as measured"}}
-  for key, ms in (("", "step_ms"), ("_pipelined", "step_ms_pipelined")):
-    if rec.get(ms):
-      out[f"mfu{key}"] = mfu(flops["total"], rec[ms], rec.get("devices", 1))
-      out[f"mfu{key}_measured_peak"] = mfu(flops["total"], rec[ms], rec.get("devices", 1),
-                                           MEASURED_PEAK_FLOPS)
-  return out
+  return _with_mfu({**rec, "flops": flops, "restated": {
+      "date": provenance.today(), "was": {k: rec.get(k) for k in ("mfu", "mfu_pipelined")},
+      "how": "bench_train --restate: 989 TFLOP/s, document-masked attention pairs; step "
+             "times as measured"}}, flops)
 
 
 def run_row(name: str, steps: int, extra, code_dir: str = "") -> list[dict]:
