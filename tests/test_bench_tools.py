@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import bench_train, xprof_tables
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 
 def test_fusion_kernels_map_to_their_named_scope():
@@ -90,7 +90,7 @@ def test_bench_kda_knobs_set_either_module_and_undo():
   what plans a device call). In its own process: bench_kda and bench_train both define
   --out."""
   run = subprocess.run([sys.executable, "-c", _KNOB_CHECK], cwd=ROOT, capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+                       text=True, env=subprocess_env(), timeout=300)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
@@ -225,7 +225,7 @@ def test_bench_train_row_and_its_baseline_on_cpu(tmp_path):
       [sys.executable, "-m", "benchmarks.bench_train", "--rows=tiny_cpu", f"--out={out}",
        "--steps=2", "--warm=", f"--baseline_dir={ROOT}", "--set=data.seq_len=128",
        "--set=data.batch_size=4"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-      env={**os.environ, "PYTHONPATH": ROOT, "MOE_JAX_COMMIT": "abc1234"})
+      env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu"))
   assert run.returncode == 0, run.stderr[-3000:]
   rows = {r["row"]: r for r in json.load(open(out / "train.json"))}
   row, base = rows["tiny_cpu"], rows["tiny_cpu_baseline"]
@@ -295,7 +295,7 @@ def test_bench_decode_rows_on_cpu(tmp_path):
       [sys.executable, "-m", "benchmarks.bench_decode", "--small", "--contexts=64",
        "--batches=1,2", "--decode_tokens=4", "--repeats=2", f"--out={tmp_path}"],
       cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env={**os.environ, "PYTHONPATH": ROOT, "MOE_JAX_COMMIT": "abc1234"})
+      env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu"))
   assert run.returncode == 0, run.stderr[-3000:]
   rows = json.load(open(tmp_path / "decode.json"))
   assert {(r["variant"], r["batch"]) for r in rows} == {

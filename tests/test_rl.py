@@ -2,7 +2,6 @@
 gradients on a real multi-turn rollout, routing replay, rollout log-probs against the
 training forward, rewards and tools, the warm-up rows, and exact resume."""
 
-import os
 import subprocess
 import sys
 
@@ -27,7 +26,7 @@ from moe_jax.rl.tasks import Problem, Task
 from moe_jax.rl.trainer import policy_model_config, train_grpo
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
-from tests.conftest import ROOT, make_small_config, rel_err
+from tests.conftest import ROOT, make_small_config, rel_err, subprocess_env
 
 
 # ---- the loss against NumPy --------------------------------------------------------------
@@ -377,7 +376,7 @@ def test_grpo_record_rows_from_a_workdir(tmp_path):
   out = tmp_path / "out"   # the command line, as a device call runs it
   run = subprocess.run([sys.executable, "-m", "benchmarks.grpo_gpu", f"--workdirs={w}",
                         f"--out={out}", "--machine=NVIDIA H200"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+                       text=True, timeout=120, env=subprocess_env())
   assert run.returncode == 0, run.stderr[-2000:]
   saved = json.load(open(out / "grpo_gpu.json"))
   assert len(saved) == 3 and saved[0]["machine"] == "NVIDIA H200"

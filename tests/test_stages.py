@@ -3,7 +3,6 @@ state and Adam's moments exactly and restarts the schedule; a run killed mid-sta
 the same result as an uninterrupted one; the extrapolation evals are consistent."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from moe_jax.infer.workdir import load
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.parallel.mesh import make_mesh
 from moe_jax.train import optim, stages, state as state_lib
-from tests.conftest import ROOT, make_small_config
+from tests.conftest import ROOT, make_small_config, subprocess_env
 
 
 def _stages(tmp_corpus):
@@ -213,7 +212,7 @@ def test_context_record_rows_from_extend_context_workdirs(tmp_path):
   run = subprocess.run([sys.executable, "-m", "benchmarks.context_gpu",
                         f"--workdirs={tmp_path / 'nope'},{tmp_path / 'rope'}", f"--out={out}",
                         "--machine=NVIDIA H200"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+                       timeout=120, env=subprocess_env())
   assert run.returncode == 0, run.stderr[-2000:]
   assert len(json.load(open(out / "context_gpu.json"))) == 6
   assert (out / "context_gpu.png").stat().st_size > 0
