@@ -4,8 +4,8 @@
 #   HALF=kernels bash tests/gpu_suite.sh       the kernel and inference files (KERNELS below)
 #   HALF=rest bash tests/gpu_suite.sh          every other tests/test_*.py
 # The two halves together are every test file, each half within one 10-minute device call.
-# On the project's lent H200 (no network), carry .whl (../shared/device/wheels.sh) and this
-# installs it first. Workers share the GPU: conftest turns JAX's 75% preallocation off, and
+# On the project's lent H200 (no network), carry .whl_gpu and .whl_ref (tests/gpu_wheels.sh)
+# and this installs them first. Workers share the GPU: conftest turns JAX's 75% preallocation off, and
 # the suite's time is mostly compiles, which several processes run side by side. One H200,
 # 14 workers: `WORKERS=14 HALF=kernels` and `WORKERS=14 HALF=rest`, one device call each.
 set -o pipefail
@@ -14,6 +14,16 @@ if [ -d "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$wheels"/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
+fi
+# The live Kimi Linear comparison (tests/test_kimi_hf.py) runs transformers 5.23 in a
+# subprocess: the image's Python with .whl_ref's transformers in front of its own 5.17.
+ref_wheels=${REF_WHEELS:-.whl_ref}
+if [ -d "$ref_wheels" ] && [ -z "${KIMI_REFERENCE_PYTHON:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/ref "$ref_wheels"/*.whl || exit 1
+  printf '#!/bin/sh\nPYTHONPATH=/tmp/ref:$PYTHONPATH exec python3 "$@"\n' > /tmp/ref/python
+  chmod +x /tmp/ref/python
+  export KIMI_REFERENCE_PYTHON=/tmp/ref/python
 fi
 export PYTHONUNBUFFERED=1
 # Workers share the GPU. JAX's default allocator keeps each process's peak as a pool it never

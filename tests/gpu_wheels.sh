@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# .whl_gpu: the wheels to carry to the H200 for the full suite, notebooks included. It is
-# ../shared/device/wheels.sh's .whl, less what the GPU image already has (scikit-learn) or
-# the suite does not use (fla), plus nbclient / ipykernel and their dependencies and the
-# pinned sentencepiece / tokenizers. It fits the device tool's 64 MiB carry limit.
+# The wheels to carry to the H200 (the device tool carries 64 MiB with the tracked tree):
+#   .whl_gpu   the full suite, notebooks included: ../shared/device/wheels.sh's .whl, less
+#              what the GPU image already has (scikit-learn) or the suite does not use (fla,
+#              xprof), plus nbclient / ipykernel and their dependencies and the pinned
+#              sentencepiece / tokenizers;
+#   .whl_ref   transformers 5.23 (the image has 5.17, without Kimi Linear), for the live
+#              comparison in tests/test_kimi_hf.py: gpu_suite.sh makes a reference Python of it;
+#   .whl_prof  xprof (32 MiB), for the benchmarks' profiles only (bench_train --profile).
 #   bash tests/gpu_wheels.sh            (run from the repo root, after wheels.sh)
-#   carry [".whl_gpu"]; WHEELS=.whl_gpu bash tests/gpu_suite.sh
+#   carry [".whl_gpu", ".whl_ref"]; WHEELS=.whl_gpu bash tests/gpu_suite.sh
 set -euo pipefail
 [ -d .whl ] || { echo "run ../shared/device/wheels.sh first (.whl is missing)" >&2; exit 1; }
-rm -rf .whl_gpu /tmp/moe_jax_nb_wheels && mkdir -p .whl_gpu /tmp/moe_jax_nb_wheels
+rm -rf .whl_gpu .whl_ref .whl_prof /tmp/moe_jax_nb_wheels
+mkdir -p .whl_gpu .whl_ref .whl_prof /tmp/moe_jax_nb_wheels
 cp .whl/*.whl .whl_gpu/
 rm -f .whl_gpu/scikit_learn-* .whl_gpu/fla_core-* .whl_gpu/flash_linear_attention-*
+mv .whl_gpu/xprof-* .whl_prof/
+python3 -m pip download -q --no-deps --only-binary=:all: -d .whl_ref transformers==5.23.0
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d /tmp/moe_jax_nb_wheels \
@@ -25,4 +32,4 @@ for f in /tmp/moe_jax_nb_wheels/*.whl; do
     *) cp "$f" .whl_gpu/ ;;
   esac
 done
-du -sh .whl_gpu
+du -sh .whl_gpu .whl_ref .whl_prof

@@ -36,6 +36,7 @@ PUBLISHED = os.path.join(ROOT, "tests", "data", "kimi_linear_48b_a3b_config.json
 TOL = 1e-4   # ‖ours − reference‖ / ‖reference‖ in fp32 (measured: 2.7e-7)
 REFERENCE_PYTHON = os.environ.get("KIMI_REFERENCE_PYTHON",
                                   os.path.join(ROOT, ".venv-ref", "bin", "python"))
+REFERENCE_TORCH = "2.13.0+cpu"   # Makefile's reference-env, which made tests/data/kimi_tiny
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +213,13 @@ def _reference(*args):
   assert r.returncode == 0, r.stderr[-3000:]
 
 
+def _reference_torch() -> str:
+  r = subprocess.run([REFERENCE_PYTHON, "-c", "import torch; print(torch.__version__)"],
+                     capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout.strip()
+
+
 @pytest.mark.slow
 def test_live_against_transformers(tmp_path):
   """The reference run now: a fresh random model and outputs by transformers, compared as
@@ -222,7 +230,12 @@ def test_live_against_transformers(tmp_path):
   _reference("make", "--out", tmp_path / "ref")
   ref = dict(np.load(tmp_path / "ref" / "reference.npz"))
   fixture = dict(np.load(os.path.join(FIXTURE, "reference.npz")))
-  np.testing.assert_array_equal(ref["logits"], fixture["logits"])   # the fixture is current
+  # The fixture is current: bit-equal under `make reference-env`'s torch; another build's
+  # CPU kernels (the GPU image's torch) may round differently, so there only within TOL.
+  if _reference_torch() == REFERENCE_TORCH:
+    np.testing.assert_array_equal(ref["logits"], fixture["logits"])
+  else:
+    assert rel_err(ref["logits"], fixture["logits"]) < TOL
   config, variables = kimi_hf.load(str(tmp_path / "ref" / "released"))
   assert rel_err(_logits(config, variables, ref["tokens"]), ref["logits"]) < TOL
   np.save(tmp_path / "tokens.npy", ref["tokens"])
