@@ -30,9 +30,14 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # whose time is in running, not compiling, can drop it there (xla_flags_without).
 FAST_CPU_COMPILE = ("--xla_backend_optimization_level=0",
                     "--xla_llvm_disable_expensive_passes=true")
-if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FAST_CPU_COMPILE]).strip()
+# On a GPU, XLA autotunes GEMMs and Triton fusions while it compiles (it times every candidate
+# kernel); the suite checks values, not speed, so level 0 takes each op's default kernel. Inherited by every subprocess the tests start, as the CPU flags are.
+FAST_GPU_COMPILE = ("--xla_gpu_autotune_level=0",)
+_ON_GPU = shutil.which("nvidia-smi") is not None
+_FAST, _NAMED = ((FAST_GPU_COMPILE, "xla_gpu_autotune_level") if _ON_GPU
+                 else (FAST_CPU_COMPILE, "xla_backend_optimization_level"))
+if _NAMED not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_FAST]).strip()
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ   # else the user's, kept
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe_jax_tests_xla_")
