@@ -33,8 +33,8 @@ FAST_CPU_COMPILE = ("--xla_backend_optimization_level=0",
 # On a GPU, XLA autotunes GEMMs and Triton fusions while it compiles (it times every candidate
 # kernel); the suite checks values, not speed, so level 0 takes each op's default kernel. Inherited by every subprocess the tests start, as the CPU flags are.
 FAST_GPU_COMPILE = ("--xla_gpu_autotune_level=0",)
-_ON_GPU = shutil.which("nvidia-smi") is not None
-_FAST, _NAMED = ((FAST_GPU_COMPILE, "xla_gpu_autotune_level") if _ON_GPU
+_GPU_MACHINE = shutil.which("nvidia-smi") is not None   # before jax starts
+_FAST, _NAMED = ((FAST_GPU_COMPILE, "xla_gpu_autotune_level") if _GPU_MACHINE
                  else (FAST_CPU_COMPILE, "xla_backend_optimization_level"))
 if _NAMED not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_FAST]).strip()
@@ -56,6 +56,15 @@ ON_GPU = jax.default_backend() == "gpu"
 def pytest_unconfigure(config):
   if _OWN_CACHE and not hasattr(config, "workerinput"):   # the process that made it
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def pytest_runtest_logreport(report):
+  """With PYTEST_FAILURE_LOG set (gpu_suite.sh), each failure's traceback is appended there
+  when it happens (by the controlling process only), not just in the summary at the end."""
+  path = os.environ.get("PYTEST_FAILURE_LOG")
+  if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+    with open(path, "a") as f:
+      f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,19 +2,23 @@
 # The wheels to carry to the H200 (the device tool carries 64 MiB with the tracked tree):
 #   .whl_gpu   the full suite, notebooks included: ../shared/device/wheels.sh's .whl, less
 #              what the GPU image already has (scikit-learn) or the suite does not use (fla,
-#              xprof), plus nbclient / ipykernel and their dependencies and the pinned
-#              sentencepiece / tokenizers;
-#   .whl_ref   transformers 5.23 (the image has 5.17, without Kimi Linear), for the live
-#              comparison in tests/test_kimi_hf.py: gpu_suite.sh makes a reference Python of it;
-#   .whl_prof  xprof (32 MiB), for the benchmarks' profiles only (bench_train --profile).
+#              cryptography; xprof goes to .whl_prof), plus nbclient / ipykernel and their
+#              dependencies and the pinned sentencepiece / tokenizers;
+#   .whl_ref   transformers 5.23, the pinned reference (the image's 5.17 has a Kimi Linear
+#              that differs: its cache and expert-mask code), for the live comparison in
+#              tests/test_kimi_hf.py: gpu_suite.sh makes a reference Python of it;
+#   .whl_prof  xprof (32 MiB): `import tokamax` imports it (tokamax.benchmarking), and the
+#              benchmarks' profiles read with it (bench_train --profile).
 #   bash tests/gpu_wheels.sh            (run from the repo root, after wheels.sh)
-#   carry [".whl_gpu", ".whl_ref"]; WHEELS=.whl_gpu bash tests/gpu_suite.sh
+# With the tracked tree (8 MB) all three exceed 64 MiB, so the suite's halves carry
+# [".whl_gpu", ".whl_prof"] (kernels: tokamax) and [".whl_gpu", ".whl_ref"] (rest).
 set -euo pipefail
 [ -d .whl ] || { echo "run ../shared/device/wheels.sh first (.whl is missing)" >&2; exit 1; }
 rm -rf .whl_gpu .whl_ref .whl_prof /tmp/moe_jax_nb_wheels
 mkdir -p .whl_gpu .whl_ref .whl_prof /tmp/moe_jax_nb_wheels
 cp .whl/*.whl .whl_gpu/
 rm -f .whl_gpu/scikit_learn-* .whl_gpu/fla_core-* .whl_gpu/flash_linear_attention-*
+rm -f .whl_gpu/cryptography-*   # google-auth's optional extra (GCS paths): no test reaches it
 mv .whl_gpu/xprof-* .whl_prof/
 python3 -m pip download -q --no-deps --only-binary=:all: -d .whl_ref transformers==5.23.0
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
