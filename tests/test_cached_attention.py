@@ -79,6 +79,9 @@ def test_lowers_to_triton(h200, D, Dv):  # noqa: F811
     (2, 2, 32, 200, [[10, 10], [0, 0]], [11, 0]),
     # A rank above 256: fewer positions a step (launch_knobs), several of them per chunk.
     (1, 4, 512, 300, [[150, 150, 299, 299]], [280]),
+    # Kimi Linear's latent with its shared key dims: two tiles, 512 + 64.
+    (2, 4, 576, 300, [[150, 150, 299, 299], [7, 7, 8, 8]], [280, 9]),
+    (1, 2, 48, 100, [[60, 99]], [100]),
 ])
 def test_latent_decode_equals_materialised_attention(B, Q, R, S, pos, kv_len, monkeypatch):
   monkeypatch.setattr(ld, "CHUNK", 128)
@@ -93,13 +96,16 @@ def test_latent_decode_equals_materialised_attention(B, Q, R, S, pos, kv_len, mo
 
 
 def test_latent_decode_rejects_ranks_it_cannot_tile():
-  with pytest.raises(ValueError, match="power of two >= 16, got R=24"):
+  assert [ld.rank_parts(R) for R in (16, 512, 576, 48, 24, 40, 8)] == [
+      (16,), (512,), (512, 64), (32, 16), None, None, None]
+  with pytest.raises(ValueError, match=r"sum of two \(e.g. 576 = 512 \+ 64\), got R=24"):
     ld.latent_decode_attention(jnp.zeros((1, 2, 24)), jnp.zeros((1, 64, 24)),
                                jnp.zeros((1, 2), jnp.int32), jnp.ones(1, jnp.int32))
 
 
-def test_latent_decode_lowers_to_triton(h200):  # noqa: F811
-  args = (jnp.zeros((1, 16, 256), jnp.bfloat16), jnp.zeros((1, 5000, 256), jnp.bfloat16),
+@pytest.mark.parametrize("R", [256, 576])
+def test_latent_decode_lowers_to_triton(h200, R):  # noqa: F811
+  args = (jnp.zeros((1, 16, R), jnp.bfloat16), jnp.zeros((1, 5000, R), jnp.bfloat16),
           jnp.zeros((1, 16), jnp.int32), jnp.ones(1, jnp.int32))
   fn = lambda *a: ld.latent_decode_attention(*a, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -169,10 +169,11 @@ def test_cached_prefill_attention_matches_reference():
   assert rel_err(got.astype(jnp.float32), ref) < 1e-2
 
 
-@pytest.mark.parametrize("Q,R", [(16, 256), (32, 512)])
+@pytest.mark.parametrize("Q,R", [(16, 256), (32, 512), (32, 576)])
 def test_latent_decode_matches_materialised_attention(Q, R):
   """Decode rows (heads × new tokens) over a 32K latent cache, rows filled to different
-  lengths: long_context_1b's 16 heads at rank 256, Kimi-48B's 32 heads at rank 512."""
+  lengths: long_context_1b's 16 heads at rank 256, Kimi-48B's 32 heads at rank 512 and
+  with its 64 shared key dims (576, two tiles)."""
   B, S = 4, 32768
   kq, kc = jax.random.split(jax.random.key(3), 2)
   q = jax.random.normal(kq, (B, Q, R)) * R ** -0.5

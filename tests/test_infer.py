@@ -247,16 +247,19 @@ def test_rope_mla_decode_reproduces_full_forward():
 
 
 @pytest.mark.gpu
-def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch):
+@pytest.mark.parametrize("rope_dim", [0, 64])
+def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch, rope_dim):
   """Kimi-Linear-48B's MLA shapes (32 heads, kv_lora_rank 512, qk 128, v 128, no q LoRA):
   token-by-token decode through the split-cache latent kernel at rank 512 (32 query rows a
-  step) gives the full forward's logits; a cache of 4 chunks of 1024 positions."""
+  step) gives the full forward's logits; a cache of 4 chunks of 1024 positions. With the
+  published 64 shared key dims the cache rows are 576 wide: the kernel's two tiles."""
   monkeypatch.setattr(latent_decode, "CHUNK", 1024)
   calls = count_calls(monkeypatch, latent_decode, "latent_decode_attention")
   c = make_small_config()
   c.model.update({"dtype": "float32", "n_layers": 1, "layer_pattern": "A", "d_model": 256,
                   "n_heads": 32, "mla_q_lora_rank": 0, "mla_kv_lora_rank": 512,
-                  "mla_qk_head_dim": 128, "mla_v_head_dim": 128, "mla_implementation": "gpu"})
+                  "mla_qk_head_dim": 128, "mla_qk_rope_dim": rope_dim, "mla_v_head_dim": 128,
+                  "mla_implementation": "gpu"})
   lengths, prompt = np.array([24, 17]), np.array([8, 5])
   _, errs = _prefill_then_decode_errors(c, lengths, prompt, cache_len=4096, seed=2)
   assert calls, "decode did not take the latent kernel"

@@ -10,6 +10,10 @@ a small XLA step merges the partials. The latent is read once per step, and the 
 length is read inside the kernel, so the step has no loop that the host has to drive.
 
   grid (B, ⌈S / CHUNK⌉), rows [Q, R] per program, key blocks of `launch_knobs(R)` positions.
+
+Triton tiles are powers of two, and padding the latent would copy the whole cache every
+step, so a rank that is not one is read as two tiles side by side (`rank_parts`): Kimi
+Linear's latent, kv_lora 512 plus its 64 shared key dims, is 576 = 512 + 64.
 """
 
 import functools
@@ -41,24 +45,36 @@ def launch_knobs(R: int) -> tuple[int, int]:
   return max(16, BLOCK_K // scale), min(16, NUM_WARPS * scale)
 
 
-def _kernel(kv_len_ref, pos_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, block_k, chunk):
-  Q, R = q_ref.shape
-  S = c_ref.shape[0]
+def rank_parts(R: int) -> tuple[int, ...] | None:
+  """The latent rank as at most two power-of-two tiles ≥ 16 (the larger first, so each
+  starts at a whole number of its own widths), or None."""
+  if R >= 16 and tile_dim(R) == R:
+    return (R,)
+  hi = 1 << (R.bit_length() - 1)
+  lo = R - hi
+  return (hi, lo) if lo >= 16 and tile_dim(lo) == lo else None
+
+
+def _kernel(kv_len_ref, pos_ref, *refs, block_k, chunk, n_parts):
+  q_refs, c_refs = refs[:n_parts], refs[n_parts:2 * n_parts]
+  m_ref, l_ref, acc_refs = refs[2 * n_parts], refs[2 * n_parts + 1], refs[2 * n_parts + 2:]
+  Q = q_refs[0].shape[0]
+  S = c_refs[0].shape[0]
   kv_len = kv_len_ref[0]
   pos_Q = pos_ref[...]
   first = pl.program_id(1) * chunk
   # Positions this chunk may need: below the filled length and the last query's position.
   hi = jnp.minimum(jnp.minimum(kv_len, jnp.max(pos_Q) + 1), first + chunk)
   n_blocks = (jnp.maximum(hi - first, 0) + block_k - 1) // block_k
-  q_QxR = q_ref[...]
+  qs = [q_ref[...] for q_ref in q_refs]
 
   def body(j, carry):
-    m_Q, l_Q, acc_QxR = carry
+    m_Q, l_Q, accs = carry
     nominal = first + j * block_k
     start = jnp.minimum(nominal, S - block_k)  # a block past S overlaps the one before
-    c_KxR = c_ref[pl.ds(start, block_k), :]
-    s_QxK = jax.lax.dot_general(q_QxR, c_KxR, (((1,), (1,)), ((), ())),
-                                preferred_element_type=F32)
+    cs = [c_ref[pl.ds(start, block_k), :] for c_ref in c_refs]
+    s_QxK = sum(jax.lax.dot_general(q_QxW, c_KxW, (((1,), (1,)), ((), ())),
+                                    preferred_element_type=F32) for q_QxW, c_KxW in zip(qs, cs))
     j_K = start + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
     visible_QxK = ((j_K[None, :] >= nominal) & (j_K[None, :] < first + chunk)
                    & (j_K[None, :] <= pos_Q[:, None]) & (j_K[None, :] < kv_len))
@@ -67,18 +83,22 @@ def _kernel(kv_len_ref, pos_ref, q_ref, c_ref, m_ref, l_ref, acc_ref, *, block_k
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p_QxK = jnp.exp(s_QxK - m_safe[:, None])
     corr_Q = jnp.exp(m_Q - m_safe)
-    acc_QxR = acc_QxR * corr_Q[:, None] + jnp.dot(p_QxK.astype(c_KxR.dtype), c_KxR,
-                                                  preferred_element_type=F32)
-    return m_new, l_Q * corr_Q + p_QxK.sum(axis=1), acc_QxR
+    accs = tuple(acc_QxW * corr_Q[:, None] + jnp.dot(p_QxK.astype(c_KxW.dtype), c_KxW,
+                                                      preferred_element_type=F32)
+                 for acc_QxW, c_KxW in zip(accs, cs))
+    return m_new, l_Q * corr_Q + p_QxK.sum(axis=1), accs
 
-  init = (jnp.full((Q,), -jnp.inf, F32), jnp.zeros((Q,), F32), jnp.zeros((Q, R), F32))
-  m_Q, l_Q, acc_QxR = jax.lax.fori_loop(0, n_blocks, body, init)
-  m_ref[...], l_ref[...], acc_ref[...] = m_Q, l_Q, acc_QxR
+  init = (jnp.full((Q,), -jnp.inf, F32), jnp.zeros((Q,), F32),
+          tuple(jnp.zeros((Q, c_ref.shape[1]), F32) for c_ref in c_refs))
+  m_Q, l_Q, accs = jax.lax.fori_loop(0, n_blocks, body, init)
+  m_ref[...], l_ref[...] = m_Q, l_Q
+  for acc_ref, acc_QxW in zip(acc_refs, accs):
+    acc_ref[...] = acc_QxW
 
 
 def fits(R: int) -> bool:
-  """The latent rank is a whole tile (padding it would copy the whole cache every step)."""
-  return tile_dim(R) == R
+  """The latent rank is one or two whole tiles (rank_parts)."""
+  return rank_parts(R) is not None
 
 
 def latent_decode_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B, *, interpret=None):
@@ -90,9 +110,10 @@ def latent_decode_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B, *, interpret=
   """
   B, Q, R = q_BxQxR.shape
   S = ckv_BxSxR.shape[1]
-  if not fits(R):
+  parts = rank_parts(R)
+  if parts is None:
     raise ValueError(f"latent_decode_attention needs a latent rank R that is a power of two "
-                     f">= 16, got R={R}")
+                     f">= 16 or the sum of two (e.g. 576 = 512 + 64), got R={R}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   block_k, num_warps = launch_knobs(R)
@@ -107,20 +128,25 @@ def latent_decode_attention(q_BxQxR, ckv_BxSxR, pos_BxQ, kv_len_B, *, interpret=
   n_chunks = pl.cdiv(S, chunk)
   params = None if interpret else pltriton.CompilerParams(num_warps=num_warps,
                                                           num_stages=NUM_STAGES)
-  part = lambda *shape: pl.BlockSpec((None, None, *shape), lambda b, c: (b, c) + (0,) * len(shape))
-  m_BxCxQ, l_BxCxQ, acc_BxCxQxR = pl.pallas_call(
-      functools.partial(_kernel, block_k=block_k, chunk=chunk),
+  per_chunk = lambda *shape: pl.BlockSpec((None, None, *shape),
+                                          lambda b, c: (b, c) + (0,) * len(shape))
+  # Tile i of the rank: width w at column offset o, which is o // w whole blocks of w.
+  offsets = [sum(parts[:i]) for i in range(len(parts))]
+  cols = lambda rows, w, o: pl.BlockSpec((None, rows, w), lambda b, c: (b, 0, o // w))
+  m_BxCxQ, l_BxCxQ, *accs = pl.pallas_call(
+      functools.partial(_kernel, block_k=block_k, chunk=chunk, n_parts=len(parts)),
       grid=(B, n_chunks),
       in_specs=[pl.BlockSpec((1,), lambda b, c: (b,)),
                 pl.BlockSpec((None, Qp), lambda b, c: (b, 0)),
-                pl.BlockSpec((None, Qp, R), lambda b, c: (b, 0, 0)),
-                pl.BlockSpec((None, S, R), lambda b, c: (b, 0, 0))],
-      out_specs=[part(Qp), part(Qp), part(Qp, R)],
+                *[cols(Qp, w, o) for w, o in zip(parts, offsets)],
+                *[cols(S, w, o) for w, o in zip(parts, offsets)]],
+      out_specs=[per_chunk(Qp), per_chunk(Qp), *[per_chunk(Qp, w) for w in parts]],
       out_shape=[jax.ShapeDtypeStruct((B, n_chunks, Qp), F32),
                  jax.ShapeDtypeStruct((B, n_chunks, Qp), F32),
-                 jax.ShapeDtypeStruct((B, n_chunks, Qp, R), F32)],
+                 *[jax.ShapeDtypeStruct((B, n_chunks, Qp, w), F32) for w in parts]],
       interpret=interpret, name="latent_decode", compiler_params=params,
-  )(kv_len_B.astype(jnp.int32), pos_BxQ, q_BxQxR, ckv_BxSxR)
+  )(kv_len_B.astype(jnp.int32), pos_BxQ, *[q_BxQxR] * len(parts), *[ckv_BxSxR] * len(parts))
+  acc_BxCxQxR = accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=-1)
   # Merge the chunks' partial softmaxes.
   m_BxQ = m_BxCxQ.max(axis=1)
   m_safe = jnp.where(m_BxQ == -jnp.inf, 0.0, m_BxQ)
