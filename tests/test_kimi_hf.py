@@ -117,6 +117,18 @@ def test_round_trip_is_bit_identical(naming, tmp_path):
       kimi_hf.read_config(src))
 
 
+def test_loading_as_stored_imports_no_kernel_library():
+  """A bf16 load (dtype=None) gets its shapes from the float32 model on XLA's ops: on a GPU
+  the bf16 model's experts would import tokamax (and with it xprof) just to be traced."""
+  code = ("import sys; from moe_jax.interop import kimi_hf; "
+          f"kimi_hf.load({os.path.join(FIXTURE, 'released')!r}, dtype=None); "
+          "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tokamax', 'xprof')))")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                     env=subprocess_env())
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_bf16_shards_and_naming_change(tmp_path, reference):
   """fp32 → bf16 shards (an index, several files) in the other naming → the same bf16
   values on reload, and logits within bf16's rounding of the reference."""

@@ -73,8 +73,13 @@ def tensor_dtypes(hf_dir: str) -> dict:
 
 
 def abstract_variables(config) -> dict:
-  """The shapes HybridMoE(config.model) initialises (nothing allocated)."""
-  m = ml_collections.FrozenConfigDict(config.model)
+  """The shapes HybridMoE(config.model) initialises (nothing allocated). Traced as the
+  float32 model on XLA's ops: the shapes are the same on every path, and a loader need not
+  import (or trace) the GPU and TPU kernel libraries."""
+  c = ml_collections.ConfigDict(config.model.to_dict())
+  c.update(dtype="float32", kda_implementation="xla", mla_implementation="xla")
+  c.moe.grouped_matmul = "xla"
+  m = ml_collections.FrozenConfigDict(c)
   T = m.kda_chunk_size
   batch = {"tokens": jax.ShapeDtypeStruct((1, T), jnp.int32),
            "segment_ids": jax.ShapeDtypeStruct((1, T), jnp.int32)}
