@@ -31,7 +31,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 FAST_CPU_COMPILE = ("--xla_backend_optimization_level=0",
                     "--xla_llvm_disable_expensive_passes=true")
 # On a GPU, XLA autotunes GEMMs and Triton fusions while it compiles (it times every candidate
-# kernel); the suite checks values, not speed, so level 0 takes each op's default kernel. Inherited by every subprocess the tests start, as the CPU flags are.
+# kernel); the suite checks values, not speed, so level 0 takes each op's default kernel.
+# Inherited by every subprocess the tests start, as the CPU flags are.
 FAST_GPU_COMPILE = ("--xla_gpu_autotune_level=0",)
 _GPU_MACHINE = shutil.which("nvidia-smi") is not None   # before jax starts
 _FAST, _NAMED = ((FAST_GPU_COMPILE, "xla_gpu_autotune_level") if _GPU_MACHINE
