@@ -47,6 +47,9 @@ _DECODE_DISPATCH = flags.DEFINE_string(
 _DECODE_MATMUL = flags.DEFINE_string(
     "decode_matmul", "", "model.decode_matmul for this run: xla | pallas (few-rows kernel for "
     "the projections); '' keeps the config's.")
+_FUSED = flags.DEFINE_bool("fused_projections", None, "model.fused_projections for this run (a "
+                           "KDA layer's six input projections as one matmul); unset keeps "
+                           "the config's.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the full context); "
                               "decode ms/token is per step, i.e. per token of every row.")
 
@@ -58,6 +61,8 @@ def model_config(variant):
     c.model.moe.decode_dispatch = _DECODE_DISPATCH.value
   if _DECODE_MATMUL.value:
     c.model.decode_matmul = _DECODE_MATMUL.value
+  if _FUSED.value is not None:
+    c.model.fused_projections = _FUSED.value
   if _SMALL.value:
     c.model.update({"d_model": 64, "n_layers": 4, "n_heads": 2, "kda_head_dim": 32,
                     "mla_q_lora_rank": 32, "mla_kv_lora_rank": 32, "mla_qk_head_dim": 32,

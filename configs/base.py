@@ -58,6 +58,9 @@ def get_config(arg=None):
   # Projections of ≤ 16 rows (decoding) on GPU: xla (two kernels each, see
   # pallas_kernels/matmul/pallas_gpu_few_rows.py) | pallas (one kernel reading the weight once).
   m.decode_matmul = "xla"
+  # One matmul for all six projections a KDA layer makes of its input (q, k, v, f_a, b_proj,
+  # g_a) instead of six: fewer kernels a decode step. Its own parameter layout (`in_proj`).
+  m.fused_projections = False
   # FFN: dense SwiGLU in the first `moe.first_dense` layers (and everywhere if moe.num_experts == 0).
   m.ffn_hidden = 2816
   # Images in the token stream (model/vision.py, data/images.py); patch_size 0 = text only.

@@ -46,6 +46,8 @@ def test_command_line_overrides(monkeypatch):
                           r"mesh\.sequence = 16.*got 100"),
     ("model.kda_chunk_size", 24, r"model\.kda_chunk_size must be one of \(16, 32, 64, 128\), got 24"),
     ("model.decode_matmul", "cublas", r"model\.decode_matmul must be one of "),
+    ("model.fused_projections", None, r"model\.fused_projections must be True or False, "
+                                      r"got None"),
     ("model.mla_implementation", "cudnn", r"model\.mla_implementation must be one of "
                                           r"\('', 'xla', 'gpu', 'tpu'\), got 'cudnn'"),
     ("model.dtype", "float16", r"model\.dtype must be one of .*got 'float16'"),

@@ -221,6 +221,19 @@ def _prefill_then_decode_errors(c, lengths, prompt, cache_len, seed):
   return variables, errs
 
 
+def test_fused_projections_decode_reproduces_full_forward():
+  """model.fused_projections (a KDA layer's six input projections as one matmul) through
+  prefill and the recurrent decode step gives the full forward's logits."""
+  c = make_small_config()
+  c.model.update({"dtype": "float32", "n_layers": 2, "layer_pattern": "KA",
+                  "fused_projections": True})
+  lengths, prompt = np.array([12, 9]), np.array([4, 3])
+  variables, errs = _prefill_then_decode_errors(c, lengths, prompt, cache_len=16, seed=4)
+  mixer = variables["params"]["layer_0"]["mixer"]
+  assert "in_proj" in mixer and "q_proj" not in mixer
+  assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
+
+
 def test_latent_moe_decode_reproduces_full_forward():
   """Latent MoE (model.moe.latent_dim) at inference: prefill + token-by-token decode give the
   full forward's logits (decode takes the gathered-experts path, the full forward the

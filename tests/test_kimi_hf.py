@@ -153,7 +153,8 @@ def test_bf16_shards_and_naming_change(tmp_path, reference):
 def test_export_refuses_what_kimi_linear_cannot_express(tmp_path):
   config, variables = kimi_hf.load(os.path.join(FIXTURE, "released"))
   for field, value in (("kda_lower_bound", -5.0), ("mla_output_gate", True),
-                       ("attn_res", "block"), ("kda_output_gate_bias", True)):
+                       ("attn_res", "block"), ("kda_output_gate_bias", True),
+                       ("fused_projections", True)):
     bad = config.copy_and_resolve_references()
     bad.model[field] = value
     with pytest.raises(ValueError, match=f"model.{field}"):

@@ -5,6 +5,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_jax.model import remat
 from moe_jax.model.layers import ShortConv, dense, lp, out_scale, rms_norm
@@ -26,6 +27,32 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
   return dt + jnp.log(-jnp.expm1(-dt))
 
 
+FUSED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", "g_a")   # in_proj's order
+
+
+def fused_widths(H: int, K: int) -> tuple[int, ...]:
+  """Output widths of FUSED_PROJECTIONS: q, k, v [H·K], f_a [K], b_proj [H], g_a [K]."""
+  return (H * K, H * K, H * K, K, H, K)
+
+
+def _fused_projections(cfg, x_BxTxD, H: int, K: int) -> dict:
+  """The six projections of x as one matmul (`in_proj`, kernel [D, 3·H·K + 2·K + H]), split
+  back by name: at decode each projection is its own kernels, so one saves launches."""
+  widths = fused_widths(H, K)
+  y = dense(cfg, sum(widths), ("embed", "kda_fused"), "in_proj")(x_BxTxD)
+  ends = np.cumsum(widths)
+  return {name: y[..., end - w:end] for name, w, end in zip(FUSED_PROJECTIONS, widths, ends)}
+
+
+def fuse_projection_params(mixer_params: dict) -> dict:
+  """A KDA mixer's parameters with its six input projections as one `in_proj` (their
+  kernels side by side, in FUSED_PROJECTIONS order): model.fused_projections' layout."""
+  out = {k: v for k, v in mixer_params.items() if k not in FUSED_PROJECTIONS}
+  kernels = [mixer_params[name]["kernel"] for name in FUSED_PROJECTIONS]
+  out["in_proj"] = {"kernel": jnp.concatenate(kernels, axis=-1)}
+  return out
+
+
 def kda_heads(cfg) -> int:
   """KDA's head count: model.kda_n_heads, or with 0 the model's n_heads (MLA's)."""
   return cfg.get("kda_n_heads", 0) or cfg.n_heads
@@ -43,8 +70,13 @@ class KDAMixer(nn.Module):
     H, K = kda_heads(cfg), cfg.kda_head_dim
     new_cache = {}
 
+    # The projections of x: six matmuls, or one over their concatenated kernels.
+    proj = _fused_projections(cfg, x_BxTxD, H, K) if cfg.get("fused_projections") else {
+        f"{name}_proj": dense(cfg, H * K, ("embed", "kda_channels"), f"{name}_proj")(x_BxTxD)
+        for name in ("q", "k", "v")}
+
     def conv_proj(name):
-      y_BxTxHK = dense(cfg, H * K, ("embed", "kda_channels"), f"{name}_proj")(x_BxTxD)
+      y_BxTxHK = proj[f"{name}_proj"]
       conv = ShortConv(cfg, cfg.kda_conv_size, name=f"{name}_conv")
       if cache is None:
         # The barrier keeps XLA GPU from fusing the conv (4 shifted reads, SiLU) into the
@@ -59,11 +91,15 @@ class KDAMixer(nn.Module):
     q_BxTxHxK, k_BxTxHxK, v_BxTxHxV = conv_proj("q"), conv_proj("k"), conv_proj("v")
 
     # Low-rank gate input, then the bounded per-channel log-decay g ∈ [lower_bound, 0).
-    f_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "f_a")(x_BxTxD)
+    f_BxTxK = (proj["f_a"] if "f_a" in proj
+               else dense(cfg, K, ("embed", "kda_rank"), "f_a")(x_BxTxD))
     f_BxTxHxK = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "f_b")(f_BxTxK)
     A_log_H = self.param("A_log", lp(_A_log_init, ("heads",)), (H,))
     dt_bias_HK = self.param("dt_bias", lp(_dt_bias_init, ("kda_channels",)), (H * K,))
-    beta_BxTxH = nn.sigmoid(dense(cfg, H, ("embed", "heads"), "b_proj")(x_BxTxD).astype(jnp.float32))
+    b_BxTxH = (proj["b_proj"] if "b_proj" in proj
+               else dense(cfg, H, ("embed", "heads"), "b_proj")(x_BxTxD))
+    beta_BxTxH = nn.sigmoid(b_BxTxH.astype(jnp.float32))
+    gate_BxTxK = proj.get("g_a")
 
     impl = cfg.kda_implementation or None
     if cache is not None and T == 1:
@@ -80,7 +116,7 @@ class KDAMixer(nn.Module):
 
       o_BxTxHxV = per_device(run, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, f_BxTxHxK, beta_BxTxH,
                              segment_ids_BxT, per_head=(A_log_H, dt_bias_HK.reshape(H, K)))
-      return self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"))
+      return self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"), gate_BxTxK)
 
     q_BxTxHxK, k_BxTxHxK = l2_normalize(q_BxTxHxK), l2_normalize(k_BxTxHxK)
     g_BxTxHxK = kda_gate(f_BxTxHxK, A_log_H, dt_bias_HK, lower_bound=cfg.kda_lower_bound)
@@ -101,16 +137,18 @@ class KDAMixer(nn.Module):
                              segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
                              lower_bound=cfg.kda_lower_bound, implementation=impl,
                              initial_state=cache["state"], output_final_state=True)
-    out_BxTxD = self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"))
+    out_BxTxD = self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"), gate_BxTxK)
     if cache is None:
       return out_BxTxD
     return out_BxTxD, {**new_cache, "state": state}
 
-  def _output(self, x_BxTxD, o_BxTxHxV):
-    """Gated RMSNorm per head, norm(o) * sigmoid(low-rank gate(x)), then the out projection."""
+  def _output(self, x_BxTxD, o_BxTxHxV, gate_BxTxK=None):
+    """Gated RMSNorm per head, norm(o) * sigmoid(low-rank gate(x)), then the out projection.
+    gate_BxTxK: the gate's first projection g_a(x), when the fused projection made it."""
     cfg = self.cfg
     D, (H, K) = x_BxTxD.shape[-1], o_BxTxHxV.shape[-2:]
-    gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)
+    if gate_BxTxK is None:
+      gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)
     gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b",
                          use_bias=cfg.get("kda_output_gate_bias", True))(gate_BxTxK)
     o_BxTxHxV = rms_norm(cfg, "o_norm", "kv")(o_BxTxHxV) * nn.sigmoid(gate_BxTxHxV)

@@ -22,6 +22,7 @@ LOGICAL_RULES = (
     ("expert", "expert"),
     ("kv", None),
     ("kda_rank", None),
+    ("kda_fused", None),    # KDA's fused input projection (model.fused_projections): replicated
     ("moe_latent", None),   # latent MoE width (small: replicated)
     ("q_lora", None),
     ("kv_lora", None),
