@@ -30,18 +30,19 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
 FUSED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", "g_a")   # in_proj's order
 
 
-def fused_widths(H: int, K: int) -> tuple[int, ...]:
-  """Output widths of FUSED_PROJECTIONS: q, k, v [H·K], f_a [K], b_proj [H], g_a [K]."""
-  return (H * K, H * K, H * K, K, H, K)
-
-
-def _fused_projections(cfg, x_BxTxD, H: int, K: int) -> dict:
-  """The six projections of x as one matmul (`in_proj`, kernel [D, 3·H·K + 2·K + H]), split
-  back by name: at decode each projection is its own kernels, so one saves launches."""
-  widths = fused_widths(H, K)
-  y = dense(cfg, sum(widths), ("embed", "kda_fused"), "in_proj")(x_BxTxD)
-  ends = np.cumsum(widths)
-  return {name: y[..., end - w:end] for name, w, end in zip(FUSED_PROJECTIONS, widths, ends)}
+def _input_projections(cfg, x_BxTxD, H: int, K: int) -> dict:
+  """The six projections of x by name: q, k, v [.., H·K], f_a [.., K], b_proj [.., H],
+  g_a [.., K]. Six matmuls, or with model.fused_projections one (`in_proj`, kernel
+  [D, 3·H·K + 2·K + H]) split back: at decode each matmul is its own kernels."""
+  widths = dict(zip(FUSED_PROJECTIONS, (H * K, H * K, H * K, K, H, K)))
+  if not cfg.get("fused_projections"):
+    axes = dict(q_proj=("embed", "kda_channels"), k_proj=("embed", "kda_channels"),
+                v_proj=("embed", "kda_channels"), f_a=("embed", "kda_rank"),
+                b_proj=("embed", "heads"), g_a=("embed", "kda_rank"))
+    return {name: dense(cfg, w, axes[name], name)(x_BxTxD) for name, w in widths.items()}
+  y = dense(cfg, sum(widths.values()), ("embed", "kda_fused"), "in_proj")(x_BxTxD)
+  ends = np.cumsum(list(widths.values()))
+  return {name: y[..., end - w:end] for (name, w), end in zip(widths.items(), ends)}
 
 
 def fuse_projection_params(mixer_params: dict) -> dict:
@@ -70,10 +71,7 @@ class KDAMixer(nn.Module):
     H, K = kda_heads(cfg), cfg.kda_head_dim
     new_cache = {}
 
-    # The projections of x: six matmuls, or one over their concatenated kernels.
-    proj = _fused_projections(cfg, x_BxTxD, H, K) if cfg.get("fused_projections") else {
-        f"{name}_proj": dense(cfg, H * K, ("embed", "kda_channels"), f"{name}_proj")(x_BxTxD)
-        for name in ("q", "k", "v")}
+    proj = _input_projections(cfg, x_BxTxD, H, K)
 
     def conv_proj(name):
       y_BxTxHK = proj[f"{name}_proj"]
@@ -91,15 +89,10 @@ class KDAMixer(nn.Module):
     q_BxTxHxK, k_BxTxHxK, v_BxTxHxV = conv_proj("q"), conv_proj("k"), conv_proj("v")
 
     # Low-rank gate input, then the bounded per-channel log-decay g ∈ [lower_bound, 0).
-    f_BxTxK = (proj["f_a"] if "f_a" in proj
-               else dense(cfg, K, ("embed", "kda_rank"), "f_a")(x_BxTxD))
-    f_BxTxHxK = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "f_b")(f_BxTxK)
+    f_BxTxHxK = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "f_b")(proj["f_a"])
     A_log_H = self.param("A_log", lp(_A_log_init, ("heads",)), (H,))
     dt_bias_HK = self.param("dt_bias", lp(_dt_bias_init, ("kda_channels",)), (H * K,))
-    b_BxTxH = (proj["b_proj"] if "b_proj" in proj
-               else dense(cfg, H, ("embed", "heads"), "b_proj")(x_BxTxD))
-    beta_BxTxH = nn.sigmoid(b_BxTxH.astype(jnp.float32))
-    gate_BxTxK = proj.get("g_a")
+    beta_BxTxH = nn.sigmoid(proj["b_proj"].astype(jnp.float32))
 
     impl = cfg.kda_implementation or None
     if cache is not None and T == 1:
@@ -116,7 +109,7 @@ class KDAMixer(nn.Module):
 
       o_BxTxHxV = per_device(run, q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, f_BxTxHxK, beta_BxTxH,
                              segment_ids_BxT, per_head=(A_log_H, dt_bias_HK.reshape(H, K)))
-      return self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"), gate_BxTxK)
+      return self._output(remat.tag(o_BxTxHxV, "kda_out"), proj["g_a"])
 
     q_BxTxHxK, k_BxTxHxK = l2_normalize(q_BxTxHxK), l2_normalize(k_BxTxHxK)
     g_BxTxHxK = kda_gate(f_BxTxHxK, A_log_H, dt_bias_HK, lower_bound=cfg.kda_lower_bound)
@@ -137,18 +130,16 @@ class KDAMixer(nn.Module):
                              segment_ids=segment_ids_BxT, chunk_size=cfg.kda_chunk_size,
                              lower_bound=cfg.kda_lower_bound, implementation=impl,
                              initial_state=cache["state"], output_final_state=True)
-    out_BxTxD = self._output(x_BxTxD, remat.tag(o_BxTxHxV, "kda_out"), gate_BxTxK)
+    out_BxTxD = self._output(remat.tag(o_BxTxHxV, "kda_out"), proj["g_a"])
     if cache is None:
       return out_BxTxD
     return out_BxTxD, {**new_cache, "state": state}
 
-  def _output(self, x_BxTxD, o_BxTxHxV, gate_BxTxK=None):
-    """Gated RMSNorm per head, norm(o) * sigmoid(low-rank gate(x)), then the out projection.
-    gate_BxTxK: the gate's first projection g_a(x), when the fused projection made it."""
+  def _output(self, o_BxTxHxV, gate_BxTxK):
+    """Gated RMSNorm per head, norm(o) * sigmoid(g_b(gate)), then the out projection;
+    gate_BxTxK is the low-rank gate's first projection of the input, g_a(x)."""
     cfg = self.cfg
-    D, (H, K) = x_BxTxD.shape[-1], o_BxTxHxV.shape[-2:]
-    if gate_BxTxK is None:
-      gate_BxTxK = dense(cfg, K, ("embed", "kda_rank"), "g_a")(x_BxTxD)
+    D, (H, K) = cfg.d_model, o_BxTxHxV.shape[-2:]
     gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b",
                          use_bias=cfg.get("kda_output_gate_bias", True))(gate_BxTxK)
     o_BxTxHxV = rms_norm(cfg, "o_norm", "kv")(o_BxTxHxV) * nn.sigmoid(gate_BxTxHxV)
