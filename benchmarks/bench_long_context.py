@@ -50,6 +50,9 @@ _DECODE_MATMUL = flags.DEFINE_string(
 _FUSED = flags.DEFINE_bool("fused_projections", None, "model.fused_projections for this run (a "
                            "KDA layer's six input projections as one matmul); unset keeps "
                            "the config's.")
+_KDA_DECODE = flags.DEFINE_string(
+    "kda_decode", "", "model.kda_decode for this run: xla | kernel (a KDA layer's decode step "
+    "as one Pallas kernel); '' keeps the config's.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the full context); "
                               "decode ms/token is per step, i.e. per token of every row.")
 
@@ -63,6 +66,8 @@ def model_config(variant):
     c.model.decode_matmul = _DECODE_MATMUL.value
   if _FUSED.value is not None:
     c.model.fused_projections = _FUSED.value
+  if _KDA_DECODE.value:
+    c.model.kda_decode = _KDA_DECODE.value
   if _SMALL.value:
     c.model.update({"d_model": 64, "n_layers": 4, "n_heads": 2, "kda_head_dim": 32,
                     "mla_q_lora_rank": 32, "mla_kv_lora_rank": 32, "mla_qk_head_dim": 32,

@@ -61,6 +61,9 @@ def get_config(arg=None):
   # One matmul for all six projections a KDA layer makes of its input (q, k, v, f_a, b_proj,
   # g_a) instead of six: fewer kernels a decode step. Its own parameter layout (`in_proj`).
   m.fused_projections = False
+  # A KDA layer's decode step (T = 1) from its input projections to o_proj: xla (some twenty
+  # small kernels) | kernel (one Pallas kernel: pallas_kernels/kda/pallas_gpu_decode.py).
+  m.kda_decode = "xla"
   # FFN: dense SwiGLU in the first `moe.first_dense` layers (and everywhere if moe.num_experts == 0).
   m.ffn_hidden = 2816
   # Images in the token stream (model/vision.py, data/images.py); patch_size 0 = text only.

@@ -289,7 +289,7 @@ def test_decode_batch_search_ends_beside_the_first_batch_that_does_not_fit():
 @pytest.mark.slow
 def test_bench_decode_rows_on_cpu(tmp_path):
   """bench_decode at a toy size on CPU (--small): rows in decode.json's schema for both
-  variants, tokens_per_s = batch · 1000 / ms_per_token."""
+  variants, tokens_per_s = batch · 1000 / ms_per_token, each with its decode options."""
   import json
   run = subprocess.run(
       [sys.executable, "-m", "benchmarks.bench_decode", "--small", "--contexts=64",
@@ -304,4 +304,16 @@ def test_bench_decode_rows_on_cpu(tmp_path):
     assert r["context"] == 64 and r["commit"] == "abc1234" and r["oom"] is False
     assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_token"])
     assert r["ms_per_token"] > 0 and r["peak_gib"] > 0
+    assert (r["kda_decode"], r["fused_projections"]) == ("xla", False)
   assert "Largest batch that fits" in (tmp_path / "decode.md").read_text()
+  # A run with another decode option adds its rows beside the defaults' (one call times both).
+  run = subprocess.run(
+      [sys.executable, "-m", "benchmarks.bench_decode", "--small", "--contexts=64",
+       "--batches=1", "--decode_tokens=4", "--repeats=1", "--variants=hybrid",
+       "--kda_decode=kernel", f"--out={tmp_path}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600,
+      env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu"))
+  assert run.returncode == 0, run.stderr[-3000:]
+  rows = json.load(open(tmp_path / "decode.json"))
+  assert len(rows) == 5 and [(r["variant"], r["batch"]) for r in rows
+                             if r["kda_decode"] == "kernel"] == [("hybrid", 1)]

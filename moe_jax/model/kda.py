@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.model import remat
-from moe_jax.model.layers import ShortConv, dense, lp, out_scale, rms_norm
+from moe_jax.model.layers import ShortConv, dense, dtype_of, lp, out_scale, rms_norm
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
-from moe_jax.parallel.mesh import axis_size, per_device
+from moe_jax.parallel.mesh import axis_size, per_device, single_device
 from pallas_kernels.kda import kda, kda_gate
+from pallas_kernels.kda.pallas_gpu_decode import decode_step
 from pallas_kernels.kda.reference import l2_normalize
 
 
@@ -30,19 +31,30 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
 FUSED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", "g_a")   # in_proj's order
 
 
-def _input_projections(cfg, x_BxTxD, H: int, K: int) -> dict:
-  """The six projections of x by name: q, k, v [.., H·K], f_a [.., K], b_proj [.., H],
-  g_a [.., K]. Six matmuls, or with model.fused_projections one (`in_proj`, kernel
-  [D, 3·H·K + 2·K + H]) split back: at decode each matmul is its own kernels."""
-  widths = dict(zip(FUSED_PROJECTIONS, (H * K, H * K, H * K, K, H, K)))
+def _widths(H: int, K: int) -> dict:
+  return dict(zip(FUSED_PROJECTIONS, (H * K, H * K, H * K, K, H, K)))
+
+
+def _input_projections(cfg, x_BxTxD, H: int, K: int) -> tuple[tuple, dict]:
+  """(arrays, where): the six projections of x, q, k, v [.., H·K], f_a [.., K], b_proj
+  [.., H] and g_a [.., K], with where[name] = (index into arrays, first column). Six
+  matmuls, or with model.fused_projections one (`in_proj`, kernel [D, 3·H·K + 2·K + H]):
+  at decode each matmul is its own kernels."""
+  widths = _widths(H, K)
   if not cfg.get("fused_projections"):
     axes = dict(q_proj=("embed", "kda_channels"), k_proj=("embed", "kda_channels"),
                 v_proj=("embed", "kda_channels"), f_a=("embed", "kda_rank"),
                 b_proj=("embed", "heads"), g_a=("embed", "kda_rank"))
-    return {name: dense(cfg, w, axes[name], name)(x_BxTxD) for name, w in widths.items()}
+    arrays = tuple(dense(cfg, w, axes[name], name)(x_BxTxD) for name, w in widths.items())
+    return arrays, {name: (i, 0) for i, name in enumerate(widths)}
   y = dense(cfg, sum(widths.values()), ("embed", "kda_fused"), "in_proj")(x_BxTxD)
-  ends = np.cumsum(list(widths.values()))
-  return {name: y[..., end - w:end] for (name, w), end in zip(widths.items(), ends)}
+  firsts = np.cumsum([0, *widths.values()])
+  return (y,), {name: (0, int(first)) for name, first in zip(widths, firsts)}
+
+
+def _by_name(arrays, where, H: int, K: int) -> dict:
+  widths = _widths(H, K)
+  return {name: arrays[i][..., first:first + widths[name]] for name, (i, first) in where.items()}
 
 
 def fuse_projection_params(mixer_params: dict) -> dict:
@@ -71,7 +83,11 @@ class KDAMixer(nn.Module):
     H, K = kda_heads(cfg), cfg.kda_head_dim
     new_cache = {}
 
-    proj = _input_projections(cfg, x_BxTxD, H, K)
+    arrays, where = _input_projections(cfg, x_BxTxD, H, K)
+    if (cache is not None and T == 1 and cfg.get("kda_decode", "xla") == "kernel"
+        and single_device() and not self.is_initializing()):
+      return self._decode_kernel(arrays, where, segment_ids_BxT[:, 0], cache)
+    proj = _by_name(arrays, where, H, K)
 
     def conv_proj(name):
       y_BxTxHK = proj[f"{name}_proj"]
@@ -133,6 +149,26 @@ class KDAMixer(nn.Module):
     out_BxTxD = self._output(remat.tag(o_BxTxHxV, "kda_out"), proj["g_a"])
     if cache is None:
       return out_BxTxD
+    return out_BxTxD, {**new_cache, "state": state}
+
+  def _decode_kernel(self, arrays, where, segment_ids_B, cache):
+    """One token through pallas_gpu_decode's kernel (model.kda_decode = "kernel"): the conv
+    tails, gate, state update and gated norm in one launch; then o_proj."""
+    cfg = self.cfg
+    B, H, K, V = cache["state"].shape
+    p = nn.unbox(self.variables["params"])
+    conv = {n: (cache[f"{n}_conv"]["x"], p[f"{n}_conv"]["kernel"]) for n in "qkv"}
+    conv["seg"] = cache["q_conv"]["seg"]
+    params = {"f_b": p["f_b"]["kernel"], "A_log": p["A_log"], "dt_bias": p["dt_bias"],
+              "g_b": p["g_b"]["kernel"], "g_b_bias": p["g_b"].get("bias"),
+              "o_norm": p["o_norm"]["scale"]}
+    o_BxHxV, state, tails, seg = decode_step(
+        tuple(a.reshape(B, -1) for a in arrays), where, segment_ids_B, conv, params,
+        cache["state"], lower_bound=cfg.kda_lower_bound, eps=cfg.norm_eps,
+        dtype=dtype_of(cfg))
+    out_BxTxD = dense(cfg, cfg.d_model, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
+                      scale=out_scale(cfg))(o_BxHxV[:, None])
+    new_cache = {f"{n}_conv": {"x": t, "seg": seg} for n, t in zip("qkv", tails)}
     return out_BxTxD, {**new_cache, "state": state}
 
   def _output(self, o_BxTxHxV, gate_BxTxK):

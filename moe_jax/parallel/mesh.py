@@ -63,6 +63,12 @@ def axis_size(name: str) -> int:
   return mesh.shape[name]
 
 
+def single_device() -> bool:
+  """Whether no mesh of more than one device is set (jax.set_mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.empty or mesh.size == 1
+
+
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
@@ -91,9 +97,9 @@ def per_device(fn, *arrays_BxT, per_head=()):
   partitioner, which would gather their operands onto every device; under shard_map each
   device runs the kernel on its own rows.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  if single_device():
     return fn(*arrays_BxT, *per_head)
+  mesh = jax.sharding.get_abstract_mesh()
   specs = tuple(activation_spec(mesh, x.ndim) for x in arrays_BxT)
   hax = "tensor" if "tensor" in mesh.axis_names else None
   head_specs = tuple(P(hax, *[None] * (x.ndim - 1)) for x in per_head)
