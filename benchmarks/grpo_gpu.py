@@ -8,7 +8,8 @@ Per run (its config.json and summary.json) and task: seed (rl.seed), replay
 over the tasks), greedy and sampled pass@1 before and after GRPO, and from
 metrics_grpo.jsonl the means over GRPO steps of route_mismatch (the training forward's own
 top-k against the rollout's, on each batch's first pass), kl_rollout (the same pass's k3 KL
-from the rollout policy) and clip_fraction; with date, commit and machine. Rows of other
+from the rollout policy) and clip_fraction; warmup_steps (where the warm-up's pass@1 checks
+stopped it, rl.warmup_check_every); with date, commit and machine. Rows of other
 (task, seed, replay) already in --out's JSON are kept. Curves: benchmarks/grpo_report.py.
 """
 
@@ -45,6 +46,8 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
           "clip_fraction": _mean(train, "clip_fraction")}
   return [{"task": t, "seed": c["rl"]["seed"], "replay": bool(c["rl"]["routing_replay"]),
            "n_heldout": len(range(i, n_eval, len(tasks))), "grpo_steps": summary["step"],
+           # where the warm-up's pass@1 checks stopped it (None: its whole schedule ran)
+           "warmup_steps": (summary.get("warmup_checks") or {}).get("stopped_at"),
            "greedy_pass1_before": before[f"pass@1/{t}"],
            "greedy_pass1_after": after[f"pass@1/{t}"],
            "sampled_pass1_before": before.get(f"pass@1_sampled/{t}"),

@@ -77,10 +77,16 @@ def get_config(arg=None):
   rl.eval_every = 60            # pass@1 at the start and the end
   rl.eval_prompts = 128         # held-out problems for pass@1 (greedy)
   rl.eval_samples = 4           # and this many samples each at rl.temperature (0 = greedy only)
+  # The warm-up in spans of this many steps, each followed by greedy pass@1 on
+  # warmup_check_prompts other held-out problems; it stops once every task reaches
+  # warmup_min_pass1 (rl/trainer.py:warm_up). 0 = the warm-up's whole schedule.
+  rl.warmup_check_every = 0
+  rl.warmup_check_prompts = 64
+  rl.warmup_min_pass1 = 0.2
 
   if arg == "h200":
-    # The warm-up's length is what sets greedy pass@1 before GRPO (it must land in [0.2,
-    # 0.7] for every task): retune c.schedule.total_steps after a first GPU run.
+    # The warm-up's length sets greedy pass@1 before GRPO (it must land in [0.2, 0.7] for
+    # every task): it stops at the first check, every 50 steps, where each task is >= 0.2.
     c.model.n_layers = 8
     c.model.layer_pattern = "KKKA"
     c.model.remat = False
@@ -95,7 +101,8 @@ def get_config(arg=None):
     c.log.every_steps = 50
     rl.update(steps=150, prompts_per_step=32, group_size=16, max_prompt_tokens=330,
               max_new_tokens=32, max_turns=2, passes=2, learning_rate=2e-5, lr_warmup_steps=10,
-              eval_every=50, eval_prompts=768, eval_samples=4,
+              eval_every=50, eval_prompts=768, eval_samples=4, warmup_check_every=50,
+              warmup_check_prompts=192,
               rewards="exact_answer:1,digit_match:0.5,tool_calls:-0.05")
   if arg == "tools":
     # A short warm-up: after 480 steps the tool format is perfect (pass@1 1.0) and GRPO has

@@ -267,6 +267,13 @@ def _validate_rl(c: ml_collections.ConfigDict):
     _fail("rl.routing_replay", rl.routing_replay, "False when rl.record_routes is False "
           "(replay needs the recorded routes)")
   rewards.parse(rl.rewards)
+  every = rl.get("warmup_check_every", 0)
+  if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+    _fail("rl.warmup_check_every", every, "an integer >= 0 (0 = the warm-up's whole schedule)")
+  if every:
+    _positive_int("rl.warmup_check_prompts", rl.get("warmup_check_prompts"))
+    if not 0 < rl.get("warmup_min_pass1", -1) <= 1:
+      _fail("rl.warmup_min_pass1", rl.get("warmup_min_pass1"), "in (0, 1]")
 
 
 def _validate_guard(g: ml_collections.ConfigDict):

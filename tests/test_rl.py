@@ -15,12 +15,13 @@ import pytest
 from configs import grpo as grpo_config
 from moe_jax import config as config_lib
 from moe_jax.data import task_rows, tokenizer
+from moe_jax.infer import workdir as workdir_lib
 from moe_jax.infer.generate import inference_variables
 from moe_jax.model import moe as moe_lib, router as router_lib
 from moe_jax.model.moe import MoE
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.rl import advantages, environments, replay, rewards, tools
-from moe_jax.rl import loss as loss_lib
+from moe_jax.rl import loss as loss_lib, trainer
 from moe_jax.rl.rollout import Budget, Sampler, rollout
 from moe_jax.rl.tasks import Problem, Task
 from moe_jax.rl.trainer import policy_model_config, train_grpo
@@ -285,7 +286,8 @@ def test_task_rows_train_only_on_answers_and_hold_out_eval_prompts():
     ("group_size", 1, "rl.group_size"), ("loss_norm", "mean", "rl.loss_norm"),
     ("advantage_scale", "std", "rl.advantage_scale"), ("kl_coef", -0.1, "rl.kl_coef"),
     ("rewards", "exact:1", "unknown reward"), ("clip_low", 1.5, "rl.clip_low"),
-    ("eval_samples", -1, "rl.eval_samples")])
+    ("eval_samples", -1, "rl.eval_samples"), ("warmup_check_every", -1, "rl.warmup_check_every"),
+    ("warmup_check_every", True, "rl.warmup_check_every")])
 def test_bad_rl_config_is_rejected(field, value, match):
   c = grpo_config.get_config("cpu")
   c.rl[field] = value
@@ -342,6 +344,38 @@ def test_grpo_runs_and_resumes_exactly(tmp_path):
                                     for t in ("addition", "retrieval", "mean")}
   assert all(0.0 <= v <= 1.0 for v in straight["final"].values())
   assert straight["grpo_s"] > 0 and resumed["grpo_s"] > 0
+
+
+def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monkeypatch):
+  """rl.warmup_check_every: the warm-up trains in spans and measures greedy pass@1 after
+  each (on held-out problems other than pass@1's own), stops at the first check where every
+  task reaches rl.warmup_min_pass1 (step 4 of 6 here: addition's pass@1 is forced to rise
+  0.25 a check), keeps that checkpoint, and a second call resumes from its record: it
+  neither trains nor measures again."""
+  c = _tiny_grpo_config(tmp_path)
+  c.data.source = "tasks"
+  c.schedule.update(total_steps=6, warmup_steps=1)
+  c.checkpoint.every_steps = 2
+  c.train.compile_cache_dir = str(tmp_path / "cache")   # the second span loads the step
+  c.rl.update(warmup_check_every=2, warmup_check_prompts=4, warmup_min_pass1=0.5)
+  config_lib.validate(c)
+  real, seen = trainer.pass_at_1, []
+
+  def rising(sampler, variables, tasks, rl, b, T, problems, samples=0):
+    out = real(sampler, variables, tasks, rl, b, T, problems, samples)
+    seen.append([p.prompt for p in problems])
+    return {**out, "pass@1/addition": 0.25 * len(seen), "pass@1/retrieval": 0.5}
+
+  monkeypatch.setattr(trainer, "pass_at_1", rising)
+  w = str(tmp_path / "warmup")
+  log = trainer.warm_up(c, w, progress=False)
+  assert [ch["step"] for ch in log["checks"]] == [2, 4] and log["stopped_at"] == 4
+  assert all(0 <= ch["pass@1/mean"] <= 1 for ch in log["checks"])
+  assert workdir_lib.load(w)[2] == 4
+  tasks = environments.make_tasks(c.data)
+  pass1_set = [p.prompt for p in trainer.held_out(tasks, c.rl, 64)]
+  assert len(seen[0]) == 4 and not set(seen[0]) & set(pass1_set) and seen[0] == seen[1]
+  assert trainer.warm_up(c, w, progress=False) == log and len(seen) == 2
 
 
 def test_grpo_record_rows_from_a_workdir(tmp_path):

@@ -140,18 +140,23 @@ def episode_batch(ep: Episodes, adv_R) -> dict:
   return batch
 
 
-def pass_at_1(sampler, state, model_cfg, tasks, rl, b: Budget, seq_len: int) -> dict:
-  """pass@1 per task on rl.eval_prompts held-out problems (the same every time): greedy
-  ("pass@1/<task>") and, with rl.eval_samples = n > 0, sampled at rl.temperature
-  ("pass@1_sampled/<task>": the mean correctness of n samples per problem, the unbiased
-  pass@1 estimator of Chen et al. 2021; the quantity GRPO's reward optimises)."""
-  problems = [environments.draw(tasks, rl.seed + 1, i, "eval") for i in range(rl.eval_prompts)]
-  variables = inference_variables(model_cfg, {"params": state.params, "router": state.router})
+def held_out(tasks, rl, n: int, offset: int = 1) -> list:
+  """n problems of the eval split, the same every time for a given offset: offset 1 is
+  pass@1's held-out set, offset 3 the warm-up checks' (other problems from the same split)."""
+  return [environments.draw(tasks, rl.seed + offset, i, "eval") for i in range(n)]
+
+
+def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
+              samples: int = 0) -> dict:
+  """pass@1 per task on `problems` (held out): greedy ("pass@1/<task>") and, with
+  samples = n > 0, sampled at rl.temperature ("pass@1_sampled/<task>": the mean correctness
+  of n samples per problem, the unbiased pass@1 estimator of Chen et al. 2021; the quantity
+  GRPO's reward optimises). `variables` in the inference layout."""
   by_name = {t.name: t for t in tasks}
   out = {}
   runs = [("pass@1", problems, 0.0)]
-  if rl.eval_samples:
-    runs.append(("pass@1_sampled", [p for p in problems for _ in range(rl.eval_samples)],
+  if samples:
+    runs.append(("pass@1_sampled", [p for p in problems for _ in range(samples)],
                  rl.temperature))
   for prefix, probs, temperature in runs:
     ep = rollout(sampler, variables, probs, by_name, jax.random.key(rl.seed + 2), b,
@@ -164,18 +169,60 @@ def pass_at_1(sampler, state, model_cfg, tasks, rl, b: Budget, seq_len: int) -> 
   return out
 
 
+def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict:
+  """The supervised warm-up on data.tasks in init_dir (resumed where it stopped). With
+  rl.warmup_check_every = n > 0 it runs in spans of n steps, and after each measures greedy
+  pass@1 on rl.warmup_check_prompts held-out problems (not pass@1's own set); it stops at the
+  first check where every task reaches rl.warmup_min_pass1, or at schedule.total_steps. So
+  GRPO starts part-way up the learning curves, whatever the machine's speed of learning,
+  without a run to tune the warm-up's length first. Returns {"checks": [...],
+  "stopped_at": step} (also in init_dir/warmup_checks.json; {} without checks)."""
+  rl, total = w.rl, w.schedule.total_steps
+  every = rl.get("warmup_check_every", 0)
+  if not every:
+    train_and_evaluate(w, init_dir, progress=progress)
+    return {}
+  path = os.path.join(init_dir, "warmup_checks.json")
+  log = {"checks": [], "stopped_at": None}
+  if os.path.exists(path):
+    with open(path) as f:
+      log = json.load(f)
+  tasks = environments.make_tasks(w.data)
+  problems = held_out(tasks, rl, rl.warmup_check_prompts, offset=3)
+  while log["stopped_at"] is None:
+    stop = min((log["checks"][-1]["step"] if log["checks"] else 0) + every, total)
+    out = train_and_evaluate(w, init_dir, progress=progress, stop_after=stop)
+    if out.get("preempted") is not None:
+      raise RuntimeError(f"the warm-up was preempted at step {out['preempted']}; run again "
+                         "to resume")
+    cfg, variables, _ = workdir_lib.load(init_dir)
+    model_cfg, b = policy_model_config(cfg.model), budget(rl)
+    check = {"step": stop, **pass_at_1(rollout_lib.sampler(model_cfg, False), variables, tasks,
+                                       rl, b, training_length(model_cfg, b), problems)}
+    log["checks"].append(check)
+    reached = all(check[f"pass@1/{t.name}"] >= rl.warmup_min_pass1 for t in tasks)
+    print("moe_jax grpo warm-up: step " + str(stop) + ", greedy " + ", ".join(
+        f"{t.name} {check[f'pass@1/{t.name}']:.3f}" for t in tasks), flush=True)
+    if reached or stop >= total:
+      log["stopped_at"] = stop
+    if jax.process_index() == 0:
+      with open(path, "w") as f:
+        json.dump(log, f, indent=2)
+  return log
+
+
 def start_from(c, workdir: str, progress: bool):
-  """(model config, per-layer variables) of the policy's starting point: rl.init_workdir's
-  latest checkpoint, or the supervised warm-up on data.tasks, run (or resumed) in
-  <workdir>/warmup."""
-  init_dir = c.rl.init_workdir
+  """(model config, per-layer variables, warm-up checks) of the policy's starting point:
+  rl.init_workdir's latest checkpoint, or the supervised warm-up on data.tasks, run (or
+  resumed) in <workdir>/warmup (`warm_up`)."""
+  init_dir, checks = c.rl.init_workdir, {}
   if not init_dir:
     init_dir = os.path.join(workdir, "warmup")
     w = ml_collections.ConfigDict(c.to_dict())
     w.data.source = "tasks"
-    train_and_evaluate(w, init_dir, progress=progress)
+    checks = warm_up(w, init_dir, progress)
   init_cfg, variables, _ = workdir_lib.load(init_dir)
-  return init_cfg.model, variables
+  return init_cfg.model, variables, checks
 
 
 def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
@@ -188,7 +235,7 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))
   t_warm = time.perf_counter()
-  model_cfg_init, variables = start_from(c, workdir, progress)
+  model_cfg_init, variables, checks = start_from(c, workdir, progress)
   t_warm = time.perf_counter() - t_warm
   model_cfg = policy_model_config(model_cfg_init)
   model = policy_model(model_cfg)
@@ -218,7 +265,11 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   eval_log = metrics.MetricWriter(workdir, "grpo_eval")
   step = int(state.step) // rl.passes
   end = rl.steps if stop_after is None else min(stop_after, rl.steps)
-  evaluate = lambda: pass_at_1(eval_sampler, state, model_cfg, tasks, rl, b, T)
+  eval_problems = held_out(tasks, rl, rl.eval_prompts)
+  evaluate = lambda: pass_at_1(
+      eval_sampler, inference_variables(model_cfg, {"params": state.params,
+                                                    "router": state.router}),
+      tasks, rl, b, T, eval_problems, rl.eval_samples)
   summary_path = os.path.join(workdir, "summary.json")
   summary = {}
   if os.path.exists(summary_path):
@@ -227,8 +278,9 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   if resumed is None or "start" not in summary:
     # warmup_s: the warm-up's wall time in this call (compiles included; ~0 where it ran
     # before, or with rl.init_workdir).
-    summary = {"start": evaluate(), "warmup_s": t_warm,
-               "grpo_s": 0.0}
+    summary = {"start": evaluate(), "warmup_s": t_warm, "grpo_s": 0.0}
+    if checks:
+      summary["warmup_checks"] = checks
     eval_log.write(0, summary["start"])
     with open(summary_path, "w") as f:
       json.dump(summary, f, indent=2)
