@@ -54,7 +54,9 @@ def decode_path(decode_dispatch: str, assignments: int, backend: str | None = No
   """model.moe.decode_dispatch with "auto" resolved: "fused" on GPU from AUTO_FUSED_MIN
   assignments, else "gather". On the H200 at 1M context the fused kernels are 25% faster per
   hybrid decode step at batch 8 (32 assignments), even at batch 2, and 12% slower at batch 1,
-  where 4 assignments make too small a grid (benchmarks/long_context.md)."""
+  where 4 assignments made too small a grid of 64-wide tiles (benchmarks/long_context.md).
+  The kernels now narrow their tiles to fill the GPU (pallas_gpu_decode_experts.tiles); that
+  is not timed yet, so the threshold stays."""
   if decode_dispatch != "auto":
     return decode_dispatch
   backend = backend or platform.target()
