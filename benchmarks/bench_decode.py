@@ -16,7 +16,8 @@ and warm up, then the median of --repeats timed decodes.
 Rows: context, batch, variant, ms_per_token (one decode step of the whole batch),
 tokens_per_s (= batch · 1000 / ms_per_token), peak_gib (the compiled decode's arguments,
 outputs and temporaries, without the buffers it donates and gets back), oom, the decode
-options the model ran with (kda_decode, fused_projections), date, commit.
+options the model ran with (kda_decode, fused_projections, moe.decode_dispatch), date,
+commit.
 """
 
 import gc
@@ -42,11 +43,12 @@ _RESOLUTION = flags.DEFINE_integer("resolution", 1, "The bisection stops when th
 GIB = 1 << 30
 # The model's decode-path options, recorded in each row (rows made with other values are
 # kept apart); their defaults are configs/base.py's.
-DEFAULT_OPTIONS = {"kda_decode": "xla", "fused_projections": False}
+DEFAULT_OPTIONS = {"kda_decode": "xla", "fused_projections": False, "decode_dispatch": "auto"}
 
 
 def decode_options(model_cfg) -> dict:
-  return {k: model_cfg.get(k, v) for k, v in DEFAULT_OPTIONS.items()}
+  return {k: (model_cfg.moe if k == "decode_dispatch" else model_cfg).get(k, v)
+          for k, v in DEFAULT_OPTIONS.items()}
 
 
 def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:

@@ -90,7 +90,7 @@ def get_config(arg=None):
   moe.ep_buffer_factor = 2.0
   moe.grouped_matmul = ""       # "" = mosaic (GPU) / tokamax (TPU) for bf16, else xla; or xla | tokamax | mosaic
   # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
-  # gather | grouped | fused
+  # gather | grouped | fused | layer (router, experts and shared expert as three kernels)
   moe.decode_dispatch = "auto"
   # The router logits' product (router.logits; logits and scores are fp32 either way):
   # "" = model.dtype | float32 | bfloat16 (bf16 operands, fp32 accumulation).

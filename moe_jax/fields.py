@@ -22,7 +22,7 @@ BALANCERS = ("none", "aux_loss", "loss_free", "quantile_ema", "quantile_exact")
 ROUTER_SCORES = ("sigmoid", "softmax")
 ROUTER_DTYPES = ("", "float32", "bfloat16")   # model.moe.router_dtype; "" = model.dtype
 DISPATCH = ("dropless", "capacity")
-DECODE_DISPATCH = ("auto", "gather", "grouped", "fused")
+DECODE_DISPATCH = ("auto", "gather", "grouped", "fused", "layer")
 GROUPED_MATMULS = ("", "xla", "tokamax", "mosaic")
 REMAT_POLICIES = ("full", "dots", "kernels", "residuals",   # model/remat.py
                   "residuals_recompute_prologue")

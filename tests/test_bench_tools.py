@@ -304,7 +304,8 @@ def test_bench_decode_rows_on_cpu(tmp_path):
     assert r["context"] == 64 and r["commit"] == "abc1234" and r["oom"] is False
     assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_token"])
     assert r["ms_per_token"] > 0 and r["peak_gib"] > 0
-    assert (r["kda_decode"], r["fused_projections"]) == ("xla", False)
+    assert (r["kda_decode"], r["fused_projections"], r["decode_dispatch"]) == (
+        "xla", False, "auto")
   assert "Largest batch that fits" in (tmp_path / "decode.md").read_text()
   # A run with another decode option adds its rows beside the defaults' (one call times both).
   run = subprocess.run(

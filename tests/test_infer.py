@@ -15,7 +15,8 @@ import pytest
 from moe_jax.data import tokenizer
 from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
-from moe_jax.infer.generate import decode, inference_model, make_step, prefill
+from moe_jax.infer.generate import (decode, inference_model, inference_variables, make_step,
+                                    prefill)
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.attention import pallas_gpu_latent_decode as latent_decode, xla_cached
@@ -277,3 +278,22 @@ def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch, rope_dim):
   _, errs = _prefill_then_decode_errors(c, lengths, prompt, cache_len=4096, seed=2)
   assert calls, "decode did not take the latent kernel"
   assert len(errs) == (lengths - prompt).sum() and np.isfinite(errs).all() and max(errs) < 1e-4
+
+
+def test_inference_variables_hold_the_experts_in_the_model_dtype():
+  """The MoE experts come out in the model's dtype (so no decode step converts them), every
+  other parameter as stored, and the model computes the same logits from either."""
+  c = make_small_config()
+  c.model.update({"dtype": "bfloat16", "n_layers": 2, "layer_pattern": "KA"})
+  model = inference_model(frozen_model_config(c))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 8)).astype(np.int32)
+  batch = {"tokens": tokens, "segment_ids": np.ones((2, 8), np.int32)}
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  cast = inference_variables(model.cfg, variables)
+  moe, dense = cast["params"]["layer_1"]["ffn"], cast["params"]["layer_0"]["ffn"]
+  assert moe["gate_up"].dtype == moe["down"].dtype == jnp.bfloat16
+  assert moe["router_kernel"].dtype == jnp.float32
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(dense))
+  apply = jax.jit(model.apply)
+  np.testing.assert_array_equal(np.asarray(apply(cast, batch)[0]),
+                                np.asarray(apply(variables, batch)[0]))

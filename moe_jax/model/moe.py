@@ -9,7 +9,9 @@ Two single-device dispatch paths (model.moe.dispatch):
   grouped-matmul kernel, but N·k copies of expert weights read (duplicates too).
   "gather" gathers them for one einsum; "fused" reads them inside two Pallas
   kernels (pallas_kernels/moe/pallas_gpu_decode_experts.py); "auto" (default) is fused on GPU
-  from AUTO_FUSED_MIN assignments, else gather.
+  from AUTO_FUSED_MIN assignments, else gather. "layer" runs the whole layer, router and
+  shared expert included, as three kernels (pallas_gpu_decode_layer.py) where they apply
+  (`MoE._decode_layer_kernels`), else as "auto".
 * capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
   assignments (earlier tokens first); they are laid out [E, C, D] for batched
   dense matmuls. Assignments over capacity are dropped (counted in the stats):
@@ -19,6 +21,8 @@ With an `expert` mesh axis > 1, `parallel/expert.py` exchanges tokens between
 expert shards with all-to-all instead: dropless in rounds of buffers sized by the load
 (model.moe.ep_buffer_factor), or one round that drops past capacity.
 """
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -32,7 +36,8 @@ from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_nor
 from moe_jax.parallel import expert as expert_parallel
 from moe_jax.parallel.mesh import axis_size
 from pallas_kernels import platform
-from pallas_kernels.moe import pallas_gpu_decode_experts, reference as moe_reference
+from pallas_kernels.moe import (pallas_gpu_decode_experts, pallas_gpu_decode_layer,
+                                reference as moe_reference)
 
 
 def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=""):
@@ -57,7 +62,7 @@ def decode_path(decode_dispatch: str, assignments: int, backend: str | None = No
   where 4 assignments made too small a grid of 64-wide tiles (benchmarks/long_context.md).
   The kernels now narrow their tiles to fill the GPU (pallas_gpu_decode_experts.tiles); that
   is not timed yet, so the threshold stays."""
-  if decode_dispatch != "auto":
+  if decode_dispatch not in ("auto", "layer"):   # "layer" where its kernels do not apply
     return decode_dispatch
   backend = backend or platform.target()
   return "fused" if backend == "gpu" and assignments >= AUTO_FUSED_MIN else "gather"
@@ -99,6 +104,52 @@ def _fused_bwd(res, dy_NxKxD):
 
 
 fused_experts.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def decode_layer(x_NxW, kernel_WxE, bias_E, gate_up_ExWx2xF, down_ExFxW, shared, top_k: int,
+                 score: str, route_scale: float, router_dtype: str):
+  """(y [N, W] in x's dtype, expert ids [N, top_k]): routing, routed experts, combine and the
+  shared expert (gate, up, down kernels, or None) by pallas_gpu_decode_layer's kernels. They
+  are forward only; the backward is the XLA path's at the same experts (so a gradient
+  through a decode-sized batch under decode_dispatch="layer" still works)."""
+  idx_NxKP, w_NxKP = pallas_gpu_decode_layer.route(x_NxW, kernel_WxE, bias_E, top_k, score,
+                                                   route_scale, jnp.dtype(router_dtype))
+  y_NxW = pallas_gpu_decode_layer.moe_layer(x_NxW, idx_NxKP, w_NxKP, top_k, gate_up_ExWx2xF,
+                                            down_ExFxW, shared)
+  return y_NxW, idx_NxKP[:, :top_k]
+
+
+def _decode_layer_xla(x_NxW, kernel_WxE, gate_up_ExWx2xF, down_ExFxW, shared, idx_NxK, score,
+                      route_scale, router_dtype):
+  """decode_layer's output, in XLA, at the given experts (its backward's function)."""
+  dtype = x_NxW.dtype
+  w_NxK = router.combine_weights(router.logits(x_NxW, kernel_WxE, router_dtype), idx_NxK,
+                                 score, route_scale)
+  y_NxW = gathered(x_NxW, idx_NxK, w_NxK, gate_up_ExWx2xF.astype(dtype),
+                   down_ExFxW.astype(dtype))
+  if shared is not None:
+    g_WxF, u_WxF, d_FxW = (w.astype(dtype) for w in shared)
+    y_NxW = y_NxW + (jax.nn.silu(x_NxW @ g_WxF) * (x_NxW @ u_WxF)) @ d_FxW
+  return y_NxW
+
+
+def _decode_layer_fwd(x, kernel, bias, gate_up, down, shared, top_k, score, route_scale,
+                      router_dtype):
+  out = decode_layer(x, kernel, bias, gate_up, down, shared, top_k, score, route_scale,
+                     router_dtype)
+  return out, (x, kernel, bias, gate_up, down, shared, out[1])
+
+
+def _decode_layer_bwd(top_k, score, route_scale, router_dtype, res, cotangents):
+  x, kernel, bias, gate_up, down, shared, idx_NxK = res
+  _, vjp = jax.vjp(lambda *a: _decode_layer_xla(*a, idx_NxK, score, route_scale, router_dtype),
+                   x, kernel, gate_up, down, shared)
+  dx, dkernel, dgate_up, ddown, dshared = vjp(cotangents[0])
+  return dx, dkernel, jnp.zeros_like(bias), dgate_up, ddown, dshared
+
+
+decode_layer.defvjp(_decode_layer_fwd, _decode_layer_bwd)
 
 
 def with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, capacity_C: int):
@@ -199,6 +250,15 @@ class MoE(nn.Module):
       logits_NxE = router.logits(z_NxW, kernel_WxE, mc.router_dtype or cfg.dtype)
       scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
       idx_NxK, w_NxK = router.select(logits_NxE, bias_E, K, mc.score, mc.route_scale)
+    layer_kernels = self._decode_layer_kernels(B * T, W)
+    if layer_kernels:   # the kernels' own routing (the same function) is what runs and is sown
+      p = nn.meta.unbox(self.variables["params"])
+      shared = (tuple(p["shared"][n]["kernel"] for n in ("gate", "up", "down"))
+                if mc.num_shared else None)
+      # The stored expert weights: the kernels round them, so no convert kernel runs a step.
+      y_NxD, idx_NxK = decode_layer(
+          z_NxW.astype(dtype), kernel_WxE, bias_E, p["gate_up"], p["down"], shared, K,
+          mc.score, mc.route_scale, mc.router_dtype or cfg.dtype)
     self.sow("intermediates", "topk", idx_NxK)
     if self.has_variable("replay", "topk"):
       idx_NxK = self.get_variable("replay", "topk").reshape(idx_NxK.shape)
@@ -216,14 +276,17 @@ class MoE(nn.Module):
                       jnp.float32).astype(dtype)
 
     x_NxD = x_NxD.astype(dtype)
-    with jax.named_scope("moe_dispatch"):   # sort, gather, all-to-all, combine
-      y_NxW, dropped, ep_stats = routed_experts(mc, z_NxW.astype(dtype), idx_NxK, w_NxK,
-                                                gate_up, down)
-    y_NxD = (dense(cfg, D, ("moe_latent", "embed"), "latent_up", scale=out_scale(cfg))(y_NxW)
-             if R else y_NxW)
-    if mc.num_shared:
-      with jax.named_scope("shared_experts"):
-        y_NxD = y_NxD + SwiGLU(cfg, mc.num_shared * F, name="shared")(x_NxD)
+    if layer_kernels:
+      dropped, ep_stats = 0, {}
+    else:
+      with jax.named_scope("moe_dispatch"):   # sort, gather, all-to-all, combine
+        y_NxW, dropped, ep_stats = routed_experts(mc, z_NxW.astype(dtype), idx_NxK, w_NxK,
+                                                  gate_up, down)
+      y_NxD = (dense(cfg, D, ("moe_latent", "embed"), "latent_up",
+                     scale=out_scale(cfg))(y_NxW) if R else y_NxW)
+      if mc.num_shared:
+        with jax.named_scope("shared_experts"):
+          y_NxD = y_NxD + SwiGLU(cfg, mc.num_shared * F, name="shared")(x_NxD)
 
     with jax.named_scope("router"):
       stats = router.routing_stats(mc, logits_NxE, scores_NxE, idx_NxK, bias_E,
@@ -244,3 +307,15 @@ class MoE(nn.Module):
       penalty = penalty + mc.router_init_reg * drift
     stats["penalty"] = penalty
     return y_NxD.reshape(B, T, D), stats
+
+  def _decode_layer_kernels(self, N: int, W: int) -> bool:
+    """Whether this call runs pallas_gpu_decode_layer's three kernels (decode_dispatch =
+    "layer"): decoding (N·k ≤ E), dropless, on one expert shard, with no latent, at most one
+    shared expert, shapes the kernels tile, and no routing replay (the XLA path runs a
+    replayed routing). In apply only: init creates the parameters."""
+    mc = self.cfg.moe
+    E, K, F = mc.num_experts, mc.top_k, mc.expert_hidden
+    return (mc.decode_dispatch == "layer" and mc.dispatch == "dropless" and N * K <= E
+            and not mc.latent_dim and mc.num_shared <= 1 and axis_size("expert") == 1
+            and pallas_gpu_decode_layer.fits(W, F, E)
+            and not self.has_variable("replay", "topk") and not self.is_initializing())

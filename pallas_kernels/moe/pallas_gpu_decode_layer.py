@@ -1,0 +1,207 @@
+"""A whole MoE layer for a few tokens (decoding) in three Pallas kernels (Triton lowering on
+GPU, `interpret=True` elsewhere): the router with its top-k, the routed and shared experts'
+up-projections, and their down-projections summed with the combine weights.
+
+Why: at batch 1 the decode step's time follows its kernel count (benchmarks/long_context.md),
+and in XLA an MoE layer at decode is some fifteen kernels: the router's product, scores,
+bias and top-k, the combine weights, the gathered experts, the shared expert's three
+products and the sums. Here it is three, with the expert weights read as in
+pallas_gpu_decode_experts.py (each assignment's tiles loaded directly, full bandwidth).
+
+  route: grid (N,): logits = x · W_r (fp32 sums of router-dtype operands), scores (sigmoid or
+         softmax), top-k of scores + bias (lowest index on ties, as lax.top_k), combine
+         weights = the chosen scores renormalised × route_scale; idx and w [N, KP] (KP = k
+         rounded up to a power of two; padding slots have weight 0)
+  up:    grid (N·(k + S), F / block_f): slot s < k of token t runs expert idx[t, s], slot k
+         (S = 1 with one shared expert) the shared one: a = silu(x · Wg) ⊙ (x · Wu)
+  down:  grid (N, D / block_d): y[t] = Σ_s w[t, s] · a[t, s] · Wd[idx[t, s]] + a[t, k] · Wd_shared
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.moe import pallas_gpu_decode_experts as experts
+
+F32 = jnp.float32
+ROWS = 64           # rows of a weight read a loop step (the contracted dim's block)
+NUM_WARPS = 4
+
+
+def fits(D: int, F: int, E: int) -> bool:
+  """D and F in whole 64-row steps and column tiles; E a power of two (the scores are one
+  Triton vector)."""
+  return experts.fits(D, F) and E >= 1 and E & (E - 1) == 0
+
+
+def _row_times(x_R, w_RxC):
+  """x [R] · w [R, C] in fp32, w rounded to x's dtype first (as the XLA path casts weights
+  to the model dtype): fp32 weights are read as they are stored, with no convert kernel."""
+  return jnp.sum(x_R.astype(F32)[:, None] * w_RxC.astype(x_R.dtype).astype(F32), axis=0)
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _route_kernel(x_ref, w_ref, bias_ref, idx_ref, wt_ref, *, k, score, route_scale, dtype):
+  W, E = w_ref.shape
+  KP = idx_ref.shape[-1]
+  t = pl.program_id(0)
+  rnd = lambda a: a.astype(dtype).astype(F32)
+
+  def step(i, acc_E):
+    rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
+    return acc_E + jnp.sum(rnd(x_ref[t, rows].astype(F32))[:, None]
+                           * rnd(w_ref[rows, :].astype(F32)), axis=0)
+
+  logits_E = jax.lax.fori_loop(0, W // ROWS, step, jnp.zeros((E,), F32))
+  if score == "sigmoid":
+    scores_E = jax.nn.sigmoid(logits_E)
+  else:
+    scores_E = jnp.exp(logits_E - jnp.max(logits_E))
+    scores_E = scores_E / jnp.sum(scores_E)
+  sel_E = scores_E + bias_ref[...].astype(F32)
+  iota_E = jax.lax.broadcasted_iota(jnp.int32, (E,), 0)
+  iota_K = jax.lax.broadcasted_iota(jnp.int32, (KP,), 0)
+  idx_K = jnp.zeros((KP,), jnp.int32)
+  chosen_K = jnp.full((KP,), -jnp.inf, F32)
+  for j in range(k):
+    best = jnp.max(sel_E)
+    i = jnp.min(jnp.where(sel_E == best, iota_E, E))
+    hit_E = iota_E == i
+    logit = jnp.sum(jnp.where(hit_E, logits_E, 0.0))
+    idx_K = jnp.where(iota_K == j, i, idx_K)
+    chosen_K = jnp.where(iota_K == j, logit, chosen_K)
+    sel_E = jnp.where(hit_E, -jnp.inf, sel_E)
+  # router.combine_weights: a softmax over the k of log σ(l) (sigmoid) or of l (softmax).
+  live_K = iota_K < k
+  log_s_K = jax.nn.log_sigmoid(chosen_K) if score == "sigmoid" else chosen_K
+  log_s_K = jnp.where(live_K, log_s_K, -jnp.inf)
+  p_K = jnp.where(live_K, jnp.exp(log_s_K - jnp.max(log_s_K)), 0.0)
+  idx_ref[t, :] = idx_K
+  wt_ref[t, :] = p_K / jnp.sum(p_K) * route_scale
+
+
+def route(x_NxW, kernel_WxE, bias_E, top_k: int, score: str, route_scale: float, dtype,
+          *, interpret=None):
+  """(expert ids [N, KP] int32, combine weights [N, KP] fp32), KP = top_k rounded up to a
+  power of two: slot j < top_k as router.select gives them; the rest weigh 0. `dtype`: the
+  router's operand dtype (model.moe.router_dtype, resolved)."""
+  N, W = x_NxW.shape
+  E = kernel_WxE.shape[1]
+  KP = _pow2(top_k)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  whole = lambda shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))
+  params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+  return pl.pallas_call(
+      functools.partial(_route_kernel, k=top_k, score=score, route_scale=route_scale,
+                        dtype=dtype),
+      grid=(N,), in_specs=[whole((N, W)), whole((W, E)), whole((E,))],
+      out_specs=[whole((N, KP)), whole((N, KP))],
+      out_shape=[jax.ShapeDtypeStruct((N, KP), jnp.int32), jax.ShapeDtypeStruct((N, KP), F32)],
+      interpret=interpret, name="decode_moe_route", compiler_params=params,
+  )(x_NxW, kernel_WxE, bias_E)
+
+
+def _up_kernel(idx_ref, x_ref, gu_ref, *shared_and_out, k, slots, block_f):
+  a_ref = shared_and_out[-1]
+  D = x_ref.shape[1]
+  a, j = pl.program_id(0), pl.program_id(1)
+  t, s = a // slots, a % slots
+  cols = pl.ds(j * block_f, block_f)
+  zeros = jnp.zeros((block_f,), F32)
+  x_row = lambda rows: x_ref[t, rows]
+
+  def routed():
+    e = idx_ref[t, jnp.minimum(s, k - 1)]
+
+    def step(i, acc):
+      rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
+      return (acc[0] + _row_times(x_row(rows), gu_ref[e, rows, 0, cols]),
+              acc[1] + _row_times(x_row(rows), gu_ref[e, rows, 1, cols]))
+    return jax.lax.fori_loop(0, D // ROWS, step, (zeros, zeros))
+
+  if len(shared_and_out) == 1:
+    g_F, u_F = routed()
+  else:
+    sg_ref, su_ref = shared_and_out[:2]
+
+    def shared():
+      def step(i, acc):
+        rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
+        return (acc[0] + _row_times(x_row(rows), sg_ref[rows, cols]),
+                acc[1] + _row_times(x_row(rows), su_ref[rows, cols]))
+      return jax.lax.fori_loop(0, D // ROWS, step, (zeros, zeros))
+
+    g_F, u_F = jax.lax.cond(s < k, routed, shared)
+  a_ref[...] = (jax.nn.silu(g_F) * u_F).astype(a_ref.dtype)
+
+
+def _down_kernel(idx_ref, wt_ref, a_ref, dn_ref, *shared_and_out, k, slots, block_d):
+  y_ref = shared_and_out[-1]
+  F = a_ref.shape[1]
+  t, j = pl.program_id(0), pl.program_id(1)
+  cols = pl.ds(j * block_d, block_d)
+
+  def product(slot, weight_rows):
+    def step(i, acc):
+      rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
+      return acc + _row_times(a_ref[t * slots + slot, rows], weight_rows(rows))
+    return jax.lax.fori_loop(0, F // ROWS, step, jnp.zeros((block_d,), F32))
+
+  y = jnp.zeros((block_d,), F32)
+  for s in range(k):
+    e = idx_ref[t, s]
+    y = y + wt_ref[t, s] * product(s, lambda rows, e=e: dn_ref[e, rows, cols])
+  if len(shared_and_out) == 2:
+    sd_ref = shared_and_out[0]
+    y = y + product(k, lambda rows: sd_ref[rows, cols])
+  y_ref[...] = y.astype(y_ref.dtype)
+
+
+def moe_layer(x_NxD, idx_NxKP, w_NxKP, top_k: int, gate_up_ExDx2xF, down_ExFxD, shared=None,
+              *, interpret=None):
+  """y [N, D] in x's dtype: Σ_j w[n, j] · SwiGLU_{idx[n, j]}(x_n) over the first top_k slots,
+  plus the shared expert's SwiGLU(x_n) when `shared` = (gate [D, F], up [D, F], down [F, D])
+  is given (one shared expert, as wide as a routed one). Weights in any float dtype, rounded
+  to x's in the kernels; fp32 sums; the SwiGLU activations rounded to x's dtype, as the XLA
+  path's are."""
+  N, D = x_NxD.shape
+  E, _, _, F = gate_up_ExDx2xF.shape
+  if not fits(D, F, E):
+    raise ValueError(f"the fused MoE decode layer needs D % 64 == 0, F % 64 == 0 and E a "
+                     f"power of two; got D={D}, F={F}, E={E}")
+  if shared is not None and shared[0].shape != (D, F):
+    raise ValueError(f"the fused MoE decode layer takes one shared expert as wide as a routed "
+                     f"one, [D, F] = {(D, F)}; got {shared[0].shape}")
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  slots = top_k + (shared is not None)
+  dtype = x_NxD.dtype
+  block_f = experts.tiles(N * slots, D, F)[0]     # grids of N·slots and of N programs
+  block_d = experts.tiles(N, D, F)[1]
+  params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
+  whole = lambda x: pl.BlockSpec(x.shape, lambda a, j: (0,) * x.ndim)
+  gate_up, down = gate_up_ExDx2xF, down_ExFxD
+  sg, su, sd = shared if shared is not None else ((),) * 3
+  up_in = (idx_NxKP, x_NxD, gate_up) + ((sg, su) if shared is not None else ())
+  a_AxF = pl.pallas_call(
+      functools.partial(_up_kernel, k=top_k, slots=slots, block_f=block_f),
+      grid=(N * slots, F // block_f), in_specs=[whole(x) for x in up_in],
+      out_specs=pl.BlockSpec((None, block_f), lambda a, j: (a, j)),
+      out_shape=jax.ShapeDtypeStruct((N * slots, F), dtype),
+      interpret=interpret, name="decode_moe_up", compiler_params=params,
+  )(*up_in)
+  down_in = (idx_NxKP, w_NxKP, a_AxF, down) + ((sd,) if shared is not None else ())
+  return pl.pallas_call(
+      functools.partial(_down_kernel, k=top_k, slots=slots, block_d=block_d),
+      grid=(N, D // block_d), in_specs=[whole(x) for x in down_in],
+      out_specs=pl.BlockSpec((None, block_d), lambda t, j: (t, j)),
+      out_shape=jax.ShapeDtypeStruct((N, D), dtype),
+      interpret=interpret, name="decode_moe_down", compiler_params=params,
+  )(*down_in)
