@@ -43,7 +43,8 @@ _DECODE_DISPATCH = flags.DEFINE_string(
     "decode_dispatch", "", "model.moe.decode_dispatch for this run: auto (fused on GPU from 8 "
     "assignments, else gather) | gather (N·k expert copies "
     "read by a gather-einsum) | fused (the same copies read by Pallas kernels) | grouped "
-    "(sort + grouped matmul); '' keeps the config's.")
+    "(sort + grouped matmul) | layer (router, experts and shared expert as three kernels); "
+    "'' keeps the config's.")
 _DECODE_MATMUL = flags.DEFINE_string(
     "decode_matmul", "", "model.decode_matmul for this run: xla | pallas (few-rows kernel for "
     "the projections); '' keeps the config's.")

@@ -26,8 +26,8 @@ _LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
 _FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Rows decoded per step.")
 _MATMUL = flags.DEFINE_string("decode_matmul", "xla", "model.decode_matmul: xla | pallas.")
-_DISPATCH = flags.DEFINE_string("decode_dispatch", "auto",
-                                "model.moe.decode_dispatch: auto | gather | fused | grouped.")
+_DISPATCH = flags.DEFINE_string(
+    "decode_dispatch", "auto", "model.moe.decode_dispatch: auto | gather | fused | grouped | layer.")
 _KDA_DECODE = flags.DEFINE_string("kda_decode", "xla", "model.kda_decode: xla | kernel.")
 _FUSED = flags.DEFINE_bool("fused_projections", False, "model.fused_projections.")
 _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only and MLA-only steps "
