@@ -15,7 +15,7 @@ from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import inference_model, make_step, prefill
 from moe_jax.model import router
 from moe_jax.train.state import frozen_model_config
-from pallas_kernels.moe import pallas_gpu_decode_layer as layer
+from pallas_kernels.moe import ops as moe_ops, pallas_gpu_decode_layer as layer
 from pallas_kernels.moe import reference
 from tests.conftest import count_calls, make_small_config, rel_err
 from tests.test_kda_decode import _decode
@@ -87,7 +87,7 @@ def test_decode_step_equals_the_xla_path(dtype, bound, monkeypatch):
   lengths = np.array([10, 6])
   want, _ = _decode(c, "xla", tokens, 4, lengths)
   c.model.moe.decode_dispatch = "layer"
-  calls = count_calls(monkeypatch, layer, "moe_layer")
+  calls = count_calls(monkeypatch, moe_ops, "decode_layer")
   got, _ = _decode(c, "xla", tokens, 4, lengths)
   assert calls, "the layer kernels did not run"
   assert np.isfinite(got).all()
@@ -106,7 +106,7 @@ def test_recorded_routes_are_the_kernels(monkeypatch):
   variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
   cache = init_cache(model.cfg, 2, 8)
   _, cache = prefill(make_step(model), variables, cache, tokens[:, :5], np.full(2, 5), chunk=5)
-  calls = count_calls(monkeypatch, layer, "route")
+  calls = count_calls(monkeypatch, moe_ops, "decode_route")
   _, _, routes = jax.jit(make_step(model, record_routes=True))(
       variables, tokens[:, 5:], np.ones((2, 1), bool), cache)
   c.model.moe.decode_dispatch = "gather"

@@ -83,7 +83,7 @@ def test_routing_equals_per_token_loop(dispatch, T, decode, monkeypatch):
   """"fused": the decode-experts kernels in interpret mode, blocks shrunk to fit D=32, F=24."""
   monkeypatch.setattr(decode_experts, "BLOCK_D", 16)
   monkeypatch.setattr(decode_experts, "BLOCK_F", 8)
-  calls = count_calls(monkeypatch, decode_experts, "swiglu_experts")
+  calls = count_calls(monkeypatch, moe_ops, "decode_experts")
   cfg = _moe_cfg(dispatch=dispatch, capacity_factor=8.0 / 3.0,  # C = N: nothing dropped
                  decode_dispatch=decode)
   x = jax.random.normal(jax.random.key(1), (2, T, 32))

@@ -11,8 +11,7 @@ from moe_jax.model import remat
 from moe_jax.model.layers import ShortConv, dense, dtype_of, lp, out_scale, rms_norm
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
 from moe_jax.parallel.mesh import axis_size, per_device, single_device
-from pallas_kernels.kda import kda, kda_gate
-from pallas_kernels.kda.pallas_gpu_decode import decode_step
+from pallas_kernels.kda import decode_step, kda, kda_gate
 from pallas_kernels.kda.reference import l2_normalize
 
 

@@ -36,8 +36,7 @@ from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_nor
 from moe_jax.parallel import expert as expert_parallel
 from moe_jax.parallel.mesh import axis_size
 from pallas_kernels import platform
-from pallas_kernels.moe import (pallas_gpu_decode_experts, pallas_gpu_decode_layer,
-                                reference as moe_reference)
+from pallas_kernels.moe import ops as moe_ops, reference as moe_reference
 
 
 def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=""):
@@ -73,7 +72,7 @@ def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, fused=False):
   and applied directly, no sort and no grouped-matmul launch. Reads N·k experts' weights.
   fused: by the Pallas kernels of decode_experts (same math) where the shapes fit."""
   E, D, _, F = gate_up_ExDx2xF.shape
-  experts_fn = fused_experts if fused and pallas_gpu_decode_experts.fits(D, F) else gathered_experts
+  experts_fn = fused_experts if fused and moe_ops.decode_experts_fit(D, F) else gathered_experts
   y_NxKxD = experts_fn(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD)
   return combine(y_NxKxD.reshape(-1, D), w_NxK, x_NxD.dtype)
 
@@ -86,8 +85,7 @@ gathered_experts = moe_reference.swiglu_experts
 def fused_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD):
   """gathered_experts by the Pallas kernels. The kernels are forward only; the backward is
   gathered_experts' (so a gradient through a tiny GPU batch under "auto" still works)."""
-  return pallas_gpu_decode_experts.swiglu_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD
-                                       ).astype(x_NxD.dtype)
+  return moe_ops.decode_experts(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD).astype(x_NxD.dtype)
 
 
 def _fused_fwd(x_NxD, idx_NxK, gate_up_ExDx2xF, down_ExFxD):
@@ -113,10 +111,10 @@ def decode_layer(x_NxW, kernel_WxE, bias_E, gate_up_ExWx2xF, down_ExFxW, shared,
   shared expert (gate, up, down kernels, or None) by pallas_gpu_decode_layer's kernels. They
   are forward only; the backward is the XLA path's at the same experts (so a gradient
   through a decode-sized batch under decode_dispatch="layer" still works)."""
-  idx_NxKP, w_NxKP = pallas_gpu_decode_layer.route(x_NxW, kernel_WxE, bias_E, top_k, score,
-                                                   route_scale, jnp.dtype(router_dtype))
-  y_NxW = pallas_gpu_decode_layer.moe_layer(x_NxW, idx_NxKP, w_NxKP, top_k, gate_up_ExWx2xF,
-                                            down_ExFxW, shared)
+  idx_NxKP, w_NxKP = moe_ops.decode_route(x_NxW, kernel_WxE, bias_E, top_k, score, route_scale,
+                                          jnp.dtype(router_dtype))
+  y_NxW = moe_ops.decode_layer(x_NxW, idx_NxKP, w_NxKP, top_k, gate_up_ExWx2xF, down_ExFxW,
+                               shared)
   return y_NxW, idx_NxKP[:, :top_k]
 
 
@@ -317,5 +315,5 @@ class MoE(nn.Module):
     E, K, F = mc.num_experts, mc.top_k, mc.expert_hidden
     return (mc.decode_dispatch == "layer" and mc.dispatch == "dropless" and N * K <= E
             and not mc.latent_dim and mc.num_shared <= 1 and axis_size("expert") == 1
-            and pallas_gpu_decode_layer.fits(W, F, E)
+            and moe_ops.decode_layer_fits(W, F, E)
             and not self.has_variable("replay", "topk") and not self.is_initializing())

@@ -1,6 +1,6 @@
 """Bounded-decay Kimi delta attention (KDA): public op, gate and references."""
 
 from pallas_kernels.kda.gate import kda_gate
-from pallas_kernels.kda.ops import kda
+from pallas_kernels.kda.ops import decode_step, kda
 
-__all__ = ["kda", "kda_gate"]
+__all__ = ["decode_step", "kda", "kda_gate"]

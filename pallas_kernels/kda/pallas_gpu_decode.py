@@ -22,8 +22,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kda.ops import pallas_gpu_fits
-
 F32 = jnp.float32
 
 
@@ -117,7 +115,7 @@ def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lowe
   """
   B, H, K, V = state_BxHxKxV.shape
   W = conv["q"][1].shape[0]
-  if K != V or not pallas_gpu_fits(K, V):
+  if K != V or K < 16 or K & (K - 1):
     raise ValueError(f"the fused KDA decode step needs K == V, a power of two >= 16; got "
                      f"K={K}, V={V}")
   if W < 2:

@@ -27,6 +27,13 @@ import jax.numpy as jnp
 
 from pallas_kernels import jax_triton_compat, platform
 from pallas_kernels.moe import pallas_gpu_grouped_dw, mosaic_gpu_grouped
+# Decoding (a few tokens): the routed experts (pallas_gpu_decode_experts.py) or the whole
+# layer, router and shared expert included (pallas_gpu_decode_layer.py), as Pallas kernels:
+# Triton on GPU, interpret elsewhere.
+from pallas_kernels.moe.pallas_gpu_decode_experts import (  # noqa: F401 — re-exported
+    fits as decode_experts_fit, swiglu_experts as decode_experts)
+from pallas_kernels.moe.pallas_gpu_decode_layer import (  # noqa: F401 — re-exported
+    fits as decode_layer_fits, moe_layer as decode_layer, route as decode_route)
 
 GROUPED_MATMULS = ("xla", "tokamax", "mosaic")
 _HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None   # looked up, not imported
