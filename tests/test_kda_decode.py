@@ -130,3 +130,32 @@ def test_kernel_rejects_heads_it_cannot_tile():
                                   {"q": (None, jnp.zeros((4, 48)))}, {},
                                   jnp.zeros((1, 2, 24, 24)), lower_bound=None, eps=1e-6,
                                   dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("shape", ["long_context_1b", "kimi"])
+def test_decode_kernels_at_realistic_widths_equal_the_xla_step(shape):
+  """The decode kernels at realistic widths (natively on a GPU), all on (kda_decode=kernel, the fused
+  projections, moe.decode_dispatch=layer), against the default XLA step, bf16: two layers
+  of configs/long_context_1b.py's shapes (16 KDA heads of 64, 32 experts of 704, top-4, a
+  shared expert) or of Kimi Linear's KDA and MoE (32 heads of 128, 256 experts top-8, the
+  unbounded gate), batch 2 with one row turning to padding. (Interpret mode on CPU: logits
+  2.8e-3 / 3.4e-3 apart, states 4.3e-3 / 4.6e-3.)"""
+  c = make_small_config()
+  c.model.update({"dtype": "bfloat16", "n_layers": 2, "layer_pattern": "KA"})
+  if shape == "long_context_1b":
+    c.model.update({"d_model": 1024, "n_heads": 16, "kda_head_dim": 64})
+    c.model.moe.update({"num_experts": 32, "top_k": 4, "expert_hidden": 704})
+  else:
+    c.model.update({"d_model": 512, "n_heads": 4, "kda_n_heads": 32, "kda_head_dim": 128,
+                    "kda_lower_bound": None, "kda_output_gate_bias": False})
+    c.model.moe.update({"num_experts": 256, "top_k": 8, "expert_hidden": 128})
+  c.model.fused_projections = True   # a parameter layout: both paths read the same in_proj
+  tokens = np.random.default_rng(5).integers(0, 256, (2, 10)).astype(np.int32)
+  lengths = np.array([10, 7])
+  want, want_cache = _decode(c, "xla", tokens, 4, lengths)
+  c.model.moe.decode_dispatch = "layer"
+  got, got_cache = _decode(c, "kernel", tokens, 4, lengths)
+  assert np.isfinite(got).all()
+  assert rel_err(got[:, 0], want[:, 0]) < 2e-2 and rel_err(got[:3, 1], want[:3, 1]) < 2e-2
+  layer = lambda cache: cache["layers"]["layer_0"]
+  assert rel_err(layer(got_cache)["state"], layer(want_cache)["state"]) < 2e-2
