@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model import remat, rope
-from moe_jax.model.layers import dense, out_scale, rms_norm
+from moe_jax.model.layers import dense, dtype_of, out_scale, rms_norm
 from moe_jax.parallel.mesh import axis_size, per_device
 from moe_jax.parallel.ring_attention import ring_attention
 from pallas_kernels.attention import ops as attention_ops
@@ -85,8 +85,15 @@ class MLAMixer(nn.Module):
       new_cache = None
     else:
       ckv_BxTxW = jnp.concatenate([ckv_BxTxR, kr_BxTxDr], -1) if Dr else ckv_BxTxR
+      if self.is_initializing():   # k_b and v_b make their parameters
+        eye_RxR = jnp.eye(R, dtype=ckv_BxTxW.dtype)
+        w_kb_RxHxDqk, w_vb_RxHxDv = k_b(eye_RxR), v_b(eye_RxR)
+      else:   # their kernels as the projections use them (k_b(I) = k_b's kernel, exactly)
+        p = nn.meta.unbox(self.variables["params"])
+        w_kb_RxHxDqk, w_vb_RxHxDv = (p[n]["kernel"].astype(dtype_of(cfg)) for n in ("k_b", "v_b"))
       o_BxTxHxDv, new_cache = _attend_latent_cache(q_BxTxHxDq, ckv_BxTxW, segment_ids_BxT,
-                                                   cache, k_b, v_b, Dr, mla_implementation(cfg))
+                                                   cache, w_kb_RxHxDqk, w_vb_RxHxDv, Dr,
+                                                   mla_implementation(cfg))
 
     o_BxTxHxDv = remat.tag(o_BxTxHxDv, "mla_out")
     if cfg.get("mla_output_gate", True):
@@ -115,9 +122,11 @@ def with_shared_key(k_BxTxHxDqk, kr_BxTxDr):
   return jnp.concatenate([k_BxTxHxDqk, kr_BxTxHxDr.astype(k_BxTxHxDqk.dtype)], -1)
 
 
-def _attend_latent_cache(q_BxTxHxDq, ckv_BxTxW, segment_ids_BxT, cache, k_b, v_b, Dr, impl):
+def _attend_latent_cache(q_BxTxHxDq, ckv_BxTxW, segment_ids_BxT, cache, w_kb_RxHxDqk,
+                         w_vb_RxHxDv, Dr, impl):
   """Writes the new latents at each row's length, then attends over the filled cache
-  (attention_ops.latent_cache_attention) with k_b and v_b as [W, H, D] weights.
+  (attention_ops.latent_cache_attention) with k_b and v_b's kernels ([R, H, D], in the
+  model's dtype) extended to [W, H, D] weights.
 
   A latent row is W = R + Dr wide: the normed latent, then the shared key dims. Extending
   k_b by an identity on those dims (and v_b by zeros) makes the absorbed score
@@ -125,14 +134,11 @@ def _attend_latent_cache(q_BxTxHxDq, ckv_BxTxW, segment_ids_BxT, cache, k_b, v_b
   B, T, H, Dq = q_BxTxHxDq.shape
   ckv_BxSxW, length_B = cache["ckv"], cache["length"]
   W = ckv_BxSxW.shape[-1]
-  R = W - Dr
   pos_BxT = length_B[:, None] + jnp.arange(T)
   ckv_BxSxW = ckv_BxSxW.at[jnp.arange(B)[:, None], pos_BxT].set(
       ckv_BxTxW.astype(ckv_BxSxW.dtype), mode="drop")
   filled_B = length_B + (segment_ids_BxT != 0).sum(-1)
-  # k_b / v_b kernels [R, H, D]: the projections applied to the identity (exact).
-  eye_RxR = jnp.eye(R, dtype=ckv_BxTxW.dtype)
-  w_kb_WxHxDq, w_vb_WxHxDv = k_b(eye_RxR), v_b(eye_RxR)
+  w_kb_WxHxDq, w_vb_WxHxDv = w_kb_RxHxDqk, w_vb_RxHxDv
   if Dr:
     eye_DrxHxDr = jnp.broadcast_to(jnp.eye(Dr, dtype=w_kb_WxHxDq.dtype)[:, None], (Dr, H, Dr))
     w_kb_WxHxDq = jnp.concatenate([
