@@ -17,10 +17,12 @@ from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import (decode, inference_model, inference_variables, make_step,
                                     prefill)
+from moe_jax.model import kda as kda_module
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.attention import pallas_gpu_latent_decode as latent_decode, xla_cached
 from pallas_kernels.matmul import pallas_gpu_few_rows as few_rows
+from pallas_kernels.moe import ops as moe_ops
 from tests.conftest import ROOT, count_calls, make_small_config, rel_err, subprocess_env
 
 _LENGTHS = np.array([37, 22, 30])  # three rows of different lengths
@@ -99,11 +101,19 @@ def test_decode_reproduces_full_forward(hybrid, key_block, impl, matmul, monkeyp
   assert bool(kernel_calls) == (matmul == "pallas")
 
 
-def test_greedy_batch_decode_equals_each_row_alone_and_the_full_forward(hybrid):
+@pytest.mark.parametrize("kernels", [False, True])
+def test_greedy_batch_decode_equals_each_row_alone_and_the_full_forward(hybrid, kernels,
+                                                                       monkeypatch):
   """Greedy decoding of 3 prompts (13, 5, 9 tokens) together gives each row the tokens it
   gets decoded alone (batch 1), and every generated token is the argmax of the full
-  forward over the prompt and the tokens before it."""
+  forward over the prompt and the tokens before it. kernels: the decode step's KDA layers
+  and MoE layers as their Pallas kernels (model.kda_decode, moe.decode_dispatch="layer")."""
   model, variables, tokens, _ = hybrid
+  if kernels:
+    moe = {**model.cfg.moe.to_dict(), "decode_dispatch": "layer"}
+    model = _with_model_fields(model, kda_decode="kernel", moe=moe)
+  calls = (count_calls(monkeypatch, kda_module, "decode_step"),
+           count_calls(monkeypatch, moe_ops, "decode_layer"))
   step, prompt, n = make_step(model), np.array([13, 5, 9]), 10
   greedy = functools.partial(decode, step, max_new=n, temperature=0.0, stop_tokens=(-1,))
 
@@ -122,6 +132,7 @@ def test_greedy_batch_decode_equals_each_row_alone_and_the_full_forward(hybrid):
                                                  "segment_ids": np.ones_like(seq)})
     np.testing.assert_array_equal(np.asarray(logits[0, prompt[b] - 1:-1].argmax(-1)),
                                   together[b])
+  assert all(bool(c) == kernels for c in calls)
 
 
 @pytest.mark.parametrize("impl", ["xla", "gpu", "tpu"])
