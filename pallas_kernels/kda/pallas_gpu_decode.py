@@ -23,16 +23,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 F32 = jnp.float32
+L2_EPS = 1e-6       # reference.l2_normalize's
+UP_ROWS = 16        # rows of a gate's up-projection weight read a loop step
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", "g_a")
 
 
 def num_warps(K: int) -> int:
-  """A program holds its [K, K] fp32 state and [K, K] weight slices in registers. For sm_90a
-  (ptxas): K = 64 at 4 warps takes 102 registers a thread; K = 128 takes 255 at 4 or 8
-  warps without spilling, and spills at 16 (capped at 128). 8 warps give the 128-wide
-  heads twice the threads; a decode grid of B·H programs does not fill the SMs anyway."""
+  """A program holds its [K, K] fp32 state in registers. For sm_90a (ptxas): K = 64 at 4
+  warps takes 88 registers a thread, K = 128 at 8 warps 173, neither spilling (the gate
+  projections read in UP_ROWS-row blocks; read whole, K = 128 took 255 and spilled). A
+  decode grid of B·H programs does not fill the SMs, so occupancy is not the limit."""
   return 4 if K <= 64 else 8
-L2_EPS = 1e-6       # reference.l2_normalize's
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", "g_a")
 
 
 def _kernel(*refs, n_src, where, W, K, lower_bound, eps, dtype, has_bias):
@@ -40,7 +41,7 @@ def _kernel(*refs, n_src, where, W, K, lower_bound, eps, dtype, has_bias):
   (seg_ref, tseg_ref, tq_ref, tk_ref, tv_ref, wq_ref, wk_ref, wv_ref, fb_ref, alog_ref,
    dtb_ref, gb_ref), refs = refs[:12], refs[12:]
   gbb_ref, refs = (refs[0], refs[1:]) if has_bias else (None, refs)
-  onorm_ref, s_ref, o_ref, s_out_ref, tq_out, tk_out, tv_out = refs
+  onorm_ref, s_ref, o_ref, s_out_ref, tq_out, tk_out, tv_out, tseg_out = refs
   b, h = pl.program_id(0), pl.program_id(1)
   cols = pl.ds(pl.multiple_of(h * K, K), K)
   rnd = lambda x: x.astype(dtype).astype(F32)       # the XLA path's rounding to the model dtype
@@ -66,15 +67,26 @@ def _kernel(*refs, n_src, where, W, K, lower_bound, eps, dtype, has_bias):
   def l2norm(x_K):
     return rnd(x_K * jax.lax.rsqrt(jnp.sum(x_K * x_K) + L2_EPS))
 
+  @pl.when(h == 0)
+  def _():   # the tails' segment ids, once a row: shifted by one for a live token
+    for j in range(W - 1):
+      nxt = tseg_ref[b, j + 1] if j + 1 < W - 1 else seg
+      tseg_out[b, j] = jnp.where(live, nxt, tseg_ref[b, j])
+
   q_K = l2norm(short_conv("q_proj", tq_ref, wq_ref, tq_out))
   k_K = l2norm(short_conv("k_proj", tk_ref, wk_ref, tk_out))
   v_V = short_conv("v_proj", tv_ref, wv_ref, tv_out)
 
   def up(name, w_ref):
-    """x [K] (a low-rank projection of the input) times head h's [K, V] slice, rounded."""
+    """x [K] (a low-rank projection of the input) times head h's [K, V] slice, in blocks of
+    UP_ROWS rows (fewer registers than the whole slice at once)."""
     i, first = where[name]
-    x_K = srcs[i][b, pl.ds(first, K)].astype(F32)
-    return jnp.sum(x_K[:, None] * rnd(w_ref[:, h, :].astype(F32)), axis=0)
+
+    def step(r, acc_V):
+      rows = pl.ds(pl.multiple_of(r * UP_ROWS, UP_ROWS), UP_ROWS)
+      x_R = srcs[i][b, pl.ds(first + r * UP_ROWS, UP_ROWS)].astype(F32)
+      return acc_V + jnp.sum(x_R[:, None] * rnd(w_ref[rows, h, :].astype(F32)), axis=0)
+    return jax.lax.fori_loop(0, K // UP_ROWS, step, jnp.zeros((K,), F32))
 
   f_K = rnd(up("f_a", fb_ref))
   x_K = f_K + dtb_ref[cols].astype(F32)
@@ -133,23 +145,21 @@ def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lowe
   in_specs.append(pl.BlockSpec((None, None, K, V), lambda b, h: (b, h, 0, 0)))
   out_specs = [pl.BlockSpec((None, None, V), lambda b, h: (b, h, 0)),
                pl.BlockSpec((None, None, K, V), lambda b, h: (b, h, 0, 0)),
-               *(whole(t) for t in tails)]
+               *(whole(t) for t in tails), whole(conv["seg"])]
   out_shape = [jax.ShapeDtypeStruct((B, H, V), dtype),
                jax.ShapeDtypeStruct(state_BxHxKxV.shape, F32),
-               *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tails)]
+               *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tails),
+               jax.ShapeDtypeStruct(conv["seg"].shape, jnp.int32)]
   n = len(ins)
-  aliases = {n - 1: 1, 2 + len(srcs): 2, 3 + len(srcs): 3, 4 + len(srcs): 4}
+  aliases = {n - 1: 1, 1 + len(srcs): 5, 2 + len(srcs): 2, 3 + len(srcs): 3, 4 + len(srcs): 4}
   kernel = lambda *refs: _kernel(*refs, n_src=len(srcs), where=where, W=W, K=K,
                                  lower_bound=lower_bound, eps=eps, dtype=dtype,
                                  has_bias=has_bias)
   compiler_params = None if interpret else pltriton.CompilerParams(num_warps=num_warps(K),
                                                                    num_stages=1)
-  o_BxHxV, S, *new_tails = pl.pallas_call(
+  o_BxHxV, S, *new_tails, seg_tail = pl.pallas_call(
       kernel, grid=(B, H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       input_output_aliases=aliases, interpret=interpret, name="kda_decode_step",
       compiler_params=compiler_params,
   )(*ins[:-1], state_BxHxKxV.astype(F32))
-  live_B = seg_B != 0
-  shifted = jnp.concatenate([conv["seg"][:, 1:], seg_B[:, None].astype(conv["seg"].dtype)], 1)
-  seg_tail = jnp.where(live_B[:, None], shifted, conv["seg"])
-  return o_BxHxV, S, tuple(new_tails), seg_tail
+  return o_BxHxV, S, tuple(new_tails), seg_tail.astype(conv["seg"].dtype)
