@@ -307,7 +307,7 @@ class MoE(nn.Module):
     return y_NxD.reshape(B, T, D), stats
 
   def _decode_layer_kernels(self, N: int, W: int) -> bool:
-    """Whether this call runs pallas_gpu_decode_layer's three kernels (decode_dispatch =
+    """Whether the layer runs pallas_gpu_decode_layer's three kernels here (decode_dispatch =
     "layer"): decoding (N·k ≤ E), dropless, on one expert shard, with no latent, at most one
     shared expert, shapes the kernels tile, and no routing replay (the XLA path runs a
     replayed routing). In apply only: init creates the parameters."""
