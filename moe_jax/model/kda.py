@@ -155,7 +155,7 @@ class KDAMixer(nn.Module):
     tails, gate, state update and gated norm in one launch; then o_proj."""
     cfg = self.cfg
     B, H, K, V = cache["state"].shape
-    p = nn.unbox(self.variables["params"])
+    p = nn.meta.unbox(self.variables["params"])
     conv = {n: (cache[f"{n}_conv"]["x"], p[f"{n}_conv"]["kernel"]) for n in "qkv"}
     conv["seg"] = cache["q_conv"]["seg"]
     params = {"f_b": p["f_b"]["kernel"], "A_log": p["A_log"], "dt_bias": p["dt_bias"],
@@ -165,8 +165,7 @@ class KDAMixer(nn.Module):
         tuple(a.reshape(B, -1) for a in arrays), where, segment_ids_B, conv, params,
         cache["state"], lower_bound=cfg.kda_lower_bound, eps=cfg.norm_eps,
         dtype=dtype_of(cfg))
-    out_BxTxD = dense(cfg, cfg.d_model, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
-                      scale=out_scale(cfg))(o_BxHxV[:, None])
+    out_BxTxD = self._o_proj(o_BxHxV[:, None])
     new_cache = {f"{n}_conv": {"x": t, "seg": seg} for n, t in zip("qkv", tails)}
     return out_BxTxD, {**new_cache, "state": state}
 
@@ -174,9 +173,12 @@ class KDAMixer(nn.Module):
     """Gated RMSNorm per head, norm(o) * sigmoid(g_b(gate)), then the out projection;
     gate_BxTxK is the low-rank gate's first projection of the input, g_a(x)."""
     cfg = self.cfg
-    D, (H, K) = cfg.d_model, o_BxTxHxV.shape[-2:]
+    H, K = o_BxTxHxV.shape[-2:]
     gate_BxTxHxV = dense(cfg, (H, K), ("kda_rank", "heads", "kv"), "g_b",
                          use_bias=cfg.get("kda_output_gate_bias", True))(gate_BxTxK)
     o_BxTxHxV = rms_norm(cfg, "o_norm", "kv")(o_BxTxHxV) * nn.sigmoid(gate_BxTxHxV)
-    return dense(cfg, D, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
-                 scale=out_scale(cfg))(o_BxTxHxV)
+    return self._o_proj(o_BxTxHxV)
+
+  def _o_proj(self, o_BxTxHxV):
+    return dense(self.cfg, self.cfg.d_model, ("heads", "kv", "embed"), "o_proj", axis=(-2, -1),
+                 scale=out_scale(self.cfg))(o_BxTxHxV)
