@@ -134,11 +134,11 @@ def test_kernel_rejects_heads_it_cannot_tile():
 
 @pytest.mark.parametrize("shape", ["long_context_1b", "kimi"])
 def test_decode_kernels_at_realistic_widths_equal_the_xla_step(shape):
-  """The decode kernels at realistic widths (natively on a GPU), all on (kda_decode=kernel, the fused
-  projections, moe.decode_dispatch=layer), against the default XLA step, bf16: two layers
-  of configs/long_context_1b.py's shapes (16 KDA heads of 64, 32 experts of 704, top-4, a
-  shared expert) or of Kimi Linear's KDA and MoE (32 heads of 128, 256 experts top-8, the
-  unbounded gate), batch 2 with one row turning to padding. (Interpret mode on CPU: logits
+  """The decode kernels at realistic widths (natively on a GPU), all on (kda_decode=kernel,
+  the fused projections, moe.decode_dispatch=layer), against the default XLA step, bf16:
+  two layers of configs/long_context_1b.py's shapes (16 KDA heads of 64, 32 experts of
+  704, top-4, a shared expert) or of Kimi Linear's KDA and MoE (32 heads of 128, 256
+  experts top-8, the unbounded gate), batch 2 with one row turning to padding. (Interpret mode on CPU: logits
   2.8e-3 / 3.4e-3 apart, states 4.3e-3 / 4.6e-3.)"""
   c = make_small_config()
   c.model.update({"dtype": "bfloat16", "n_layers": 2, "layer_pattern": "KA"})

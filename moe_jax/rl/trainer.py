@@ -142,7 +142,7 @@ def episode_batch(ep: Episodes, adv_R) -> dict:
 
 def held_out(tasks, rl, n: int, offset: int = 1) -> list:
   """n problems of the eval split, the same every time for a given offset: offset 1 is
-  pass@1's held-out set, offset 3 the warm-up checks' (other problems from the same split)."""
+  pass@1's held-out set, offset 3 the warm-up checks' (other draws from the same split)."""
   return [environments.draw(tasks, rl.seed + offset, i, "eval") for i in range(n)]
 
 
@@ -172,7 +172,7 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
 def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict:
   """The supervised warm-up on data.tasks in init_dir (resumed where it stopped). With
   rl.warmup_check_every = n > 0 it runs in spans of n steps, and after each measures greedy
-  pass@1 on rl.warmup_check_prompts held-out problems (not pass@1's own set); it stops at the
+  pass@1 on rl.warmup_check_prompts held-out problems (other draws than pass@1's); it stops at the
   first check where every task reaches rl.warmup_min_pass1, or at schedule.total_steps. So
   GRPO starts part-way up the learning curves, whatever the machine's speed of learning,
   without a run to tune the warm-up's length first. Returns {"checks": [...],

@@ -11,7 +11,8 @@ row is below Triton's smallest dot). Measured at batch 8 (32 assignments): 2.6�
 193 → 53 µs per MoE layer; at 4 assignments the grid is too small and gather is faster
 (moe.decode_path picks).
 
-  up:   grid (A, F / block_f): a[a, f] = silu(x_t · Wg[e]) ⊙ (x_t · Wu[e]), t = a // k, e = idx[a]
+  up:   grid (A, F / block_f): a[a, f] = silu(x_t · Wg[e]) ⊙ (x_t · Wu[e]),
+        t = a // k, e = idx[a]
   down: grid (A, D / block_d): y[a, d] = a[a] · Wd[e]
 
 The column tiles narrow (64 → 32 → 16) until the grid has FILL programs: at batch 1 and

@@ -14,7 +14,8 @@ pallas_gpu_decode_experts.py (each assignment's tiles loaded directly, full band
          rounded up to a power of two; padding slots have weight 0)
   up:    grid (N·(k + S), F / block_f): slot s < k of token t runs expert idx[t, s], slot k
          (S = 1 with one shared expert) the shared one: a = silu(x · Wg) ⊙ (x · Wu)
-  down:  grid (N, D / block_d): y[t] = Σ_s w[t, s] · a[t, s] · Wd[idx[t, s]] + a[t, k] · Wd_shared
+  down:  grid (N, D / block_d):
+         y[t] = Σ_s w[t, s] · a[t, s] · Wd[idx[t, s]] + a[t, k] · Wd_shared
 """
 
 import functools
