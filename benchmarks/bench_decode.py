@@ -41,14 +41,6 @@ _RESOLUTION = flags.DEFINE_integer("resolution", 1, "The bisection stops when th
                                    "did not fit is at most this far above the one that did.")
 
 GIB = 1 << 30
-# The model's decode-path options, recorded in each row (rows made with other values are
-# kept apart); their defaults are configs/base.py's.
-DEFAULT_OPTIONS = {"kda_decode": "xla", "fused_projections": False, "decode_dispatch": "auto"}
-
-
-def decode_options(model_cfg) -> dict:
-  return {k: (model_cfg.moe if k == "decode_dispatch" else model_cfg).get(k, v)
-          for k, v in DEFAULT_OPTIONS.items()}
 
 
 def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:
@@ -122,12 +114,12 @@ def main(argv):
           gc.collect()
       found = ([{**measure(int(b)), "batch": int(b), "oom": False} for b in _BATCHES.value]
                if _BATCHES.value else search_batches(measure, _MAX_BATCH.value, _RESOLUTION.value))
-      rows += [{"variant": variant, "context": L, **r, **decode_options(model.cfg), **stamp}
+      rows += [{"variant": variant, "context": L, **r, **blc.decode_options(model.cfg), **stamp}
                for r in found]
   if blc._OUT.value:
     provenance.merge_rows(os.path.join(blc._OUT.value, "decode.json"), rows,
                           lambda r: (r["variant"], r["context"], r["batch"],
-                                     *(r.get(k, v) for k, v in DEFAULT_OPTIONS.items())))
+                                     *(r.get(k, v) for k, v in blc.DECODE_OPTIONS.items())))
     with open(os.path.join(blc._OUT.value, "decode.md"), "a") as f:
       f.write("\n" + markdown(rows, stamp))
   print(markdown(rows, stamp))

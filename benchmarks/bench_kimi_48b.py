@@ -6,7 +6,8 @@ then decode; tokens/s, ms per token and peak memory.
 configs/kimi_linear_48b.py in bf16 with random weights (benchmarks/random_variables.py:
 49.1 B parameters, 98 GB) and random tokens; the prefill and decode loops of
 benchmarks/bench_long_context.py (its flags: --prefill_chunk, --decode_tokens, --batch,
---max_seconds, --small). Before running, the memory plan: weights, the MLA latent cache at
+--max_seconds, --small, and the decode options --kda_decode, --decode_dispatch,
+--fused_projections, which each row records). Before running, the memory plan: weights, the MLA latent cache at
 each context (7 layers × (512 + 64) numbers a token) and the KDA states. A context that
 does not fit is a row with its error and the plan's numbers. Writes kimi_48b_h200.json
 and kimi_48b_h200.md (date, commit, machine, shapes) into --out.
@@ -42,6 +43,13 @@ def model_config():
                     "mla_qk_head_dim": 16, "mla_qk_rope_dim": 8, "mla_v_head_dim": 16,
                     "ffn_hidden": 128, "kda_chunk_size": 16, "vocab_size": 512})
     c.model.moe.update({"num_experts": 8, "top_k": 2, "expert_hidden": 32})
+  # bench_long_context's decode options, where given (each row records them)
+  if blc._KDA_DECODE.value:
+    c.model.kda_decode = blc._KDA_DECODE.value
+  if blc._DECODE_DISPATCH.value:
+    c.model.moe.decode_dispatch = blc._DECODE_DISPATCH.value
+  if blc._FUSED.value is not None:
+    c.model.fused_projections = blc._FUSED.value
   return c
 
 
@@ -88,7 +96,8 @@ def main(argv):
   for L in contexts:
     plan = memory_plan(c, L, base["total_params"])
     print(f"{time.strftime('%H:%M:%S')} context {L}: plan {plan}", flush=True)
-    row = {"context": L, **{k: round(v, 2) for k, v in plan.items()}}
+    row = {"context": L, **{k: round(v, 2) for k, v in plan.items()},
+           **blc.decode_options(c.model)}
     try:
       if not rows:   # compile both loops on a scratch cache, once
         logits, scratch = jstep(variables, np.zeros((FLAGS.batch, chunk), np.int32),

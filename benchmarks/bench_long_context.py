@@ -58,6 +58,16 @@ _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the
                               "decode ms/token is per step, i.e. per token of every row.")
 
 
+# The model's decode-path options, recorded in each decode row (rows made with other values
+# are kept apart); their defaults are configs/base.py's.
+DECODE_OPTIONS = {"kda_decode": "xla", "fused_projections": False, "decode_dispatch": "auto"}
+
+
+def decode_options(model_cfg) -> dict:
+  return {k: (model_cfg.moe if k == "decode_dispatch" else model_cfg).get(k, v)
+          for k, v in DECODE_OPTIONS.items()}
+
+
 def model_config(variant):
   c = long_context_1b.get_config("all_mla" if variant == "all_mla" else None)
   c.model.dtype = "bfloat16"
