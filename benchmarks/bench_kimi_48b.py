@@ -7,10 +7,10 @@ configs/kimi_linear_48b.py in bf16 with random weights (benchmarks/random_variab
 49.1 B parameters, 98 GB) and random tokens; the prefill and decode loops of
 benchmarks/bench_long_context.py (its flags: --prefill_chunk, --decode_tokens, --batch,
 --max_seconds, --small, and the decode options --kda_decode, --decode_dispatch,
---fused_projections, which each row records). Before running, the memory plan: weights, the MLA latent cache at
-each context (7 layers × (512 + 64) numbers a token) and the KDA states. A context that
-does not fit is a row with its error and the plan's numbers. Writes kimi_48b_h200.json
-and kimi_48b_h200.md (date, commit, machine, shapes) into --out.
+--fused_projections, which each row records). Before running, the memory plan: weights,
+the MLA latent cache at each context (7 layers × (512 + 64) numbers a token) and the KDA
+states. A context that does not fit is a row with its error and the plan's numbers.
+Writes kimi_48b_h200.json and kimi_48b_h200.md (date, commit, machine, shapes) into --out.
 """
 
 import json
