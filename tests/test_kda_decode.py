@@ -159,3 +159,24 @@ def test_decode_kernels_at_realistic_widths_equal_the_xla_step(shape):
   assert rel_err(got[:, 0], want[:, 0]) < 2e-2 and rel_err(got[:3, 1], want[:3, 1]) < 2e-2
   layer = lambda cache: cache["layers"]["layer_0"]
   assert rel_err(layer(got_cache)["state"], layer(want_cache)["state"]) < 2e-2
+
+
+def test_a_tpu_takes_the_xla_step(monkeypatch):
+  """The decode kernels are Triton's: with a TPU as the target platform, model.kda_decode
+  and moe.decode_dispatch="layer" leave the step to XLA (the kernels never run) and the
+  logits are the XLA step's."""
+  from pallas_kernels import platform
+  from pallas_kernels.moe import ops as moe_ops
+  c = make_small_config()
+  c.model.update({"dtype": "float32", "n_layers": 2, "layer_pattern": "KA",
+                  "mla_implementation": "xla", "kda_implementation": "xla"})
+  tokens = np.random.default_rng(1).integers(0, 256, (2, 8)).astype(np.int32)
+  lengths = np.array([8, 8])
+  want, _ = _decode(c, "xla", tokens, 4, lengths)
+  monkeypatch.setattr(platform, "target", lambda: "tpu")
+  calls = (count_calls(monkeypatch, kda_module, "decode_step"),
+           count_calls(monkeypatch, moe_ops, "decode_layer"))
+  c.model.moe.decode_dispatch = "layer"
+  got, _ = _decode(c, "kernel", tokens, 4, lengths)
+  assert not any(calls)
+  assert rel_err(got, want) < 1e-6

@@ -11,6 +11,7 @@ from moe_jax.model import remat
 from moe_jax.model.layers import ShortConv, dense, dtype_of, lp, out_scale, rms_norm
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
 from moe_jax.parallel.mesh import axis_size, per_device, single_device
+from pallas_kernels import platform
 from pallas_kernels.kda import decode_step, kda, kda_gate
 from pallas_kernels.kda.reference import l2_normalize
 
@@ -83,8 +84,9 @@ class KDAMixer(nn.Module):
     new_cache = {}
 
     arrays, where = _input_projections(cfg, x_BxTxD, H, K)
+    # The kernel is Triton's (interpreted off a GPU, as in the tests); a TPU takes XLA's step.
     if (cache is not None and T == 1 and cfg.get("kda_decode", "xla") == "kernel"
-        and single_device() and not self.is_initializing()):
+        and platform.target() != "tpu" and single_device() and not self.is_initializing()):
       return self._decode_kernel(arrays, where, segment_ids_BxT[:, 0], cache)
     proj = _by_name(arrays, where, H, K)
 

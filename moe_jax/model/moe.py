@@ -308,12 +308,13 @@ class MoE(nn.Module):
 
   def _decode_layer_kernels(self, N: int, W: int) -> bool:
     """Whether the layer runs pallas_gpu_decode_layer's three kernels here (decode_dispatch =
-    "layer"): decoding (N·k ≤ E), dropless, on one expert shard, with no latent, at most one
-    shared expert, shapes the kernels tile, and no routing replay (the XLA path runs a
-    replayed routing). In apply only: init creates the parameters."""
+    "layer"): decoding (N·k ≤ E), dropless, not on a TPU, on one expert shard, with no
+    latent, at most one shared expert, shapes the kernels tile, and no routing replay (the
+    XLA path runs a replayed routing). In apply only: init creates the parameters."""
     mc = self.cfg.moe
     E, K, F = mc.num_experts, mc.top_k, mc.expert_hidden
     return (mc.decode_dispatch == "layer" and mc.dispatch == "dropless" and N * K <= E
+            and platform.target() != "tpu"   # Triton kernels (interpreted off a GPU)
             and not mc.latent_dim and mc.num_shared <= 1 and axis_size("expert") == 1
             and moe_ops.decode_layer_fits(W, F, E)
             and not self.has_variable("replay", "topk") and not self.is_initializing())
