@@ -37,9 +37,11 @@ FILL = 132       # programs a grid should have: the H100's and H200's SM count
 
 def tiles(A: int, D: int, F: int) -> tuple[int, int]:
   """(up kernel's columns, down kernel's columns) a program: the widest of 64, 32, 16 whose
-  grid over A assignments has at least FILL programs (16 if none has)."""
-  widest = lambda n, block: next((w for w in (block, block // 2, block // 4)
-                                  if A * (n // w) >= FILL), block // 4)
+  grid over A assignments has at least FILL programs (16 if none has). Never below 16
+  columns, Triton's smallest tile side."""
+  def widest(n, block):
+    widths = [w for w in (block, block // 2, block // 4) if w >= min(16, block)]
+    return next((w for w in widths if A * (n // w) >= FILL), widths[-1])
   return widest(F, BLOCK_F), widest(D, BLOCK_D)
 
 
