@@ -22,7 +22,6 @@ fusion beat it there (`tiles`).
 
 import functools
 
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -49,8 +48,10 @@ def fits(D: int, F: int) -> bool:
   return D % BLOCK_D == 0 and F % BLOCK_F == 0
 
 
-def _row_times(x_R, w_RxC):
-  return jnp.sum(x_R.astype(F32)[:, None] * w_RxC.astype(F32), axis=0)
+def row_times(x_R, w_RxC):
+  """x [R] · w [R, C] in fp32, w rounded to x's dtype first (as the XLA path casts weights
+  to the model dtype): weights of another dtype are read as stored, with no convert kernel."""
+  return jnp.sum(x_R.astype(F32)[:, None] * w_RxC.astype(x_R.dtype).astype(F32), axis=0)
 
 
 def _up_kernel(idx_ref, x_ref, w_ref, a_ref, *, block_f):
@@ -62,8 +63,8 @@ def _up_kernel(idx_ref, x_ref, w_ref, a_ref, *, block_f):
     g_F, u_F = acc
     rows = pl.ds(pl.multiple_of(i * BLOCK_D, BLOCK_D), BLOCK_D)
     x_R = x_ref[rows]
-    return (g_F + _row_times(x_R, w_ref[e, rows, 0, cols]),
-            u_F + _row_times(x_R, w_ref[e, rows, 1, cols]))
+    return (g_F + row_times(x_R, w_ref[e, rows, 0, cols]),
+            u_F + row_times(x_R, w_ref[e, rows, 1, cols]))
 
   zeros = jnp.zeros((block_f,), F32)
   g_F, u_F = jax.lax.fori_loop(0, D // BLOCK_D, step, (zeros, zeros))
@@ -77,7 +78,7 @@ def _down_kernel(idx_ref, a_ref, w_ref, y_ref, *, block_d):
 
   def step(i, acc):
     rows = pl.ds(pl.multiple_of(i * BLOCK_F, BLOCK_F), BLOCK_F)
-    return acc + _row_times(a_ref[rows], w_ref[e, rows, cols])
+    return acc + row_times(a_ref[rows], w_ref[e, rows, cols])
 
   y_ref[...] = jax.lax.fori_loop(0, F // BLOCK_F, step,
                                  jnp.zeros((block_d,), F32)).astype(y_ref.dtype)

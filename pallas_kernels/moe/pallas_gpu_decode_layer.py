@@ -38,12 +38,6 @@ def fits(D: int, F: int, E: int) -> bool:
   return experts.fits(D, F) and E >= 1 and E & (E - 1) == 0
 
 
-def _row_times(x_R, w_RxC):
-  """x [R] · w [R, C] in fp32, w rounded to x's dtype first (as the XLA path casts weights
-  to the model dtype): fp32 weights are read as they are stored, with no convert kernel."""
-  return jnp.sum(x_R.astype(F32)[:, None] * w_RxC.astype(x_R.dtype).astype(F32), axis=0)
-
-
 def _pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
@@ -123,8 +117,8 @@ def _up_kernel(idx_ref, x_ref, gu_ref, *shared_and_out, k, slots, block_f):
 
     def step(i, acc):
       rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
-      return (acc[0] + _row_times(x_row(rows), gu_ref[e, rows, 0, cols]),
-              acc[1] + _row_times(x_row(rows), gu_ref[e, rows, 1, cols]))
+      return (acc[0] + experts.row_times(x_row(rows), gu_ref[e, rows, 0, cols]),
+              acc[1] + experts.row_times(x_row(rows), gu_ref[e, rows, 1, cols]))
     return jax.lax.fori_loop(0, D // ROWS, step, (zeros, zeros))
 
   if len(shared_and_out) == 1:
@@ -135,8 +129,8 @@ def _up_kernel(idx_ref, x_ref, gu_ref, *shared_and_out, k, slots, block_f):
     def shared():
       def step(i, acc):
         rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
-        return (acc[0] + _row_times(x_row(rows), sg_ref[rows, cols]),
-                acc[1] + _row_times(x_row(rows), su_ref[rows, cols]))
+        return (acc[0] + experts.row_times(x_row(rows), sg_ref[rows, cols]),
+                acc[1] + experts.row_times(x_row(rows), su_ref[rows, cols]))
       return jax.lax.fori_loop(0, D // ROWS, step, (zeros, zeros))
 
     g_F, u_F = jax.lax.cond(s < k, routed, shared)
@@ -152,7 +146,7 @@ def _down_kernel(idx_ref, wt_ref, a_ref, dn_ref, *shared_and_out, k, slots, bloc
   def product(slot, weight_rows):
     def step(i, acc):
       rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
-      return acc + _row_times(a_ref[t * slots + slot, rows], weight_rows(rows))
+      return acc + experts.row_times(a_ref[t * slots + slot, rows], weight_rows(rows))
     return jax.lax.fori_loop(0, F // ROWS, step, jnp.zeros((block_d,), F32))
 
   y = jnp.zeros((block_d,), F32)
@@ -188,9 +182,7 @@ def moe_layer(x_NxD, idx_NxKP, w_NxKP, top_k: int, gate_up_ExDx2xF, down_ExFxD, 
   block_d = experts.tiles(N, D, F)[1]
   params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
   whole = lambda x: pl.BlockSpec(x.shape, lambda a, j: (0,) * x.ndim)
-  gate_up, down = gate_up_ExDx2xF, down_ExFxD
-  sg, su, sd = shared if shared is not None else ((),) * 3
-  up_in = (idx_NxKP, x_NxD, gate_up) + ((sg, su) if shared is not None else ())
+  up_in = (idx_NxKP, x_NxD, gate_up_ExDx2xF) + (tuple(shared[:2]) if shared is not None else ())
   a_AxF = pl.pallas_call(
       functools.partial(_up_kernel, k=top_k, slots=slots, block_f=block_f),
       grid=(N * slots, F // block_f), in_specs=[whole(x) for x in up_in],
@@ -198,7 +190,7 @@ def moe_layer(x_NxD, idx_NxKP, w_NxKP, top_k: int, gate_up_ExDx2xF, down_ExFxD, 
       out_shape=jax.ShapeDtypeStruct((N * slots, F), dtype),
       interpret=interpret, name="decode_moe_up", compiler_params=params,
   )(*up_in)
-  down_in = (idx_NxKP, w_NxKP, a_AxF, down) + ((sd,) if shared is not None else ())
+  down_in = (idx_NxKP, w_NxKP, a_AxF, down_ExFxD) + ((shared[2],) if shared is not None else ())
   return pl.pallas_call(
       functools.partial(_down_kernel, k=top_k, slots=slots, block_d=block_d),
       grid=(N, D // block_d), in_specs=[whole(x) for x in down_in],
