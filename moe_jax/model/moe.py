@@ -249,7 +249,9 @@ class MoE(nn.Module):
       scores_NxE = router.scores_from_logits(logits_NxE, mc.score)
       idx_NxK, w_NxK = router.select(logits_NxE, bias_E, K, mc.score, mc.route_scale)
     layer_kernels = self._decode_layer_kernels(B * T, W)
-    if layer_kernels:   # the kernels' own routing (the same function) is what runs and is sown
+    # With the layer kernels the routing above feeds only the stats, which a decode step
+    # discards (XLA drops it); the kernels' own routing (the same function) runs and is sown.
+    if layer_kernels:
       p = nn.meta.unbox(self.variables["params"])
       shared = (tuple(p["shared"][n]["kernel"] for n in ("gate", "up", "down"))
                 if mc.num_shared else None)
