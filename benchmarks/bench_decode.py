@@ -14,10 +14,12 @@ exact largest batch). Each batch: one decode to compile
 and warm up, then the median of --repeats timed decodes.
 
 Rows: context, batch, variant, ms_per_token (one decode step of the whole batch),
-tokens_per_s (= batch · 1000 / ms_per_token), peak_gib (the compiled decode's arguments,
-outputs and temporaries, without the buffers it donates and gets back), oom, the decode
-options the model ran with (kda_decode, fused_projections, moe.decode_dispatch), date,
-commit.
+tokens_per_s (= batch · 1000 / ms_per_token), floor_ms (the step's floor on an H200:
+benchmarks/decode_floors.py, the bytes it must read at 4.8 TB/s), peak_gib (the compiled
+decode's arguments, outputs and temporaries, without the buffers it donates and gets
+back), memory_limit_gib (what the allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION, 0.95
+here unless set), oom, the decode options the model ran with (kda_decode,
+fused_projections, moe.decode_dispatch), date, commit.
 """
 
 import gc
@@ -25,14 +27,18 @@ import os
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
-from absl import app, flags
+# The largest batch is a question about the GPU's memory, so let the allocator have nearly all
+# of it rather than JAX's default 75% (both variants alike; set the variable to override).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-from benchmarks import bench_long_context as blc, provenance
-from benchmarks.batch_search import search_batches
-from benchmarks.random_variables import random_variables
-from moe_jax.infer.generate import decode, inference_model, make_step
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from benchmarks import bench_long_context as blc, decode_floors, provenance  # noqa: E402
+from benchmarks.batch_search import search_batches  # noqa: E402
+from benchmarks.random_variables import random_variables  # noqa: E402
+from moe_jax.infer.generate import decode, inference_model, make_step  # noqa: E402
 
 _BATCHES = flags.DEFINE_list("batches", [], "Batches to time instead of the search.")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 1024, "The search stops here.")
@@ -69,22 +75,26 @@ def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:
   ms = 1e3 * statistics.median(times) / n
   print(f"{variant} {L} × {batch}: {ms:.3f} ms/token, {batch * 1e3 / ms:,.0f} tokens/s",
         flush=True)
+  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   return {"variant": variant, "context": L, "ms_per_token": ms,
           "tokens_per_s": batch * 1e3 / ms, "peak_gib": peak,
+          "memory_limit_gib": limit / GIB if limit else None,
           "ms_per_token_runs": [1e3 * t / n for t in times]}
 
 
 def markdown(rows: list[dict], stamp: dict) -> str:
   lines = [f"## {stamp['date']}, commit {stamp['commit']}, {stamp['machine']}", "",
-           "| context | variant | batch | ms/token (a step of the batch) | tokens/s | peak GiB |",
-           "|---|---|---|---|---|---|"]
+           "| context | variant | batch | ms/token (a step of the batch) | tokens/s | peak GiB | "
+           "floor ms (of it) |", "|---|---|---|---|---|---|---|"]
   for r in sorted(rows, key=lambda r: (r["context"], r["variant"], r["batch"])):
     if r["oom"]:
-      lines.append(f"| {r['context']} | {r['variant']} | {r['batch']} | out of memory | | |")
+      lines.append(f"| {r['context']} | {r['variant']} | {r['batch']} | out of memory | | | |")
     else:
       peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "—"
+      floor = (f"{r['floor_ms']:.3f} ({r['floor_ms'] / r['ms_per_token']:.0%})"
+               if r.get("floor_ms") else "—")
       lines.append(f"| {r['context']} | {r['variant']} | {r['batch']} | "
-                   f"{r['ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | {peak} |")
+                   f"{r['ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | {peak} | {floor} |")
   lines += ["", "Largest batch that fits, and the hybrid's tokens/s over all-MLA's there:", ""]
   for L in sorted({r["context"] for r in rows}):
     best = {v: max((r for r in rows if r["context"] == L and r["variant"] == v
@@ -95,6 +105,8 @@ def markdown(rows: list[dict], stamp: dict) -> str:
       lines.append(f"* {L}: hybrid batch {h['batch']} ({h['tokens_per_s']:,.0f} tokens/s), "
                    f"all-MLA batch {a['batch']} ({a['tokens_per_s']:,.0f}): "
                    f"**{h['tokens_per_s'] / a['tokens_per_s']:.2f}×**")
+  lines += ["", "The ratio tends to the variants' cache bytes per row at their largest batches "
+            "(benchmarks/decode_floors.md)."]
   return "\n".join(lines) + "\n"
 
 
@@ -104,7 +116,9 @@ def main(argv):
   contexts = sorted(int(x) for x in blc._CONTEXTS.value.split(","))
   rows = []
   for variant in blc._VARIANTS.value.split(","):
-    model = inference_model(blc.model_config(variant))
+    m = blc.model_config(variant)
+    counts = decode_floors.count(m)
+    model = inference_model(m)
     variables = random_variables(model, model.cfg.kda_chunk_size)
     for L in contexts:
       def measure(b, L=L):
@@ -114,7 +128,8 @@ def main(argv):
           gc.collect()
       found = ([{**measure(int(b)), "batch": int(b), "oom": False} for b in _BATCHES.value]
                if _BATCHES.value else search_batches(measure, _MAX_BATCH.value, _RESOLUTION.value))
-      rows += [{"variant": variant, "context": L, **r, **blc.decode_options(model.cfg), **stamp}
+      rows += [{"variant": variant, "context": L, **r, **blc.decode_options(model.cfg),
+                "floor_ms": decode_floors.step_floor(m, L, r["batch"], counts)["ms"], **stamp}
                for r in found]
   if blc._OUT.value:
     provenance.merge_rows(os.path.join(blc._OUT.value, "decode.json"), rows,

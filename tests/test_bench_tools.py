@@ -261,6 +261,36 @@ def test_phase_floors_are_flops_at_peak_or_bytes_at_bandwidth():
   assert slow["loss"] == fl["loss"] and slow["kda"] == fl["kda"]
 
 
+def test_decode_floors_at_1m_by_hand():
+  """decode_floors at long_context_1b, 1M tokens, written out by hand: batch 1 reads every
+  non-expert weight, 4 of 32 experts, 4 MLA layers' latents [2^20, 256] and 12 KDA states
+  [16, 64, 64] fp32 (read and written) with their conv tails, in bf16 at 4.8 TB/s. The
+  largest batches fit 141 GB beside the weights, and the best tokens/s ratio of hybrid to
+  all-MLA stays below their cache ratio, 16/4 MLA layers."""
+  from benchmarks import decode_floors
+  from configs import long_context_1b
+  L = 1 << 20
+  c = long_context_1b.get_config().model
+  n = decode_floors.count(c)
+  t = n["total"]
+  weights = (n["total_sum"] - t["embedding"] - t["routed_experts"] + 1024
+             + t["routed_experts"] * 4 / 32)
+  kda = 12 * (16 * 64 * 64 * 4 + 3 * 3 * (16 * 64 * 2 + 4))
+  want = 2 * weights + 4 * L * 256 * 2 + 2 * kda
+  f = decode_floors.step_floor(c, L, 1)
+  assert f["bytes"] == pytest.approx(want) and f["bound"] == "memory"
+  assert f["ms"] == pytest.approx(1e3 * want / 4.8e12)
+  assert decode_floors.experts_read(32, 4, 1) == pytest.approx(4)
+  assert 31.9 < decode_floors.experts_read(32, 4, 256) <= 32
+  row = 4 * L * 256 * 2 + kda
+  assert decode_floors.max_batch(c, L) == int((141e9 - 2 * n["total_sum"]) // row) == 64
+  mla = long_context_1b.get_config("all_mla").model
+  assert decode_floors.max_batch(mla, L) == 16
+  ratio = (decode_floors.ceiling(c, L)["tokens_per_s"]
+           / decode_floors.ceiling(mla, L)["tokens_per_s"])
+  assert 3.9 < ratio < 4.0
+
+
 def test_decode_batch_search_ends_beside_the_first_batch_that_does_not_fit():
   """bench_decode's search: doubling to the first out-of-memory batch, then bisection, so
   the largest batch that fits (37 here) sits next to one that did not (38); other errors
@@ -306,6 +336,7 @@ def test_bench_decode_rows_on_cpu(tmp_path):
     assert r["ms_per_token"] > 0 and r["peak_gib"] > 0
     assert (r["kda_decode"], r["fused_projections"], r["decode_dispatch"]) == (
         "xla", False, "auto")
+    assert 0 < r["floor_ms"] < r["ms_per_token"]   # a toy step on CPU is far above an H200's
   assert "Largest batch that fits" in (tmp_path / "decode.md").read_text()
   # A run with another decode option adds its rows beside the defaults' (one call times both).
   run = subprocess.run(
