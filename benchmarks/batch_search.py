@@ -6,9 +6,9 @@ def is_oom(e: Exception) -> bool:
   return "resource_exhausted" in text or "out of memory" in text
 
 
-def search_batches(measure, max_batch: int, resolution: int = 1) -> list[dict]:
-  """measure(batch) → row, or raises an out-of-memory error. Doubles from 1 until one does
-  not fit (or max_batch), then bisects between the largest that fit and the smallest that
+def search_batches(measure, max_batch: int, resolution: int = 1, start: int = 1) -> list[dict]:
+  """measure(batch) → row, or raises an out-of-memory error. Doubles from `start` until one
+  does not fit (or max_batch), then bisects between the largest that fit and the smallest that
   did not until they are `resolution` apart. Rows in the order tried, a batch that did not
   fit as {"batch": b, "oom": True}."""
   rows, fit, fail = [], 0, None
@@ -24,7 +24,7 @@ def search_batches(measure, max_batch: int, resolution: int = 1) -> list[dict]:
       rows.append({"batch": b, "oom": True})
       fail = b if fail is None else min(fail, b)
 
-  b = 1
+  b = start
   while fail is None and b <= max_batch:
     attempt(b)
     b *= 2

@@ -42,6 +42,9 @@ from moe_jax.infer.generate import decode, inference_model, make_step  # noqa: E
 
 _BATCHES = flags.DEFINE_list("batches", [], "Batches to time instead of the search.")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 1024, "The search stops here.")
+_START_BATCH = flags.DEFINE_integer("start_batch", 1, "The search doubles from here (a start "
+                                    "near benchmarks/decode_floors.py's largest batch saves "
+                                    "compiles).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed decodes per batch (median).")
 _RESOLUTION = flags.DEFINE_integer("resolution", 1, "The bisection stops when the batch that "
                                    "did not fit is at most this far above the one that did.")
@@ -110,10 +113,16 @@ def markdown(rows: list[dict], stamp: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _key(r):
+  return (r["variant"], r["context"], r["batch"],
+          *(r.get(k, v) for k, v in blc.DECODE_OPTIONS.items()))
+
+
 def main(argv):
   del argv
   stamp = provenance.stamp()
   contexts = sorted(int(x) for x in blc._CONTEXTS.value.split(","))
+  out = blc._OUT.value and os.path.join(blc._OUT.value, "decode.json")
   rows = []
   for variant in blc._VARIANTS.value.split(","):
     m = blc.model_config(variant)
@@ -121,20 +130,25 @@ def main(argv):
     model = inference_model(m)
     variables = random_variables(model, model.cfg.kda_chunk_size)
     for L in contexts:
+      def row(r, L=L):
+        return {"variant": variant, "context": L, **r, **blc.decode_options(model.cfg),
+                "floor_ms": decode_floors.step_floor(m, L, r["batch"], counts)["ms"], **stamp}
+
       def measure(b, L=L):
         try:
-          return measure_decode(variant, model, variables, L, b)
+          r = measure_decode(variant, model, variables, L, b)
         finally:
           gc.collect()
+        if out:   # each row as it is measured: a run cut short keeps what it timed
+          provenance.merge_rows(out, [row({**r, "batch": b, "oom": False})], _key)
+        return r
       found = ([{**measure(int(b)), "batch": int(b), "oom": False} for b in _BATCHES.value]
-               if _BATCHES.value else search_batches(measure, _MAX_BATCH.value, _RESOLUTION.value))
-      rows += [{"variant": variant, "context": L, **r, **blc.decode_options(model.cfg),
-                "floor_ms": decode_floors.step_floor(m, L, r["batch"], counts)["ms"], **stamp}
-               for r in found]
-  if blc._OUT.value:
-    provenance.merge_rows(os.path.join(blc._OUT.value, "decode.json"), rows,
-                          lambda r: (r["variant"], r["context"], r["batch"],
-                                     *(r.get(k, v) for k, v in blc.DECODE_OPTIONS.items())))
+               if _BATCHES.value else search_batches(
+                   measure, _MAX_BATCH.value, _RESOLUTION.value, _START_BATCH.value))
+      rows += [row(r) for r in found]
+      if out:
+        provenance.merge_rows(out, rows, _key)
+  if out:
     with open(os.path.join(blc._OUT.value, "decode.md"), "a") as f:
       f.write("\n" + markdown(rows, stamp))
   print(markdown(rows, stamp))

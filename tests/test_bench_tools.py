@@ -309,6 +309,8 @@ def test_decode_batch_search_ends_beside_the_first_batch_that_does_not_fit():
   coarse = batch_search.search_batches(measure, 1024, resolution=8)
   assert [r["batch"] for r in coarse][-1] == 40 and coarse[-1]["oom"]
   assert [r["batch"] for r in batch_search.search_batches(measure, 16)] == [1, 2, 4, 8, 16]
+  assert [r["batch"] for r in batch_search.search_batches(measure, 1024, start=24)] == [
+      24, 48, 36, 42, 39, 37, 38]
 
   def broken(b):
     raise ValueError("a shape error")
