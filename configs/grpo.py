@@ -79,14 +79,17 @@ def get_config(arg=None):
   rl.eval_samples = 4           # and this many samples each at rl.temperature (0 = greedy only)
   # The warm-up in spans of this many steps, each followed by greedy pass@1 on
   # warmup_check_prompts other held-out problems; it stops once every task reaches
-  # warmup_min_pass1 (rl/trainer.py:warm_up). 0 = the warm-up's whole schedule.
+  # warmup_min_pass1, and a task above warmup_max_pass1 sits out the next span
+  # (rl/trainer.py:warm_up). 0 = the warm-up's whole schedule.
   rl.warmup_check_every = 0
   rl.warmup_check_prompts = 64
   rl.warmup_min_pass1 = 0.2
+  rl.warmup_max_pass1 = 1.0
 
   if arg == "h200":
     # The warm-up's length sets greedy pass@1 before GRPO (it must land in [0.2, 0.7] for
-    # every task): it stops at the first check, every 50 steps, where each task is >= 0.2.
+    # every task): it stops at the first check, every 50 steps, where each task is >= 0.2,
+    # and a task above 0.6 at a check is not trained in the next span.
     c.model.n_layers = 8
     c.model.layer_pattern = "KKKA"
     c.model.remat = False
@@ -102,7 +105,7 @@ def get_config(arg=None):
     rl.update(steps=150, prompts_per_step=32, group_size=16, max_prompt_tokens=330,
               max_new_tokens=32, max_turns=2, passes=2, learning_rate=2e-5, lr_warmup_steps=10,
               eval_every=50, eval_prompts=768, eval_samples=4, warmup_check_every=50,
-              warmup_check_prompts=192,
+              warmup_check_prompts=192, warmup_max_pass1=0.6,
               rewards="exact_answer:1,digit_match:0.5,tool_calls:-0.05")
   if arg == "tools":
     # A short warm-up: after 480 steps the tool format is perfect (pass@1 1.0) and GRPO has

@@ -272,8 +272,12 @@ def _validate_rl(c: ml_collections.ConfigDict):
     _fail("rl.warmup_check_every", every, "an integer >= 0 (0 = the warm-up's whole schedule)")
   if every:
     _positive_int("rl.warmup_check_prompts", rl.get("warmup_check_prompts"))
-    if not 0 < rl.get("warmup_min_pass1", -1) <= 1:
-      _fail("rl.warmup_min_pass1", rl.get("warmup_min_pass1"), "in (0, 1]")
+    low = rl.get("warmup_min_pass1", -1)
+    if not 0 < low <= 1:
+      _fail("rl.warmup_min_pass1", low, "in (0, 1]")
+    high = rl.get("warmup_max_pass1", 1.0)
+    if not low <= high <= 1:
+      _fail("rl.warmup_max_pass1", high, f"in [rl.warmup_min_pass1 = {low}, 1]")
 
 
 def _validate_guard(g: ml_collections.ConfigDict):

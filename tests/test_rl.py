@@ -287,9 +287,11 @@ def test_task_rows_train_only_on_answers_and_hold_out_eval_prompts():
     ("advantage_scale", "std", "rl.advantage_scale"), ("kl_coef", -0.1, "rl.kl_coef"),
     ("rewards", "exact:1", "unknown reward"), ("clip_low", 1.5, "rl.clip_low"),
     ("eval_samples", -1, "rl.eval_samples"), ("warmup_check_every", -1, "rl.warmup_check_every"),
-    ("warmup_check_every", True, "rl.warmup_check_every")])
+    ("warmup_check_every", True, "rl.warmup_check_every"),
+    ("warmup_max_pass1", 0.1, "rl.warmup_max_pass1")])
 def test_bad_rl_config_is_rejected(field, value, match):
   c = grpo_config.get_config("cpu")
+  c.rl.warmup_check_every = 0 if field == "warmup_check_every" else 5
   c.rl[field] = value
   with pytest.raises(ValueError, match=match):
     config_lib.validate(c)
@@ -351,25 +353,35 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
   each (on held-out problems other than pass@1's own), stops at the first check where every
   task reaches rl.warmup_min_pass1 (step 4 of 6 here: addition's pass@1 is forced to rise
   0.25 a check), keeps that checkpoint, and a second call resumes from its record: it
-  neither trains nor measures again."""
+  neither trains nor measures again. Retrieval, above rl.warmup_max_pass1 at the first
+  check, sits out the second span."""
   c = _tiny_grpo_config(tmp_path)
   c.data.source = "tasks"
   c.schedule.update(total_steps=6, warmup_steps=1)
   c.checkpoint.every_steps = 2
   c.train.compile_cache_dir = str(tmp_path / "cache")   # the second span loads the step
-  c.rl.update(warmup_check_every=2, warmup_check_prompts=4, warmup_min_pass1=0.5)
+  c.rl.update(warmup_check_every=2, warmup_check_prompts=4, warmup_min_pass1=0.5,
+              warmup_max_pass1=0.6)
   config_lib.validate(c)
-  real, seen = trainer.pass_at_1, []
+  real, seen, spans = trainer.pass_at_1, [], []
 
   def rising(sampler, variables, tasks, rl, b, T, problems, samples=0):
     out = real(sampler, variables, tasks, rl, b, T, problems, samples)
     seen.append([p.prompt for p in problems])
-    return {**out, "pass@1/addition": 0.25 * len(seen), "pass@1/retrieval": 0.5}
+    return {**out, "pass@1/addition": 0.25 * len(seen), "pass@1/retrieval": 0.75}
 
+  def recorded(w, *args, **kw):
+    spans.append(w.data.tasks)
+    return real_train(w, *args, **kw)
+
+  real_train = trainer.train_and_evaluate
   monkeypatch.setattr(trainer, "pass_at_1", rising)
+  monkeypatch.setattr(trainer, "train_and_evaluate", recorded)
   w = str(tmp_path / "warmup")
   log = trainer.warm_up(c, w, progress=False)
   assert [ch["step"] for ch in log["checks"]] == [2, 4] and log["stopped_at"] == 4
+  assert spans == ["addition,retrieval", "addition"]
+  assert [ch["trained"] for ch in log["checks"]] == spans
   assert all(0 <= ch["pass@1/mean"] <= 1 for ch in log["checks"])
   assert workdir_lib.load(w)[2] == 4
   tasks = environments.make_tasks(c.data)

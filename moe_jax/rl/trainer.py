@@ -175,8 +175,13 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
   pass@1 on rl.warmup_check_prompts held-out problems (other draws than pass@1's); it stops at the
   first check where every task reaches rl.warmup_min_pass1, or at schedule.total_steps. So
   GRPO starts part-way up the learning curves, whatever the machine's speed of learning,
-  without a run to tune the warm-up's length first. Returns {"checks": [...],
-  "stopped_at": step} (also in init_dir/warmup_checks.json; {} without checks)."""
+  without a run to tune the warm-up's length first.
+
+  Tasks learn at different speeds (a lookup is found abruptly; carries come slowly), so a
+  task above rl.warmup_max_pass1 at a check sits out the next span: the others catch up
+  without it climbing out of GRPO's reach. It rejoins once it is back at or below.
+  Returns {"checks": [...], "stopped_at": step}, each check with the `trained` tasks of
+  its span (also in init_dir/warmup_checks.json; {} without checks)."""
   rl, total = w.rl, w.schedule.total_steps
   every = rl.get("warmup_check_every", 0)
   if not every:
@@ -189,16 +194,22 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
       log = json.load(f)
   tasks = environments.make_tasks(w.data)
   problems = held_out(tasks, rl, rl.warmup_check_prompts, offset=3)
+  ceiling = rl.get("warmup_max_pass1", 1.0)
+  w = ml_collections.ConfigDict(w.to_dict())   # data.tasks changes from span to span
   while log["stopped_at"] is None:
-    stop = min((log["checks"][-1]["step"] if log["checks"] else 0) + every, total)
+    last = log["checks"][-1] if log["checks"] else {}
+    trained = [t.name for t in tasks if last.get(f"pass@1/{t.name}", 0.0) <= ceiling]
+    w.data.tasks = ",".join(trained or [t.name for t in tasks])
+    stop = min(last.get("step", 0) + every, total)
     out = train_and_evaluate(w, init_dir, progress=progress, stop_after=stop)
     if out.get("preempted") is not None:
       raise RuntimeError(f"the warm-up was preempted at step {out['preempted']}; run again "
                          "to resume")
     cfg, variables, _ = workdir_lib.load(init_dir)
     model_cfg, b = policy_model_config(cfg.model), budget(rl)
-    check = {"step": stop, **pass_at_1(rollout_lib.sampler(model_cfg, False), variables, tasks,
-                                       rl, b, training_length(model_cfg, b), problems)}
+    check = {"step": stop, "trained": w.data.tasks,
+             **pass_at_1(rollout_lib.sampler(model_cfg, False), variables, tasks,
+                         rl, b, training_length(model_cfg, b), problems)}
     log["checks"].append(check)
     reached = all(check[f"pass@1/{t.name}"] >= rl.warmup_min_pass1 for t in tasks)
     print("moe_jax grpo warm-up: step " + str(stop) + ", greedy " + ", ".join(
