@@ -10,7 +10,8 @@ it is one.
 
   grid (B, H); program (b, h) reads row b's projections of head h, its [K, V] fp32 state
   and the head's slices of the weights, and writes the state (in place), the new conv tails
-  (its own columns, in place) and the gated, normed output [V] that o_proj reads.
+  (its own columns, in place; program (b, 0) also their segment ids, into a new array) and
+  the gated, normed output [V] that o_proj reads.
 
 The maths is model/kda.py's decode path op for op, with the model dtype's roundings where
 that path rounds (conv output, L2-normed q and k, the two up-projections, o, the norm and
@@ -151,7 +152,11 @@ def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lowe
                *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tails),
                jax.ShapeDtypeStruct(conv["seg"].shape, jnp.int32)]
   n = len(ins)
-  aliases = {n - 1: 1, 1 + len(srcs): 5, 2 + len(srcs): 2, 3 + len(srcs): 3, 4 + len(srcs): 4}
+  # In place: the state and the value tails, whose every element one program reads and then
+  # writes. Not the tails' segment ids: program (b, 0) rewrites row b's while the row's other
+  # heads read them, in no fixed order on a GPU (interpret mode does not show the race: the
+  # CPU tests pass with this alias too).
+  aliases = {n - 1: 1, 2 + len(srcs): 2, 3 + len(srcs): 3, 4 + len(srcs): 4}
   kernel = lambda *refs: _kernel(*refs, n_src=len(srcs), where=where, W=W, K=K,
                                  lower_bound=lower_bound, eps=eps, dtype=dtype,
                                  has_bias=has_bias)
