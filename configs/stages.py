@@ -7,7 +7,7 @@
         shared key dims in MLA so that its RoPE control has the same parameters), pretrained
         at 2K on stdlib documents with 80% passkey and MQAR rows, then 8K and 32K, at 64K
         tokens a step on one H200; evals at 1×, 2×, 4× and 8× of 32K with passkey at five
-        depths. A run (stages, its direct control, evals) is sized for one ten-minute job;
+        depths. A run (stages, its direct control, evals) takes one to two ten-minute jobs;
         rerun, it resumes where it stopped. The controls:
           --config.run.model.mla_rope_theta=10000.0   RoPE on those dims (run `rope`)
           --config.run.seed=1 --config.run.data.shuffle_seed=1   the second seed
@@ -81,12 +81,15 @@ def get_config(arg="cpu"):
     run = _retrieval_mix(long_context_1b.get_config(), 0.8, 200)
     run.model.n_layers = 12
     run.model.mla_qk_rope_dim = 32
-    # 45 M tokens a run (33 M at 2K, 7.9 M at 8K, 3.9 M at 32K), so that a run and its
-    # evals fit one ten-minute job on one H200 and do not depend on checkpoints (10 GB with
-    # the Adam moments) outliving the job.
+    # Each longer stage sees enough passkey rows at its own length to keep retrieval there
+    # (the tiny model in the same proportions: 72 rows at its last length gave 0.56, 216
+    # gave 1.00; context_extension.md): 576 at 8K, 192 at 32K. 60 M tokens a run (33 M at
+    # 2K, 12 M at 8K, 16 M at 32K) and as many in its direct control: one to two
+    # ten-minute jobs on one H200, back to back on one machine (checkpoints, 10 GB with the
+    # Adam moments, live on its disk).
     sc.stages.s2k = _stage(2048, 500, 65536, 6e-4, 40)
-    sc.stages.s8k = _stage(8192, 120, 65536, 3e-4, 12)
-    sc.stages.s32k = _stage(32768, 60, 65536, 2e-4, 6)
+    sc.stages.s8k = _stage(8192, 180, 65536, 3e-4, 18)
+    sc.stages.s32k = _stage(32768, 240, 65536, 2e-4, 24)
     sc.stage_names = "s2k,s8k,s32k"
     ev.multipliers = "1,2,4,8"
     ev.max_windows = 4
