@@ -78,8 +78,8 @@ def get_config(arg=None):
   rl.eval_prompts = 128         # held-out problems for pass@1 (greedy)
   rl.eval_samples = 4           # and this many samples each at rl.temperature (0 = greedy only)
   # The warm-up in spans of this many steps, each followed by greedy pass@1 on
-  # warmup_check_prompts other held-out problems; it stops once every task reaches
-  # warmup_min_pass1, and a task above warmup_max_pass1 sits out the next span
+  # warmup_check_prompts other held-out problems; it stops once every task is within
+  # [warmup_min_pass1, warmup_max_pass1], and a task above the max sits out the next span
   # (rl/trainer.py:warm_up). 0 = the warm-up's whole schedule.
   rl.warmup_check_every = 0
   rl.warmup_check_prompts = 64
@@ -88,8 +88,8 @@ def get_config(arg=None):
 
   if arg == "h200":
     # The warm-up's length sets greedy pass@1 before GRPO (it must land in [0.2, 0.7] for
-    # every task): it stops at the first check, every 50 steps, where each task is >= 0.2,
-    # and a task above 0.6 at a check is not trained in the next span.
+    # every task): it stops at the first check, every 50 steps, where each task is within
+    # [0.2, 0.6], and a task above 0.6 at a check is not trained in the next span.
     c.model.n_layers = 8
     c.model.layer_pattern = "KKKA"
     c.model.remat = False

@@ -354,7 +354,7 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
   task reaches rl.warmup_min_pass1 (step 4 of 6 here: addition's pass@1 is forced to rise
   0.25 a check), keeps that checkpoint, and a second call resumes from its record: it
   neither trains nor measures again. Retrieval, above rl.warmup_max_pass1 at the first
-  check, sits out the second span."""
+  check, sits out the second span; at the second it is back in range (0.5)."""
   c = _tiny_grpo_config(tmp_path)
   c.data.source = "tasks"
   c.schedule.update(total_steps=6, warmup_steps=1)
@@ -368,7 +368,8 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
   def rising(sampler, variables, tasks, rl, b, T, problems, samples=0):
     out = real(sampler, variables, tasks, rl, b, T, problems, samples)
     seen.append([p.prompt for p in problems])
-    return {**out, "pass@1/addition": 0.25 * len(seen), "pass@1/retrieval": 0.75}
+    return {**out, "pass@1/addition": 0.25 * len(seen),
+            "pass@1/retrieval": 0.75 if len(seen) == 1 else 0.5}
 
   def recorded(w, *args, **kw):
     spans.append(w.data.tasks)
