@@ -26,7 +26,10 @@ from tests.test_kda_decode import _decode
                                                   ("sigmoid", jnp.bfloat16, 4)])
 def test_route_picks_router_select_experts_and_weights(score, router_dtype, k):
   """k = 3: the ids and weights padded to 4 slots, the last weighing 0. A bias moves the
-  choice, never the weights."""
+  choice, never the weights. A bf16 router's logits are rounded to bf16 after a sum whose
+  order is the backend's (a cuBLAS product on a GPU, the kernel's own reduction): the ids
+  must agree, the weights within a bf16 step of the logits (2^-8; measured 5.1e-4 on an
+  H100, exact on CPU)."""
   rng = np.random.default_rng(0)
   N, W, E = 5, 128, 16
   x = jnp.asarray(rng.normal(size=(N, W)), jnp.bfloat16)
@@ -38,7 +41,7 @@ def test_route_picks_router_select_experts_and_weights(score, router_dtype, k):
   KP = 1 << (k - 1).bit_length()
   assert idx.shape == w.shape == (N, KP) and idx.dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(idx[:, :k]), np.asarray(want_idx))
-  assert rel_err(w[:, :k], want_w) < 1e-5
+  assert rel_err(w[:, :k], want_w) < (1e-5 if router_dtype == jnp.float32 else 2 ** -8)
   np.testing.assert_allclose(np.asarray(w[:, :k]).sum(-1), 2.5, rtol=1e-5)
   assert (np.asarray(w[:, k:]) == 0).all()
 

@@ -135,15 +135,23 @@ def test_kernel_rejects_heads_it_cannot_tile():
 
 
 @pytest.mark.parametrize("shape", ["long_context_1b", "kimi"])
-def test_decode_kernels_at_realistic_widths_equal_the_xla_step(shape):
+def test_decode_kernels_at_realistic_widths_are_as_accurate_as_the_xla_step(shape):
   """The decode kernels at realistic widths (natively on a GPU), all on (kda_decode=kernel,
-  the fused projections, moe.decode_dispatch=layer), against the default XLA step, bf16:
-  two layers of configs/long_context_1b.py's shapes (16 KDA heads of 64, 32 experts of
-  704, top-4, a shared expert) or of Kimi Linear's KDA and MoE (32 heads of 128, 256
-  experts top-8, the unbounded gate), batch 2 with one row turning to padding. (Interpret mode on CPU: logits
-  2.8e-3 / 3.4e-3 apart, states 4.3e-3 / 4.6e-3.)"""
+  the fused projections, moe.decode_dispatch=layer), in bf16: two layers of
+  configs/long_context_1b.py's shapes (16 KDA heads of 64, 32 experts of 704, top-4, a
+  shared expert) or of Kimi Linear's KDA and MoE (32 heads of 128, 256 experts top-8, the
+  unbounded gate), batch 2 with one row turning to padding.
+
+  Two bf16 paths round at different points (and a GPU's XLA path also sums in other
+  orders), so each is measured against the same model in fp32 (full-precision products)
+  and the kernels must be about as close as the default XLA step: the first layer's KDA
+  state (the kernel alone; no routing before it) within 1.5x the XLA step's error, the
+  logits within 2x plus 1e-2 (routing is discontinuous: a near tie can pick another
+  expert in either bf16 path). Interpret mode on CPU, kernels (XLA step) from fp32: states
+  8.1e-3 / 8.2e-3 (8.6e-3 / 8.7e-3), logits 3.1e-3 / 3.7e-3 (3.1e-3 / 3.8e-3). On an H100
+  the kernels' state and the XLA step's were 5.8e-2 apart: this says which is off."""
   c = make_small_config()
-  c.model.update({"dtype": "bfloat16", "n_layers": 2, "layer_pattern": "KA"})
+  c.model.update({"n_layers": 2, "layer_pattern": "KA"})
   if shape == "long_context_1b":
     c.model.update({"d_model": 1024, "n_heads": 16, "kda_head_dim": 64})
     c.model.moe.update({"num_experts": 32, "top_k": 4, "expert_hidden": 704})
@@ -154,13 +162,20 @@ def test_decode_kernels_at_realistic_widths_equal_the_xla_step(shape):
   c.model.fused_projections = True   # a parameter layout: both paths read the same in_proj
   tokens = np.random.default_rng(5).integers(0, 256, (2, 10)).astype(np.int32)
   lengths = np.array([10, 7])
-  want, want_cache = _decode(c, "xla", tokens, 4, lengths)
-  c.model.moe.decode_dispatch = "layer"
-  got, got_cache = _decode(c, "kernel", tokens, 4, lengths)
+
+  def run(dtype, kda_decode, dispatch):
+    c.model.dtype, c.model.moe.decode_dispatch = dtype, dispatch
+    return _decode(c, kda_decode, tokens, 4, lengths)
+  with jax.default_matmul_precision("highest"):
+    ref, ref_cache = run("float32", "xla", "auto")
+  xla, xla_cache = run("bfloat16", "xla", "auto")
+  got, got_cache = run("bfloat16", "kernel", "layer")
   assert np.isfinite(got).all()
-  assert rel_err(got[:, 0], want[:, 0]) < 2e-2 and rel_err(got[:3, 1], want[:3, 1]) < 2e-2
-  layer = lambda cache: cache["layers"]["layer_0"]
-  assert rel_err(layer(got_cache)["state"], layer(want_cache)["state"]) < 2e-2
+  state = lambda cache: cache["layers"]["layer_0"]["state"]
+  assert rel_err(state(got_cache), state(ref_cache)) < 1.5 * rel_err(state(xla_cache),
+                                                                      state(ref_cache))
+  live = lambda x: np.concatenate([x[:, 0], x[:3, 1]])   # row 1 is padding after 3 steps
+  assert rel_err(live(got), live(ref)) < 2 * rel_err(live(xla), live(ref)) + 1e-2
 
 
 def test_a_tpu_takes_the_xla_step(monkeypatch):
