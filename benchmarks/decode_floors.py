@@ -32,6 +32,7 @@ PEAK_FLOPS = 989e12        # H100/H200 dense bf16 spec
 HBM_BYTES_PER_S = 4.8e12   # H200 spec (H100 SXM: 3.35e12)
 HBM_BYTES = 141e9          # H200 spec (H100: 80e9)
 
+
 def _itemsize(m) -> int:
   return {"bfloat16": 2, "float16": 2, "float32": 4}[m.dtype]
 
@@ -41,11 +42,15 @@ def count(m) -> dict:
   return params.count(types.SimpleNamespace(model=m))
 
 
+def _mixers(m) -> list[str]:
+  from moe_jax.model.transformer import mixer_kind
+  return [mixer_kind(m, i) for i in range(m.n_layers)]
+
+
 def cache_bytes_per_row(m, context: int) -> dict:
   """{"mla": latent bytes of one row filled to `context`, "kda": its state and conv tails}."""
   from moe_jax.model.kda import kda_heads
-  from moe_jax.model.transformer import mixer_kind
-  kinds = [mixer_kind(m, i) for i in range(m.n_layers)]
+  kinds = _mixers(m)
   width = m.mla_kv_lora_rank + m.get("mla_qk_rope_dim", 0)
   H, K = kda_heads(m), m.kda_head_dim
   tails = 3 * (m.kda_conv_size - 1) * (H * K * _itemsize(m) + 4)
@@ -72,10 +77,9 @@ def step_floor(m, context: int, batch: int, counts: dict | None = None,
     weights += total["routed_experts"] * experts_read(E, k, batch) / E
   cache = cache_bytes_per_row(m, context)
   byts = weights * size + batch * (cache["mla"] + 2 * cache["kda"])
-  n_mla = cache["mla"] // max(1, context * (m.mla_kv_lora_rank + m.get("mla_qk_rope_dim", 0))
-                              * size)
   attn = 2 * m.n_heads * context * (2 * m.mla_kv_lora_rank + m.get("mla_qk_rope_dim", 0))
-  flops = batch * (2 * (counts["active_sum"] - active["embedding"]) + n_mla * attn)
+  flops = batch * (2 * (counts["active_sum"] - active["embedding"])
+                   + _mixers(m).count("A") * attn)
   t_bytes, t_flops = byts / hbm_bytes_per_s, flops / peak_flops
   return {"bytes": byts, "flops": flops, "ms": 1e3 * max(t_bytes, t_flops),
           "bound": "memory" if t_bytes >= t_flops else "compute"}
