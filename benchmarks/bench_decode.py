@@ -79,8 +79,7 @@ def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:
   print(f"{variant} {L} × {batch}: {ms:.3f} ms/token, {batch * 1e3 / ms:,.0f} tokens/s",
         flush=True)
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-  return {"variant": variant, "context": L, "ms_per_token": ms,
-          "tokens_per_s": batch * 1e3 / ms, "peak_gib": peak,
+  return {"ms_per_token": ms, "tokens_per_s": batch * 1e3 / ms, "peak_gib": peak,
           "memory_limit_gib": limit / GIB if limit else None,
           "ms_per_token_runs": [1e3 * t / n for t in times]}
 

@@ -389,6 +389,11 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
   pass1_set = [p.prompt for p in trainer.held_out(tasks, c.rl, 64)]
   assert len(seen[0]) == 4 and not set(seen[0]) & set(pass1_set) and seen[0] == seen[1]
   assert trainer.warm_up(c, w, progress=False) == log and len(seen) == 2
+  # Every task above the ceiling: nothing is left to train, so the warm-up stops there.
+  monkeypatch.setattr(trainer, "pass_at_1", lambda *a, **k: {
+      **real(*a, **k), "pass@1/addition": 0.9, "pass@1/retrieval": 0.8})
+  over = trainer.warm_up(c, str(tmp_path / "over"), progress=False)
+  assert [ch["step"] for ch in over["checks"]] == [2] and over["stopped_at"] == 2
 
 
 def test_grpo_record_rows_from_a_workdir(tmp_path):

@@ -179,8 +179,9 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
 
   Tasks learn at different speeds (a lookup is found abruptly; carries come slowly), so a
   task above rl.warmup_max_pass1 at a check sits out the next span: the others catch up
-  without it climbing out of GRPO's reach. It rejoins once it is back at or below (a task
-  left out forgets, fast at a high learning rate: benchmarks/grpo.md).
+  without it climbing out of GRPO's reach (if every task is above it, the warm-up stops). It
+  rejoins once it is back at or below (a task left out forgets, fast at a high learning
+  rate: benchmarks/grpo.md).
   Returns {"checks": [...], "stopped_at": step}, each check with the `trained` tasks of
   its span (also in init_dir/warmup_checks.json; {} without checks)."""
   rl, total = w.rl, w.schedule.total_steps
@@ -199,8 +200,8 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
   w = ml_collections.ConfigDict(w.to_dict())   # data.tasks changes from span to span
   while log["stopped_at"] is None:
     last = log["checks"][-1] if log["checks"] else {}
-    trained = [t.name for t in tasks if last.get(f"pass@1/{t.name}", 0.0) <= ceiling]
-    w.data.tasks = ",".join(trained or [t.name for t in tasks])
+    w.data.tasks = ",".join(t.name for t in tasks
+                            if last.get(f"pass@1/{t.name}", 0.0) <= ceiling)
     stop = min(last.get("step", 0) + every, total)
     out = train_and_evaluate(w, init_dir, progress=progress, stop_after=stop)
     if out.get("preempted") is not None:
@@ -212,10 +213,12 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
              **pass_at_1(rollout_lib.sampler(model_cfg, False), variables, tasks,
                          rl, b, training_length(model_cfg, b), problems)}
     log["checks"].append(check)
-    reached = all(rl.warmup_min_pass1 <= check[f"pass@1/{t.name}"] <= ceiling for t in tasks)
+    passes = [check[f"pass@1/{t.name}"] for t in tasks]
+    # In range, or every task above the ceiling: nothing left to train, more steps overshoot.
+    done = all(rl.warmup_min_pass1 <= p <= ceiling for p in passes) or min(passes) > ceiling
     print("moe_jax grpo warm-up: step " + str(stop) + ", greedy " + ", ".join(
         f"{t.name} {check[f'pass@1/{t.name}']:.3f}" for t in tasks), flush=True)
-    if reached or stop >= total:
+    if done or stop >= total:
       log["stopped_at"] = stop
     if jax.process_index() == 0:
       with open(path, "w") as f:
