@@ -111,6 +111,29 @@ def test_compiles_for_h200_without_spills(B, H, K, W, bias, tmp_path):
   assert registers <= 255 and spilled == 0, (registers, spilled)
 
 
+def test_the_kernel_writes_nothing_in_place():
+  """Every output of the decode kernel is a new array. A program's 1-D blocks are replicated
+  over its threads and warps do not synchronize between a load and another warp's store, so
+  in place a new tail row could land before another warp read the old one: on an H200 o and
+  the state were 2-34% off in fp32 (benchmarks/gpu_tests.md). Interpret mode cannot show
+  that race, so this asserts the launch itself: no input-output aliases."""
+  B, H, K, W = 2, 4, 32, 4
+  N = 3 * H * K + 2 * K + H
+  widths = (H * K, H * K, H * K, K, H, K)
+  where = {n: (0, int(f)) for n, f in zip(pallas_gpu_decode.PROJECTIONS,
+                                          np.cumsum((0,) + widths))}
+  conv = {n: (jnp.zeros((B, W - 1, H * K)), jnp.zeros((W, H * K))) for n in "qkv"}
+  conv["seg"] = jnp.zeros((B, W - 1), jnp.int32)
+  params = {"f_b": jnp.zeros((K, H, K)), "A_log": jnp.zeros(H), "dt_bias": jnp.zeros(H * K),
+            "g_b": jnp.zeros((K, H, K)), "g_b_bias": None, "o_norm": jnp.ones(K)}
+  step = lambda y, state: pallas_gpu_decode.decode_step(
+      (y,), where, jnp.ones(B, jnp.int32), conv, params, state, lower_bound=None, eps=1e-6,
+      dtype=jnp.float32, interpret=False)
+  jaxpr = jax.make_jaxpr(step)(jnp.zeros((B, N)), jnp.zeros((B, H, K, K)))
+  calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  assert len(calls) == 1 and calls[0].params["input_output_aliases"] == ()
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("kda_decode", "pallas", r"model\.kda_decode must be one of \('xla', 'kernel'\), got 'pallas'"),
     ("kda_head_dim", 24, r"model\.kda_head_dim must be a power of two >= 16 with "
@@ -148,8 +171,10 @@ def test_decode_kernels_at_realistic_widths_are_as_accurate_as_the_xla_step(shap
   state (the kernel alone; no routing before it) within 1.5x the XLA step's error, the
   logits within 2x plus 1e-2 (routing is discontinuous: a near tie can pick another
   expert in either bf16 path). Interpret mode on CPU, kernels (XLA step) from fp32: states
-  8.1e-3 / 8.2e-3 (8.6e-3 / 8.7e-3), logits 3.1e-3 / 3.7e-3 (3.1e-3 / 3.8e-3). On an H100
-  the kernels' state and the XLA step's were 5.8e-2 apart: this says which is off."""
+  8.1e-3 / 8.2e-3 (8.6e-3 / 8.7e-3), logits 3.1e-3 / 3.7e-3 (3.1e-3 / 3.8e-3). Natively,
+  with the kernel writing its tails and state in place, the kernels' state was 4.9e-2 /
+  7.4e-2 from fp32 against the XLA step's 8.5e-3 / 8.6e-3: the in-place race that
+  test_the_kernel_writes_nothing_in_place now rules out."""
   c = make_small_config()
   c.model.update({"n_layers": 2, "layer_pattern": "KA"})
   if shape == "long_context_1b":

@@ -9,9 +9,9 @@ update, the output gate's up-projection and the gated RMSNorm: some twenty kerne
 it is one.
 
   grid (B, H); program (b, h) reads row b's projections of head h, its [K, V] fp32 state
-  and the head's slices of the weights, and writes the state (in place), the new conv tails
-  (its own columns, in place; program (b, 0) also their segment ids, into a new array) and
-  the gated, normed output [V] that o_proj reads.
+  and the head's slices of the weights, and writes the new state, the new conv tails (its
+  own columns; program (b, 0) also their segment ids) and the gated, normed output [V] that
+  o_proj reads. Every output is a new array: in place would race (see decode_step).
 
 The maths is model/kda.py's decode path op for op, with the model dtype's roundings where
 that path rounds (conv output, L2-normed q and k, the two up-projections, o, the norm and
@@ -151,12 +151,14 @@ def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lowe
                jax.ShapeDtypeStruct(state_BxHxKxV.shape, F32),
                *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tails),
                jax.ShapeDtypeStruct(conv["seg"].shape, jnp.int32)]
-  n = len(ins)
-  # In place: the state and the value tails, whose every element one program reads and then
-  # writes. Not the tails' segment ids: program (b, 0) rewrites row b's while the row's other
-  # heads read them, in no fixed order on a GPU (interpret mode does not show the race: the
-  # CPU tests pass with this alias too).
-  aliases = {n - 1: 1, 2 + len(srcs): 2, 3 + len(srcs): 3, 4 + len(srcs): 4}
+  # Nothing in place. A program's 1-D blocks ([K] of a tail row) are replicated over its
+  # 128-256 threads, and warps do not synchronize between a load and another warp's store
+  # to the same address: written in place, one warp's new tail row (or state) could land
+  # before another warp read the old one. On an H200 that race gave 2-34% errors in o and
+  # the state, fp32 included, in about one launch configuration in four
+  # (benchmarks/gpu_tests.md); interpret mode cannot show it. The outputs are new arrays,
+  # every element written once (the tails' segment ids by program (b, 0), the rest by the
+  # program owning the columns).
   kernel = lambda *refs: _kernel(*refs, n_src=len(srcs), where=where, W=W, K=K,
                                  lower_bound=lower_bound, eps=eps, dtype=dtype,
                                  has_bias=has_bias)
@@ -164,7 +166,7 @@ def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lowe
                                                                    num_stages=1)
   o_BxHxV, S, *new_tails, seg_tail = pl.pallas_call(
       kernel, grid=(B, H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      input_output_aliases=aliases, interpret=interpret, name="kda_decode_step",
+      interpret=interpret, name="kda_decode_step",
       compiler_params=compiler_params,
   )(*ins[:-1], state_BxHxKxV.astype(F32))
   return o_BxHxV, S, tuple(new_tails), seg_tail.astype(conv["seg"].dtype)
