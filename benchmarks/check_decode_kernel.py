@@ -2,7 +2,7 @@
 on one GPU, output by output, across launch configurations: a check for what interpret mode
 on CPU cannot show (races between a program's warps, miscompiles at some widths).
 
-  python -m benchmarks.check_decode_kernel [--shapes=2x32x128,...] [--warps=4,8] [--out=DIR]
+  python -m benchmarks.check_decode_kernel [--shapes=2x32x128,...] [--num_warps=4,8] [--out=DIR]
 
 Each row: B×H×K, dtype, num_warps, and the relative error of o, the new state, the state's
 update (new − old) and the conv tails. In fp32 both sides should agree to ~1e-7; in bf16
@@ -24,7 +24,7 @@ from pallas_kernels.kda import pallas_gpu_decode
 _SHAPES = flags.DEFINE_list("shapes", ["2x2x16", "2x4x32", "1x16x64", "2x16x64", "2x2x64",
                                        "1x32x128", "2x32x128", "1x2x128", "2x32x32"],
                             "BxHxK launch shapes (K = V).")
-_WARPS = flags.DEFINE_list("warps", ["4", "8"], "num_warps to launch each shape with.")
+_WARPS = flags.DEFINE_list("num_warps", ["4", "8"], "Launch widths to run each shape at.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Model dtypes.")
 _FP32_BOUND = flags.DEFINE_float("fp32_bound", 1e-5, "Largest fp32 error that passes.")
 _OUT = flags.DEFINE_string("out", None, "Folder for check_decode_kernel.json.")
