@@ -72,6 +72,9 @@ def check(B, H, K, dtype, warps) -> dict:
 
 
 def main(_):
+  if jax.default_backend() != "gpu":
+    raise SystemExit(f"check_decode_kernel compares the compiled Triton kernel with interpret "
+                     f"mode: it needs a GPU, and JAX's backend is {jax.default_backend()!r}")
   rows = []
   for shape, dtype, warps in itertools.product(_SHAPES.value, _DTYPES.value, _WARPS.value):
     B, H, K = (int(x) for x in shape.split("x"))
