@@ -19,7 +19,7 @@ benchmarks/decode_floors.py, the bytes it must read at 4.8 TB/s), peak_gib (the 
 decode's arguments, outputs and temporaries, without the buffers it donates and gets
 back), memory_limit_gib (what the allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION, 0.95
 here unless set), oom, the decode options the model ran with (kda_decode,
-fused_projections, moe.decode_dispatch), date, commit.
+fused_projections, moe.decode_dispatch, decode_matmul), date, commit.
 """
 
 import gc
@@ -86,21 +86,24 @@ def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:
 
 def markdown(rows: list[dict], stamp: dict) -> str:
   lines = [f"## {stamp['date']}, commit {stamp['commit']}, {stamp['machine']}", "",
-           "| context | variant | batch | ms/token (a step of the batch) | tokens/s | peak GiB | "
-           "floor ms (of it) |", "|---|---|---|---|---|---|---|"]
-  for r in sorted(rows, key=lambda r: (r["context"], r["variant"], r["batch"])):
+           "| context | variant | decode options | batch | ms/token (a step of the batch) | "
+           "tokens/s | peak GiB | floor ms (of it) |", "|---|---|---|---|---|---|---|---|"]
+  for r in sorted(rows, key=lambda r: (r["context"], r["variant"], options(r), r["batch"])):
+    head = f"| {r['context']} | {r['variant']} | {options(r)} | {r['batch']} |"
     if r["oom"]:
-      lines.append(f"| {r['context']} | {r['variant']} | {r['batch']} | out of memory | | | |")
+      lines.append(f"{head} out of memory | | | |")
     else:
       peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "—"
       floor = (f"{r['floor_ms']:.3f} ({r['floor_ms'] / r['ms_per_token']:.0%})"
                if r.get("floor_ms") else "—")
-      lines.append(f"| {r['context']} | {r['variant']} | {r['batch']} | "
-                   f"{r['ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | {peak} | {floor} |")
-  lines += ["", "Largest batch that fits, and the hybrid's tokens/s over all-MLA's there:", ""]
+      lines.append(f"{head} {r['ms_per_token']:.3f} | {r['tokens_per_s']:,.0f} | {peak} | "
+                   f"{floor} |")
+  lines += ["", "Largest batch that fits, and the hybrid's tokens/s over all-MLA's there (both "
+            "with the default decode options):", ""]
   for L in sorted({r["context"] for r in rows}):
     best = {v: max((r for r in rows if r["context"] == L and r["variant"] == v
-                    and not r["oom"]), key=lambda r: r["batch"], default=None)
+                    and not r["oom"] and options(r) == "defaults"),
+                   key=lambda r: r["batch"], default=None)
             for v in ("hybrid", "all_mla")}
     if all(best.values()):
       h, a = best["hybrid"], best["all_mla"]
@@ -110,6 +113,13 @@ def markdown(rows: list[dict], stamp: dict) -> str:
   lines += ["", "The ratio tends to the variants' cache bytes per row at their largest batches "
             "(benchmarks/decode_floors.md)."]
   return "\n".join(lines) + "\n"
+
+
+def options(r) -> str:
+  """The row's decode options that differ from configs/base.py's, or "defaults"."""
+  changed = [k if v is True else f"{k}={v}" for k, d in blc.DECODE_OPTIONS.items()
+             if (v := r.get(k, d)) != d]
+  return ", ".join(changed) or "defaults"
 
 
 def _key(r):

@@ -60,7 +60,8 @@ _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the
 
 # The model's decode-path options, recorded in each decode row (rows made with other values
 # are kept apart); their defaults are configs/base.py's.
-DECODE_OPTIONS = {"kda_decode": "xla", "fused_projections": False, "decode_dispatch": "auto"}
+DECODE_OPTIONS = {"kda_decode": "xla", "fused_projections": False, "decode_dispatch": "auto",
+                  "decode_matmul": "xla"}
 
 
 def decode_options(model_cfg) -> dict:

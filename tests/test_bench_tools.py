@@ -336,8 +336,8 @@ def test_bench_decode_rows_on_cpu(tmp_path):
     assert r["context"] == 64 and r["commit"] == "abc1234" and r["oom"] is False
     assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_token"])
     assert r["ms_per_token"] > 0 and r["peak_gib"] > 0
-    assert (r["kda_decode"], r["fused_projections"], r["decode_dispatch"]) == (
-        "xla", False, "auto")
+    assert (r["kda_decode"], r["fused_projections"], r["decode_dispatch"],
+            r["decode_matmul"]) == ("xla", False, "auto", "xla")
     assert 0 < r["floor_ms"] < r["ms_per_token"]   # a toy step on CPU is far above an H200's
   assert "Largest batch that fits" in (tmp_path / "decode.md").read_text()
   # A run with another decode option adds its rows beside the defaults' (one call times both).
@@ -351,3 +351,5 @@ def test_bench_decode_rows_on_cpu(tmp_path):
   rows = json.load(open(tmp_path / "decode.json"))
   assert len(rows) == 5 and [(r["variant"], r["batch"]) for r in rows
                              if r["kda_decode"] == "kernel"] == [("hybrid", 1)]
+  table = (tmp_path / "decode.md").read_text()
+  assert "| 64 | hybrid | kda_decode=kernel | 1 |" in table and "| 64 | hybrid | defaults | 1 |" in table
