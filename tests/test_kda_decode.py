@@ -157,6 +157,7 @@ def test_kernel_rejects_heads_it_cannot_tile():
                                   dtype=jnp.float32)
 
 
+@pytest.mark.slow   # about 30 s a shape in interpret mode; its point is the native run
 @pytest.mark.parametrize("shape", ["long_context_1b", "kimi"])
 def test_decode_kernels_at_realistic_widths_are_as_accurate_as_the_xla_step(shape):
   """The decode kernels at realistic widths (natively on a GPU), all on (kda_decode=kernel,
