@@ -80,13 +80,10 @@ def test_kernel_decode_reproduces_full_forward():
   assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
 
 
-@pytest.mark.parametrize("B,H,K,W,bias", [(1, 16, 64, 4, True), (8, 16, 64, 4, True),
-                                          (1, 32, 128, 4, False)])
-def test_compiles_for_h200_without_spills(B, H, K, W, bias, tmp_path):
-  """configs/long_context_1b.py's KDA layers at batch 1 and 8, and Kimi Linear's (128-wide
-  heads, no output-gate bias), the six projections fused into one array: lowered for an
-  H200, compiled to PTX by the triton package and by ptxas for sm_90a at the shipped launch
-  width, without spills (the state would go through local memory)."""
+def _fused_launch(B, H, K, W, bias):
+  """(step, zero arguments) of one compiled (interpret=False) bf16 kernel launch with the six
+  projections fused into one array: the bounded gate and an output-gate bias with `bias`,
+  else Kimi's unbounded gate without one."""
   bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
   N = 3 * H * K + 2 * K + H
   widths = (H * K, H * K, H * K, K, H, K)
@@ -102,8 +99,17 @@ def test_compiles_for_h200_without_spills(B, H, K, W, bias, tmp_path):
     return pallas_gpu_decode.decode_step((y,), where, seg, conv, params, state,
                                          lower_bound=-5.0 if bias else None, eps=1e-6,
                                          dtype=jnp.bfloat16, interpret=False)
+  return step, (bf(B, N), jnp.ones(B, jnp.int32), conv, params, jnp.zeros((B, H, K, K)))
 
-  args = (bf(B, N), jnp.ones(B, jnp.int32), conv, params, jnp.zeros((B, H, K, K)))
+
+@pytest.mark.parametrize("B,H,K,W,bias", [(1, 16, 64, 4, True), (8, 16, 64, 4, True),
+                                          (1, 32, 128, 4, False)])
+def test_compiles_for_h200_without_spills(B, H, K, W, bias, tmp_path):
+  """configs/long_context_1b.py's KDA layers at batch 1 and 8, and Kimi Linear's (128-wide
+  heads, no output-gate bias), the six projections fused into one array: lowered for an
+  H200, compiled to PTX by the triton package and by ptxas for sm_90a at the shipped launch
+  width, without spills (the state would go through local memory)."""
+  step, args = _fused_launch(B, H, K, W, bias)
   kernels = dump_ttir(step, args, str(tmp_path))
   assert kernels == {"kda_decode_step": pallas_gpu_decode.num_warps(K)}
   registers, spilled = ptxas_report(str(tmp_path / "kda_decode_step.ttir"),
@@ -117,19 +123,8 @@ def test_the_kernel_writes_nothing_in_place():
   in place a new tail row could land before another warp read the old one: on an H200 o and
   the state were 2-34% off in fp32 (benchmarks/gpu_tests.md). Interpret mode cannot show
   that race, so this asserts the launch itself: no input-output aliases."""
-  B, H, K, W = 2, 4, 32, 4
-  N = 3 * H * K + 2 * K + H
-  widths = (H * K, H * K, H * K, K, H, K)
-  where = {n: (0, int(f)) for n, f in zip(pallas_gpu_decode.PROJECTIONS,
-                                          np.cumsum((0,) + widths))}
-  conv = {n: (jnp.zeros((B, W - 1, H * K)), jnp.zeros((W, H * K))) for n in "qkv"}
-  conv["seg"] = jnp.zeros((B, W - 1), jnp.int32)
-  params = {"f_b": jnp.zeros((K, H, K)), "A_log": jnp.zeros(H), "dt_bias": jnp.zeros(H * K),
-            "g_b": jnp.zeros((K, H, K)), "g_b_bias": None, "o_norm": jnp.ones(K)}
-  step = lambda y, state: pallas_gpu_decode.decode_step(
-      (y,), where, jnp.ones(B, jnp.int32), conv, params, state, lower_bound=None, eps=1e-6,
-      dtype=jnp.float32, interpret=False)
-  jaxpr = jax.make_jaxpr(step)(jnp.zeros((B, N)), jnp.zeros((B, H, K, K)))
+  step, args = _fused_launch(2, 4, 32, 4, bias=False)
+  jaxpr = jax.make_jaxpr(step)(*args)
   calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
   assert len(calls) == 1 and calls[0].params["input_output_aliases"] == ()
 

@@ -155,8 +155,8 @@ def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lowe
   # 128-256 threads, and warps do not synchronize between a load and another warp's store
   # to the same address: written in place, one warp's new tail row (or state) could land
   # before another warp read the old one. On an H200 that race gave 2-34% errors in o and
-  # the state, fp32 included, in about one launch configuration in four
-  # (benchmarks/gpu_tests.md); interpret mode cannot show it. The outputs are new arrays,
+  # the state, fp32 included, at some launch widths (benchmarks/gpu_tests.md); interpret
+  # mode cannot show it. The outputs are new arrays,
   # every element written once (the tails' segment ids by program (b, 0), the rest by the
   # program owning the columns).
   kernel = lambda *refs: _kernel(*refs, n_src=len(srcs), where=where, W=W, K=K,
