@@ -156,9 +156,8 @@ def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lowe
   # to the same address: written in place, one warp's new tail row (or state) could land
   # before another warp read the old one. On an H200 that race gave 2-34% errors in o and
   # the state, fp32 included, at some launch widths (benchmarks/gpu_tests.md); interpret
-  # mode cannot show it. The outputs are new arrays,
-  # every element written once (the tails' segment ids by program (b, 0), the rest by the
-  # program owning the columns).
+  # mode cannot show it. The outputs are new arrays, every element written once (the tails'
+  # segment ids by program (b, 0), the rest by the program owning the columns).
   kernel = lambda *refs: _kernel(*refs, n_src=len(srcs), where=where, W=W, K=K,
                                  lower_bound=lower_bound, eps=eps, dtype=dtype,
                                  has_bias=has_bias)
