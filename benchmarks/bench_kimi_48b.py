@@ -2,6 +2,7 @@
 then decode; tokens/s, ms per token and peak memory.
 
   python -m benchmarks.bench_kimi_48b --out=$OUT [--contexts=131072,1048576]
+  python -m benchmarks.bench_kimi_48b --memory_only      # any GPU: the compiled programs' memory
 
 configs/kimi_linear_48b.py in bf16 with random weights (benchmarks/random_variables.py:
 49.1 B parameters, 98 GB) and random tokens; the prefill and decode loops of
@@ -10,6 +11,9 @@ benchmarks/bench_long_context.py (its flags: --prefill_chunk, --decode_tokens, -
 --fused_projections, which each row records). Before running, the memory plan: weights,
 the MLA latent cache at each context (7 layers × (512 + 64) numbers a token) and the KDA
 states. A context that does not fit is a row with its error and the plan's numbers.
+--memory_only compiles the prefill step and the decode loop for the longest context from
+shapes alone (no weights allocated, so any GPU can check the plan) and prints their
+arguments, outputs and temporaries (jax's memory analysis).
 Writes kimi_48b_h200.json and kimi_48b_h200.md (date, commit, machine, shapes) into --out.
 """
 
@@ -32,6 +36,8 @@ from moe_jax.infer.generate import decode, inference_model, make_step
 
 FLAGS = flags.FLAGS
 GIB = 1 << 30
+_MEMORY_ONLY = flags.DEFINE_bool("memory_only", False, "Only compile the prefill step and the "
+                                 "decode loop from shapes and print their memory.")
 
 
 def model_config():
@@ -83,16 +89,19 @@ def main(argv):
       with open(os.path.join(FLAGS.out, "kimi_48b_h200.md"), "w") as f:
         f.write(table(rows, base))
 
-  print(f"{time.strftime('%H:%M:%S')} initialising {base['total_params'] / 1e9:.1f} B params",
-        flush=True)
   model = inference_model(c.model)
-  variables = random_variables(model, model.cfg.kda_chunk_size)
   step = make_step(model)
   jstep = jax.jit(step, donate_argnums=3)
   jdecode = jax.jit(lambda v, cache, logits: decode(
       step, v, cache, logits, jax.random.key(0), max_new=FLAGS.decode_tokens, temperature=0.0,
       stop_tokens=(-1,)), donate_argnums=1)
   max_len = contexts[-1] + FLAGS.decode_tokens
+  if _MEMORY_ONLY.value:
+    print(json.dumps(compiled_memory(model, jstep, jdecode, max_len, chunk), indent=1))
+    return
+  print(f"{time.strftime('%H:%M:%S')} initialising {base['total_params'] / 1e9:.1f} B params",
+        flush=True)
+  variables = random_variables(model, model.cfg.kda_chunk_size)
   for L in contexts:
     plan = memory_plan(c, L, base["total_params"])
     print(f"{time.strftime('%H:%M:%S')} context {L}: plan {plan}", flush=True)
@@ -117,6 +126,26 @@ def main(argv):
     save()
   save()
   print(table(rows, base))
+
+
+def compiled_memory(model, jstep, jdecode, max_len: int, chunk: int) -> dict:
+  """GiB of arguments, outputs and temporaries of the prefill step (one chunk) and the
+  decode loop over a cache of max_len positions, compiled from shapes alone."""
+  S = jax.ShapeDtypeStruct
+  variables = jax.eval_shape(lambda: random_variables(model, model.cfg.kda_chunk_size))
+  cache = jax.eval_shape(lambda: init_cache(model.cfg, FLAGS.batch, max_len))
+  B = FLAGS.batch
+  programs = {
+      "prefill_step": jstep.lower(variables, S((B, chunk), jnp.int32), S((B, chunk), bool),
+                                  cache),
+      "decode_loop": jdecode.lower(variables, cache, S((B, model.cfg.vocab_size), jnp.float32))}
+  out = {"cache_positions": max_len, "prefill_chunk": chunk}
+  for name, lowered in programs.items():
+    m = lowered.compile().memory_analysis()
+    out[name] = {"argument_gib": m.argument_size_in_bytes / GIB,
+                 "output_gib": m.output_size_in_bytes / GIB,
+                 "temp_gib": m.temp_size_in_bytes / GIB}
+  return out
 
 
 def table(rows, base) -> str:

@@ -191,6 +191,22 @@ def test_bench_kimi_48b_writes_its_record(tmp_path):
   assert "| 128 |" in (tmp_path / "kimi_48b_h200.md").read_text()
 
 
+def test_bench_kimi_48b_memory_only(tmp_path):
+  """--memory_only compiles both programs from shapes and prints their memory, without
+  allocating weights or writing a record."""
+  r = subprocess.run([sys.executable, "-m", "benchmarks.bench_kimi_48b", "--small",
+                      "--contexts=64,128", "--prefill_chunk=32", "--decode_tokens=4",
+                      "--memory_only", f"--out={tmp_path}"], cwd=ROOT, capture_output=True,
+                     text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0, r.stderr[-2000:]
+  import json
+  report = json.loads(r.stdout[r.stdout.index("{"):])
+  assert report["cache_positions"] == 132 and report["prefill_chunk"] == 32
+  for program in ("prefill_step", "decode_loop"):
+    assert report[program]["argument_gib"] > 0 and report[program]["temp_gib"] >= 0
+  assert not (tmp_path / "kimi_48b_h200.json").exists()
+
+
 def test_attention_flops_count_causal_pairs_within_documents():
   """The MFU numerator's attention term counts the (query, key) pairs a causal, document-
   masked kernel computes: L·(L+1)/2 a document, none for padding; a row of one document is

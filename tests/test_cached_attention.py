@@ -44,6 +44,58 @@ def test_equals_materialised_attention(kernel, B, T, H, D, Dv, S, q_start, kv_le
       assert float(jnp.abs(got[b]).max()) == 0.0
 
 
+def _reference_lse(q, k, q_start, kv_len, scale):
+  s = jnp.einsum("bthd,bshd->bths", q, k) * scale
+  pos = q_start[:, None] + jnp.arange(q.shape[1])
+  j = jnp.arange(k.shape[1])
+  visible = (j <= pos[..., None]) & (j < kv_len[:, None, None])
+  return jax.nn.logsumexp(jnp.where(visible[:, :, None], s, -jnp.inf), -1)
+
+
+def test_log_sum_exp_output():
+  """return_lse: each query's log Σ exp of its visible scaled scores, -inf where it sees
+  nothing (row 1 before its first key, row 2 with an empty cache); the output unchanged."""
+  B, T, H, D, S = 3, 40, 2, 32, 300
+  kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(kq, (B, T, H, D))
+  k = jax.random.normal(kk, (B, S, H, D))
+  v = jax.random.normal(kv, (B, S, H, D))
+  q_start, kv_len = jnp.array([0, -10, 5]), jnp.array([40, 200, 0])
+  o, lse = ca.cached_attention(q, k, v, q_start, kv_len, return_lse=True, interpret=True)
+  ref = _reference_lse(q, k, q_start, kv_len, D ** -0.5)
+  assert lse.shape == (B, T, H) and lse.dtype == jnp.float32
+  finite = np.isfinite(np.asarray(ref))
+  assert (np.isfinite(np.asarray(lse)) == finite).all() and not finite[2].any()
+  assert not finite[1, :10].any() and finite[1, 10:].all()
+  assert np.abs(np.asarray(lse)[finite] - np.asarray(ref)[finite]).max() < 1e-4
+  assert rel_err(o, reference.cached_attention(q, k, v, q_start, kv_len)) < 1e-5
+
+
+@pytest.mark.parametrize("window", [64, 100])
+def test_prefill_over_latents_in_windows(window, monkeypatch):
+  """ops.latent_cache_attention's GPU prefill over a cache longer than a window: window by
+  window, merged by log-sum-exp (interpret mode), equals attention over the fully expanded
+  cache. Rows at different lengths, one whose filled length ends mid-window, a last window
+  past the cache's end (300 is not a multiple of either window), and queries that precede a
+  window (they see none of it)."""
+  from pallas_kernels.attention import ops, xla_cached
+  monkeypatch.setattr(xla_cached, "EXPAND_BLOCK", window)
+  B, T, H, R, Dqk, Dv, S = 2, 40, 2, 32, 24, 16, 300
+  ks = jax.random.split(jax.random.key(window), 4)
+  q = jax.random.normal(ks[0], (B, T, H, Dqk)) * Dqk ** -0.5
+  ckv = jax.random.normal(ks[1], (B, S, R))
+  w_kb = jax.random.normal(ks[2], (R, H, Dqk)) * R ** -0.5
+  w_vb = jax.random.normal(ks[3], (R, H, Dv)) * R ** -0.5
+  length, filled = jnp.array([230, 50]), jnp.array([270, 90])
+  got = jax.jit(lambda *a: ops.latent_cache_attention(*a, implementation="gpu"))(
+      q, ckv, w_kb, w_vb, length, filled)
+  k = jnp.einsum("bsr,rhd->bshd", ckv, w_kb)
+  v = jnp.einsum("bsr,rhd->bshd", ckv, w_vb)
+  ref = reference.cached_attention(q, k, v, length, filled, scale=1.0)
+  assert got.shape == (B, T, H, Dv) and np.isfinite(np.asarray(got)).all()
+  assert rel_err(got, ref) < 1e-5
+
+
 def test_bf16_matches_fp32_reference():
   q, k, v = (jax.random.normal(key, shape) for key, shape in zip(
       jax.random.split(jax.random.key(1), 3), [(1, 64, 2, 64), (1, 256, 2, 64), (1, 256, 2, 64)]))
@@ -61,12 +113,12 @@ def test_mismatched_shapes_raise():
                         jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
 
 
-@pytest.mark.parametrize("D,Dv", [(64, 64), (24, 40)])
-def test_lowers_to_triton(h200, D, Dv):  # noqa: F811
+@pytest.mark.parametrize("D,Dv,lse", [(64, 64, False), (24, 40, False), (192, 128, True)])
+def test_lowers_to_triton(h200, D, Dv, lse):  # noqa: F811
   args = (jnp.zeros((1, 256, 2, D), jnp.bfloat16), jnp.zeros((1, 1000, 2, D), jnp.bfloat16),
           jnp.zeros((1, 1000, 2, Dv), jnp.bfloat16), jnp.zeros(1, jnp.int32),
           jnp.ones(1, jnp.int32))
-  fn = lambda *a: ca.cached_attention(*a, interpret=False)
+  fn = lambda *a: ca.cached_attention(*a, return_lse=lse, interpret=False)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "cached_attention" in text
 

@@ -8,6 +8,7 @@ the Mosaic TPU cache kernel; "xla": reference.py's attention and xla_cached.py's
 * latent_cache_attention: MLA over its latent cache (prefill chunks and decode).
 """
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import platform
@@ -58,7 +59,9 @@ def latent_cache_attention(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, le
   applied after, so the cache is never expanded; with "gpu" and few rows the split-cache
   kernel (pallas_gpu_latent_decode.py), else xla_cached's block loop. Many queries (prefill chunks,
   T ≥ R) expand the filled latents to per-head K/V, which is cheaper then, and run a flash
-  kernel ("gpu": pallas_gpu_cached.py, "tpu": pallas_tpu_cached.py) or the block loop."""
+  kernel ("gpu": pallas_gpu_cached.py, "tpu": pallas_tpu_cached.py) or the block loop; on
+  "gpu" a cache longer than xla_cached.EXPAND_BLOCK goes window by window
+  (_gpu_windowed_prefill), so memory does not grow with the cache."""
   B, T, H, _ = q_BxTxHxDqk.shape
   S, R = ckv_BxSxR.shape[1:]
   pos_BxT = length_B[:, None] + jnp.arange(T)
@@ -74,6 +77,9 @@ def latent_cache_attention(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, le
       o_BxTxHxR = xla_cached.online_softmax(q_BxTxHxR, ckv_BxSxR, lambda c: c, lambda c: c,
                                             pos_BxT, filled_B, key_block)
     return jnp.einsum("bthr,rhd->bthd", o_BxTxHxR.astype(q_BxTxHxR.dtype), w_vb_RxHxDv)
+  if implementation == "gpu" and S > xla_cached.EXPAND_BLOCK:
+    return _gpu_windowed_prefill(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, length_B,
+                                 filled_B, xla_cached.EXPAND_BLOCK)
   if implementation in ("gpu", "tpu"):
     k_BxSxHxD, v_BxSxHxDv = xla_cached.expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv,
                                                      filled_B)
@@ -84,3 +90,43 @@ def latent_cache_attention(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, le
       q_BxTxHxDqk, ckv_BxSxR, lambda c: jnp.einsum("bsr,rhd->bshd", c, w_kb_RxHxDqk),
       lambda c: jnp.einsum("bsr,rhd->bshd", c, w_vb_RxHxDv), pos_BxT, filled_B,
       min(xla_cached.KEY_BLOCK, S))
+
+
+def _gpu_windowed_prefill(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, length_B,
+                          filled_B, window):
+  """Prefill attention over a long latent cache, `window` positions at a time: each window's
+  latents expand to per-head K/V [B, window, H, D] and the flash kernel attends over them,
+  giving each query's output and log-sum-exp; the windows merge by their log-sum-exps.
+
+  Why: expanding the whole cache at once holds [B, S, H, Dqk + Dv] (plus the kernel's padded
+  copy), which at Kimi-48B's MLA (32 heads, 192 + 128) and a 1M cache is 20 GiB a layer
+  before copies. Windowed, memory is one window's K/V whatever S is, and windows past the
+  longest filled row are never expanded."""
+  B, T, H, _ = q_BxTxHxDqk.shape
+  S = ckv_BxSxR.shape[1]
+  Dv = w_vb_RxHxDv.shape[-1]
+  n_windows = -(-S // window)
+  # Whole windows: positions past S are past every filled length, so never visible.
+  ckv_BxSpxR = jnp.pad(ckv_BxSxR, ((0, 0), (0, n_windows * window - S), (0, 0)))
+  dtype = jnp.result_type(ckv_BxSxR.dtype, w_kb_RxHxDqk.dtype)
+
+  def one_window(i, carry):
+    o_BxTxHxDv, lse_BxTxH = carry
+    start = i * window
+    c_BxWxR = jax.lax.dynamic_slice_in_dim(ckv_BxSpxR, start, window, axis=1)
+    k_BxWxHxD = jnp.einsum("bsr,rhd->bshd", c_BxWxR, w_kb_RxHxDqk).astype(dtype)
+    v_BxWxHxDv = jnp.einsum("bsr,rhd->bshd", c_BxWxR, w_vb_RxHxDv).astype(dtype)
+    o_w, lse_w = pallas_gpu_cached.cached_attention(
+        q_BxTxHxDqk, k_BxWxHxD, v_BxWxHxDv, length_B - start,
+        jnp.clip(filled_B - start, 0, window), scale=1.0, return_lse=True)
+    lse_new = jnp.logaddexp(lse_BxTxH, lse_w)
+    seen = jnp.isfinite(lse_new)
+    a = jnp.where(seen, jnp.exp(lse_BxTxH - jnp.where(seen, lse_new, 0.0)), 0.0)
+    b = jnp.where(seen, jnp.exp(lse_w - jnp.where(seen, lse_new, 0.0)), 0.0)
+    o_BxTxHxDv = o_BxTxHxDv * a[..., None] + o_w.astype(jnp.float32) * b[..., None]
+    return o_BxTxHxDv, lse_new
+
+  carry = (jnp.zeros((B, T, H, Dv), jnp.float32), jnp.full((B, T, H), -jnp.inf, jnp.float32))
+  n_filled = (filled_B.max() + window - 1) // window
+  o_BxTxHxDv, _ = jax.lax.fori_loop(0, n_filled, one_window, carry)
+  return o_BxTxHxDv.astype(q_BxTxHxDqk.dtype)

@@ -30,7 +30,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k):
+def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, scale, block_k):
   BQ, BK = q_ref.shape[0], block_k
   S = k_ref.shape[0]
   q_start, kv_len = q_start_ref[0], kv_len_ref[0]
@@ -67,8 +67,11 @@ def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block
   Dv = v_ref.shape[-1]
   carry = (jnp.full((BQ,), -jnp.inf, F32), jnp.zeros((BQ,), F32), jnp.zeros((BQ, Dv), F32))
   carry = jax.lax.fori_loop(0, n_full, functools.partial(body, False), carry)
-  _, l_Q, acc_QxDv = jax.lax.fori_loop(n_full, n_all, functools.partial(body, True), carry)
+  m_Q, l_Q, acc_QxDv = jax.lax.fori_loop(n_full, n_all, functools.partial(body, True), carry)
   o_ref[...] = (acc_QxDv / jnp.where(l_Q == 0.0, 1.0, l_Q)[:, None]).astype(o_ref.dtype)
+  if lse_ref:   # log Σ exp(scores) of each query: -inf where it sees nothing
+    lse_ref[0][...] = jnp.where(l_Q == 0.0, -jnp.inf, m_Q + jnp.log(jnp.where(l_Q == 0.0, 1.0,
+                                                                              l_Q)))
 
 
 def check_shapes(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv):
@@ -83,11 +86,13 @@ def check_shapes(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv):
 
 
 def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, scale=None,
-                     interpret=None):
+                     return_lse=False, interpret=None):
   """softmax(q·kᵀ·scale) v over the visible cache positions; [B, T, H, Dv] in q's dtype.
 
   Query t of row b is at position q_start_B[b] + t and sees keys j ≤ that position with
-  j < kv_len_B[b]. A query that sees no key gets zeros.
+  j < kv_len_B[b]. A query that sees no key gets zeros. With return_lse, also each query's
+  log-sum-exp of its visible scores, [B, T, H] fp32 (-inf where it sees none): what merges
+  attention over separate windows of one cache (ops.latent_cache_attention).
   """
   B, T, H, D = q_BxTxHxD.shape
   S, Dv = check_shapes(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv)
@@ -106,15 +111,21 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   row = pl.BlockSpec((1,), lambda b, h, i: (b,))
   params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS,
                                                           num_stages=NUM_STAGES)
-  o_BxTxHxDv = pl.pallas_call(
+  lse_spec = pl.BlockSpec((None, None, BQ), lambda b, h, i: (b, h, i))
+  out = pl.pallas_call(
       functools.partial(_kernel, scale=scale, block_k=BLOCK_K),
       grid=(B, H, Tp // BQ),
       in_specs=[row, row,
                 pl.BlockSpec((None, BQ, None, Dp), lambda b, h, i: (b, i, h, 0)),
                 pl.BlockSpec((None, S, None, Dp), lambda b, h, i: (b, 0, h, 0)),
                 pl.BlockSpec((None, S, None, Dvp), lambda b, h, i: (b, 0, h, 0))],
-      out_specs=pl.BlockSpec((None, BQ, None, Dvp), lambda b, h, i: (b, i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dvp), q_BxTxHxD.dtype),
+      out_specs=[pl.BlockSpec((None, BQ, None, Dvp), lambda b, h, i: (b, i, h, 0)),
+                 *([lse_spec] if return_lse else [])],
+      out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dvp), q_BxTxHxD.dtype),
+                 *([jax.ShapeDtypeStruct((B, H, Tp), F32)] if return_lse else [])],
       interpret=interpret, name="cached_attention", compiler_params=params,
   )(q_start_B.astype(jnp.int32), kv_len_B.astype(jnp.int32), q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv)
-  return o_BxTxHxDv[:, :T, :, :Dv]
+  o_BxTxHxDv = out[0][:, :T, :, :Dv]
+  if not return_lse:
+    return o_BxTxHxDv
+  return o_BxTxHxDv, jnp.transpose(out[1][:, :, :T], (0, 2, 1))
