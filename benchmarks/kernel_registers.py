@@ -32,8 +32,9 @@ _WARPS = flags.DEFINE_list("warps", [], "KERNEL=N overrides of the shipped num_w
 _KEEP = flags.DEFINE_string("keep", None, "Folder to keep the .ttir and .ptx files in.")
 
 
-def dump_ttir(fn, args, out_dir):
-  """{kernel name: num_warps}, each kernel's Triton IR written to out_dir/<name>.ttir."""
+def dump_ttir(fn, args, out_dir, stages=False):
+  """{kernel name: num_warps} ({name: (num_warps, num_stages)} with stages), each kernel's
+  Triton IR written to out_dir/<name>.ttir."""
   h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
   get_info = pallas_call_registration.gpu_info_lib.get_gpu_info
   lower = lowering.lower_jaxpr_to_triton_module
@@ -55,9 +56,12 @@ def dump_ttir(fn, args, out_dir):
   finally:
     pallas_call_registration.gpu_info_lib.get_gpu_info = get_info
     lowering.lower_jaxpr_to_triton_module = lower
-  for name in kernels:   # the launch width each custom call carries
+  for name in kernels:   # the launch width (and pipeline depth) each custom call carries
     m = re.search(rf'name = "{name}".*?num_warps = (\d+)', text, re.S)
     kernels[name] = int(m.group(1)) if m else 4
+    if stages:
+      m = re.search(rf'name = "{name}".*?num_stages = (\d+)', text, re.S)
+      kernels[name] = (kernels[name], int(m.group(1)) if m else 3)
   return kernels
 
 
@@ -68,6 +72,17 @@ def ptxas_report(ttir_path, num_warps):
   compiled = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "num_stages": 1})
   return _ptxas(compiled.asm["ptx"], ttir_path[:-len(".ttir")] + ".ptx")
+
+
+def shared_bytes(ttir_path, num_warps, num_stages):
+  """Bytes of shared memory one program of a Pallas kernel asks for at launch, compiled for
+  sm_90a by the triton package at the kernel's own pipeline depth (the H100/H200 give a
+  block at most 232,448)."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  compiled = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+  return compiled.metadata.shared
 
 
 def triton_report(compiled, out_dir):

@@ -127,3 +127,25 @@ def test_forward_and_backward_lower_to_triton(h200, D, Dv):  # noqa: F811
   text = jax.jit(both).trace(q, k, v, do).lower(lowering_platforms=("cuda",)).as_text()
   for kernel in ("ring_step_fwd", "ring_step_dq", "ring_step_dkv"):
     assert kernel in text
+
+
+@pytest.mark.parametrize("D,Dv", [(64, 64), (192, 128)])
+def test_kernels_fit_the_gpus_shared_memory(D, Dv, tmp_path):
+  """Each training flash kernel, compiled for sm_90a by the triton package at the pipeline
+  depth it launches with, asks for at most the 232,448 bytes of shared memory an H100/H200
+  block may have. At Kimi Linear's MLA head dims (192 = 128 + 64 shared key dims, 128
+  values) three stages of dq asked for 246,784 and the train step did not compile."""
+  from benchmarks.kernel_registers import dump_ttir, shared_bytes
+  from pallas_kernels.attention.pallas_gpu_causal import causal_attention
+  bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  seg = jnp.ones((1, 512), jnp.int32)
+
+  def fwd_bwd(q, k, v):
+    o, vjp = jax.vjp(lambda *a: causal_attention(*a, seg, interpret=False), q, k, v)
+    return vjp(o)
+
+  kernels = dump_ttir(fwd_bwd, (bf(1, 512, 2, D), bf(1, 512, 2, D), bf(1, 512, 2, Dv)),
+                      str(tmp_path), stages=True)
+  assert set(kernels) == {"ring_step_fwd", "ring_step_dq", "ring_step_dkv"}
+  for name, (warps, stages) in kernels.items():
+    assert shared_bytes(str(tmp_path / f"{name}.ttir"), warps, stages) <= 232448, name

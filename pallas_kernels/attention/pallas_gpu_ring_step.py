@@ -55,6 +55,11 @@ class Tiles:
 FWD = Tiles(128, 64)
 DQ = Tiles(128, 64)
 DKV = Tiles(64, 64)
+# Head dims padded past 128 (Kimi Linear's MLA: 128 + 64 shared key dims, so 256-wide
+# tiles): at three stages dq asks for 246,784 bytes of shared memory, past the H100/H200's
+# 232,448 per block (fwd 214,016, dk/dv 206,848); two stages fit (197,632 / 164,096 /
+# 156,672; triton 3.6 for sm_90a, benchmarks/attention.md).
+WIDE_DIM, WIDE_STAGES = 128, 2
 _PAD_Q, _PAD_K = -2, -1   # segment ids of padding rows: they see, and are seen by, nothing
 
 
@@ -214,6 +219,8 @@ def _padded(q, k, v, seg_q, seg_k, tiles):
   T = q.shape[1]
   L = min(max(max(t.rows, t.loop) for t in tiles), pl.next_power_of_2(T))
   tiles = [dataclasses.replace(t, rows=min(t.rows, L), loop=min(t.loop, L)) for t in tiles]
+  if tile_dim(max(q.shape[-1], v.shape[-1])) > WIDE_DIM:
+    tiles = [dataclasses.replace(t, stages=min(t.stages, WIDE_STAGES)) for t in tiles]
   Tp = pl.cdiv(T, L) * L
   pad2 = lambda x, c: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=c)
   return (_pad4(q, Tp), _pad4(k, Tp), _pad4(v, Tp), pad2(seg_q, _PAD_Q), pad2(seg_k, _PAD_K),
