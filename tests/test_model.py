@@ -209,7 +209,8 @@ def test_remat_residuals_policies_run_each_kernel_forward_once(small_config):
   assert all(lean_n[n] == after[n] for n in after if n != "kda_prologue"), (after, lean_n)
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu", "triton"])
+# pallas_gpu is the slower in interpret mode (18 s on 2 cores): make test keeps triton.
+@pytest.mark.parametrize("impl", [pytest.param("pallas_gpu", marks=pytest.mark.slow), "triton"])
 def test_kda_gate_in_kernel_gives_the_same_loss_and_gradients(small_config, impl):
   """model.kda_gate_in_kernel (q/k L2 norm and gate inside the KDA op: pallas_gpu's
   prologue kernel, interpret mode on CPU) against the same model with that glue in XLA,

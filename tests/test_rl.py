@@ -348,6 +348,7 @@ def test_grpo_runs_and_resumes_exactly(tmp_path):
   assert straight["grpo_s"] > 0 and resumed["grpo_s"] > 0
 
 
+@pytest.mark.slow   # 37 s on 2 cores: a warm-up trained to its stopping check
 def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monkeypatch):
   """rl.warmup_check_every: the warm-up trains in spans and measures greedy pass@1 after
   each (on held-out problems other than pass@1's own), stops at the first check where every

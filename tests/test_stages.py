@@ -60,6 +60,7 @@ def _params(workdir):
   return load(workdir)[1]
 
 
+@pytest.mark.slow   # 30 s on 2 cores: two trained runs
 def test_handover_carries_state_and_a_killed_stage_resumes_exactly(straight, tmp_path):
   sc, workdir, results = straight
   assert [results[n]["step"] for n in ("s64", "s128")] == [3, 3]

@@ -18,6 +18,7 @@ LIBTPU = os.path.join(sys.prefix, "tpu_aot")
 @pytest.mark.skipif(not os.path.isdir(os.path.join(LIBTPU, "libtpu")),
                     reason=f"libtpu's compiler is not installed in {LIBTPU} (`make setup` "
                            "installs it; the GPU machine's image has none)")
+@pytest.mark.slow   # 45 s on 2 cores; make test keeps the committed trillion report's check
 def test_train_step_compiles_for_a_tpu_slice(tmp_path):
   out = tmp_path / "aot.json"
   env = subprocess_env(PYTHONPATH=os.pathsep.join([ROOT, LIBTPU]), JAX_PLATFORMS="")
