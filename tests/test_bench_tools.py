@@ -173,6 +173,7 @@ def test_timing_clocks_run_each_call_and_wait_once_a_window():
   assert timing.median_ms(f, (x,), iters=2) > 0.0
 
 
+@pytest.mark.slow   # 12 s on 2 cores; make test keeps --memory_only's run of the script
 def test_bench_kimi_48b_writes_its_record(tmp_path):
   """benchmarks/bench_kimi_48b.py end to end, shrunk (--small): a row per context with the
   issue's fields and the memory plan; the full 48B's plan from shapes alone."""

@@ -142,6 +142,7 @@ def test_guard_counts_skipped_updates_in_a_row_from_the_restored_count():
   assert fired[-1].reason == "3 skipped (non-finite) updates in a row"
 
 
+@pytest.mark.slow   # 15 s on 2 cores: rollbacks trained until the guard stops
 def test_divergence_guard_stops_after_max_rollbacks(tmp_path, monkeypatch):
   _poison(monkeypatch, lambda i: i >= 9)    # every batch from 9 on: step 10, then step 9 again
   with pytest.raises(RuntimeError, match=r"divergence guard: loss .* at step 9, after 1 "

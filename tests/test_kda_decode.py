@@ -204,6 +204,7 @@ def test_decode_kernels_at_realistic_widths_are_as_accurate_as_the_xla_step(shap
   assert rel_err(live(got), live(ref)) < 2 * rel_err(live(xla), live(ref)) + 1e-2
 
 
+@pytest.mark.slow   # 12 s on 2 cores
 def test_a_tpu_takes_the_xla_step(monkeypatch):
   """The decode kernels are Triton's: with a TPU as the target platform, model.kda_decode
   and moe.decode_dispatch="layer" leave the step to XLA (the kernels never run) and the
