@@ -107,8 +107,8 @@ def _gpu_windowed_prefill(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, len
   Dv = w_vb_RxHxDv.shape[-1]
   n_windows = -(-S // window)
   # Whole windows: positions past S are past every filled length, so never visible. The
-  # pad copies the latents once a step (none when window divides S): a 1/18 of the K/V
-  # the windows write at Kimi-48B's widths (H·(Dqk + Dv) = 10240 against R = 576).
+  # pad copies the latents once a step (none when window divides S): about 1/18 of the K/V
+  # bytes the windows write at Kimi-48B's widths (H·(Dqk + Dv) = 10240 against R = 576).
   ckv_BxSpxR = jnp.pad(ckv_BxSxR, ((0, 0), (0, n_windows * window - S), (0, 0)))
   dtype = jnp.result_type(ckv_BxSxR.dtype, w_kb_RxHxDqk.dtype)
 
