@@ -132,15 +132,10 @@ def _forward_kernels(q, k, v, seg, axis, scale, steps):
     src = (idx - s) % n
     o_s, lse_s = steps.ring_step_forward(q, k_blk, v_blk, seg, seg_blk, idx * T, src * T,
                                          scale=scale)
-    m = jnp.maximum(lse_BxHxT, lse_s)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    w_old, w_new = jnp.exp(lse_BxHxT - m_safe), jnp.exp(lse_s - m_safe)
-    total = w_old + w_new
-    to_rows = lambda x: jnp.swapaxes(x, 1, 2)[..., None]        # [B,H,T] → [B,T,H,1]
-    o_BxTxHxDv = ((o_BxTxHxDv * to_rows(w_old) + o_s * to_rows(w_new))
-                  / to_rows(jnp.where(total > 0, total, 1.0)))
-    lse_BxHxT = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)),
-                          -jnp.inf)
+    rows = lambda x: jnp.swapaxes(x, 1, 2)                      # [B,H,T] ↔ [B,T,H]
+    o_BxTxHxDv, lse_BxTxH = attention_ops.merge_by_lse(o_BxTxHxDv, rows(lse_BxHxT), o_s,
+                                                       rows(lse_s))
+    lse_BxHxT = rows(lse_BxTxH)
     k_blk, v_blk, seg_blk = jax.lax.ppermute((k_blk, v_blk, seg_blk), axis, _ring_perm(n))
     return o_BxTxHxDv, lse_BxHxT, k_blk, v_blk, seg_blk
 

@@ -110,25 +110,32 @@ def _gpu_windowed_prefill(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, len
   # pad copies the latents once a step (none when window divides S): about 1/18 of the K/V
   # bytes the windows write at Kimi-48B's widths (H·(Dqk + Dv) = 10240 against R = 576).
   ckv_BxSpxR = jnp.pad(ckv_BxSxR, ((0, 0), (0, n_windows * window - S), (0, 0)))
-  dtype = jnp.result_type(ckv_BxSxR.dtype, w_kb_RxHxDqk.dtype)
 
   def one_window(i, carry):
-    o_BxTxHxDv, lse_BxTxH = carry
     start = i * window
-    c_BxWxR = jax.lax.dynamic_slice_in_dim(ckv_BxSpxR, start, window, axis=1)
-    k_BxWxHxD = jnp.einsum("bsr,rhd->bshd", c_BxWxR, w_kb_RxHxDqk).astype(dtype)
-    v_BxWxHxDv = jnp.einsum("bsr,rhd->bshd", c_BxWxR, w_vb_RxHxDv).astype(dtype)
+    k_BxWxHxD, v_BxWxHxDv = xla_cached.expand_block(
+        jax.lax.dynamic_slice_in_dim(ckv_BxSpxR, start, window, axis=1), w_kb_RxHxDqk,
+        w_vb_RxHxDv)
     o_w, lse_w = pallas_gpu_cached.cached_attention(
         q_BxTxHxDqk, k_BxWxHxD, v_BxWxHxDv, length_B - start,
         jnp.clip(filled_B - start, 0, window), scale=1.0, return_lse=True)
-    lse_new = jnp.logaddexp(lse_BxTxH, lse_w)
-    seen = jnp.isfinite(lse_new)
-    a = jnp.where(seen, jnp.exp(lse_BxTxH - jnp.where(seen, lse_new, 0.0)), 0.0)
-    b = jnp.where(seen, jnp.exp(lse_w - jnp.where(seen, lse_new, 0.0)), 0.0)
-    o_BxTxHxDv = o_BxTxHxDv * a[..., None] + o_w.astype(jnp.float32) * b[..., None]
-    return o_BxTxHxDv, lse_new
+    return merge_by_lse(*carry, o_w.astype(jnp.float32), lse_w)
 
   carry = (jnp.zeros((B, T, H, Dv), jnp.float32), jnp.full((B, T, H), -jnp.inf, jnp.float32))
   n_filled = (filled_B.max() + window - 1) // window
   o_BxTxHxDv, _ = jax.lax.fori_loop(0, n_filled, one_window, carry)
   return o_BxTxHxDv.astype(q_BxTxHxDqk.dtype)
+
+
+def merge_by_lse(o_a, lse_a, o_b, lse_b):
+  """Attention of the same queries over two disjoint sets of keys, each normalised over its
+  own set (o [..., Dv], fp32) with its log-sum-exp (lse [...], -inf where a query saw no
+  key), merged into attention over the union: (o, lse). Ring attention's steps and the
+  windowed prefill merge this way."""
+  m = jnp.maximum(lse_a, lse_b)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+  w_a, w_b = jnp.exp(lse_a - m_safe), jnp.exp(lse_b - m_safe)
+  total = w_a + w_b
+  safe = jnp.where(total > 0, total, 1.0)
+  o = (o_a * w_a[..., None] + o_b * w_b[..., None]) / safe[..., None]
+  return o, jnp.where(total > 0, m_safe + jnp.log(safe), -jnp.inf)

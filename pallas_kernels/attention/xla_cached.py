@@ -11,6 +11,14 @@ MAX_KEY_BLOCK = 1 << 16   # ...up to this many positions: decode cost follows th
 EXPAND_BLOCK = 1 << 16    # cache positions expanded to K/V per step (expand_filled)
 
 
+def expand_block(c_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv):
+  """Per-head K [B, S, H, Dqk] and V [B, S, H, Dv] of a block of latents, in the latents' and
+  weights' common dtype."""
+  dtype = jnp.result_type(c_BxSxR.dtype, w_kb_RxHxDqk.dtype)
+  return (jnp.einsum("bsr,rhd->bshd", c_BxSxR, w_kb_RxHxDqk).astype(dtype),
+          jnp.einsum("bsr,rhd->bshd", c_BxSxR, w_vb_RxHxDv).astype(dtype))
+
+
 def expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, filled_B):
   """Per-head K/V [B, S, H, D] from the latents; only the blocks up to the longest filled
   row are computed (the rest stays zero and is never read)."""
@@ -20,9 +28,8 @@ def expand_filled(ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, filled_B):
 
   def block(i, kv):
     start = jnp.minimum(i * Se, S - Se)
-    c_BxSexR = jax.lax.dynamic_slice_in_dim(ckv_BxSxR, start, Se, axis=1)
-    k = jnp.einsum("bsr,rhd->bshd", c_BxSexR, w_kb_RxHxDqk).astype(kv[0].dtype)
-    v = jnp.einsum("bsr,rhd->bshd", c_BxSexR, w_vb_RxHxDv).astype(kv[1].dtype)
+    k, v = expand_block(jax.lax.dynamic_slice_in_dim(ckv_BxSxR, start, Se, axis=1),
+                        w_kb_RxHxDqk, w_vb_RxHxDv)
     return (jax.lax.dynamic_update_slice_in_dim(kv[0], k, start, axis=1),
             jax.lax.dynamic_update_slice_in_dim(kv[1], v, start, axis=1))
 
