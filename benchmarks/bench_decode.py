@@ -19,7 +19,9 @@ benchmarks/decode_floors.py, the bytes it must read at 4.8 TB/s), peak_gib (the 
 decode's arguments, outputs and temporaries, without the buffers it donates and gets
 back), memory_limit_gib (what the allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION, 0.95
 here unless set), oom, the decode options the model ran with (kda_decode,
-fused_projections, moe.decode_dispatch, decode_matmul), date, commit.
+fused_projections, moe.decode_dispatch, decode_matmul), xla_flags (the XLA_FLAGS of the run:
+rows with flags are kept apart from the defaults' and out of the max-batch ratio), date,
+commit.
 """
 
 import gc
@@ -36,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import bench_long_context as blc, decode_floors, provenance  # noqa: E402
-from benchmarks.batch_search import search_batches  # noqa: E402
+from benchmarks.batch_search import is_oom, search_batches  # noqa: E402
 from benchmarks.random_variables import random_variables  # noqa: E402
 from moe_jax.infer.generate import decode, inference_model, make_step  # noqa: E402
 
@@ -116,14 +118,17 @@ def markdown(rows: list[dict], stamp: dict) -> str:
 
 
 def options(r) -> str:
-  """The row's decode options that differ from configs/base.py's, or "defaults"."""
+  """The row's decode options that differ from configs/base.py's, and the XLA_FLAGS it ran
+  with, or "defaults"."""
   changed = [k if v is True else f"{k}={v}" for k, d in blc.DECODE_OPTIONS.items()
              if (v := r.get(k, d)) != d]
+  if r.get("xla_flags"):
+    changed.append(f"XLA_FLAGS={r['xla_flags']}")
   return ", ".join(changed) or "defaults"
 
 
 def _key(r):
-  return (r["variant"], r["context"], r["batch"],
+  return (r["variant"], r["context"], r["batch"], r.get("xla_flags", ""),
           *(r.get(k, v) for k, v in blc.DECODE_OPTIONS.items()))
 
 
@@ -141,14 +146,21 @@ def main(argv):
     for L in contexts:
       def row(r, L=L):
         return {"variant": variant, "context": L, **r, **blc.decode_options(model.cfg),
+                "xla_flags": os.environ.get("XLA_FLAGS", "").strip(),
                 "floor_ms": decode_floors.step_floor(m, L, r["batch"], counts)["ms"], **stamp}
 
       def measure(b, L=L):
+        # each row as it is measured, a batch that did not fit too: a run cut short keeps
+        # what it found
         try:
           r = measure_decode(variant, model, variables, L, b)
+        except Exception as e:  # noqa: BLE001 — recorded if out of memory, raised either way
+          if out and is_oom(e):
+            provenance.merge_rows(out, [row({"batch": b, "oom": True})], _key)
+          raise
         finally:
           gc.collect()
-        if out:   # each row as it is measured: a run cut short keeps what it timed
+        if out:
           provenance.merge_rows(out, [row({**r, "batch": b, "oom": False})], _key)
         return r
       found = ([{**measure(int(b)), "batch": int(b), "oom": False} for b in _BATCHES.value]

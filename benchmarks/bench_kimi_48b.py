@@ -15,29 +15,57 @@ states. A context that does not fit is a row with its error and the plan's numbe
 shapes alone (no weights allocated, so any GPU can check the plan) and prints their
 arguments, outputs and temporaries (jax's memory analysis).
 Writes kimi_48b_h200.json and kimi_48b_h200.md (date, commit, machine, shapes) into --out.
+
+A 1M prefill takes longer than one device call allows, so it can run in parts:
+--state_dir=DIR --part_seconds=S stops a process S seconds after its launch, between
+chunks, saving the cache, the last logits, the next chunk and the prefill seconds so far
+(orbax) in DIR; the next process with the same flags restores them and goes on. The row's
+prefill_s is the sum of the parts' timed chunks (start-up, compile, save and restore not
+counted), and `prefill_parts` says how many processes it took.
 """
 
-import json
-import os
 import time
-import traceback
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from absl import app, flags
+_LAUNCH = time.time()
 
-from benchmarks import bench_long_context as blc, provenance
-from benchmarks.random_variables import random_variables
-from configs import kimi_linear_48b
-from moe_jax import params as params_lib
-from moe_jax.infer.cache import init_cache
-from moe_jax.infer.generate import decode, inference_model, make_step
+
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from benchmarks import bench_long_context as blc, provenance  # noqa: E402
+from benchmarks.random_variables import random_variables  # noqa: E402
+from configs import kimi_linear_48b  # noqa: E402
+from moe_jax import params as params_lib  # noqa: E402
+from moe_jax.infer.cache import init_cache  # noqa: E402
+from moe_jax.infer.generate import decode, inference_model, make_step  # noqa: E402
 
 FLAGS = flags.FLAGS
 GIB = 1 << 30
 _MEMORY_ONLY = flags.DEFINE_bool("memory_only", False, "Only compile the prefill step and the "
                                  "decode loop from shapes and print their memory.")
+_STATE_DIR = flags.DEFINE_string("state_dir", "", "Where a prefill in parts keeps its state "
+                                 "between processes (with --part_seconds).")
+_PART_SECONDS = flags.DEFINE_float("part_seconds", 0.0, "With --state_dir: a process stops "
+                                   "this long after its launch, between prefill chunks, and "
+                                   "saves the prefill's state; 0 runs it whole.")
+
+
+def ONE_DEVICE():  # noqa: N802
+  """Where every cache lives: committed to the first device, as orbax restores a saved one
+  (a cache committed or not is a different jit signature: a recompile inside the timing)."""
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+class PrefillPaused(Exception):
+  """A prefill in parts saved its state; run the same command again to go on."""
 
 
 def model_config():
@@ -111,13 +139,22 @@ def main(argv):
       if not rows:   # compile both loops on a scratch cache, once
         logits, scratch = jstep(variables, np.zeros((FLAGS.batch, chunk), np.int32),
                                 np.ones((FLAGS.batch, chunk), bool),
-                                init_cache(model.cfg, FLAGS.batch, max_len))
+                                jax.device_put(init_cache(model.cfg, FLAGS.batch, max_len),
+                                               ONE_DEVICE()))
         jax.block_until_ready(jdecode(variables, scratch, logits[:, -1]))
         del scratch, logits
-      r = blc.run("kimi_48b", L, variables, model, jstep, jdecode, max_len, chunk)
-      row.update(prefill_s=r["prefill_s"], prefill_tok_s=r["prefill_tok_s"],
-                 decode_ms_per_token=r["decode_ms_per_token"],
+      logits_BxV, cache, prefill_s, parts = prefill(L, variables, model, jstep, max_len, chunk)
+      t0 = time.perf_counter()
+      out, _, cache = jdecode(variables, cache, logits_BxV)
+      jax.block_until_ready(out)
+      row.update(prefill_s=prefill_s, prefill_tok_s=FLAGS.batch * L / prefill_s,
+                 prefill_parts=parts,
+                 decode_ms_per_token=1e3 * (time.perf_counter() - t0) / FLAGS.decode_tokens,
                  peak_gib=blc.peak_bytes() / GIB)
+      del cache, out
+    except PrefillPaused as e:   # the rows before it are saved
+      print(e, flush=True)
+      return
     except Exception:  # noqa: BLE001 — not fitting is a result, with the plan beside it
       row["error"] = traceback.format_exc()[-1500:]
       print(row["error"], flush=True)
@@ -126,6 +163,57 @@ def main(argv):
     save()
   save()
   print(table(rows, base))
+
+
+def prefill(L: int, variables, model, jstep, max_len: int, chunk: int):
+  """Prefills L random tokens (bench_long_context's) in chunks of `chunk`; returns the last
+  position's logits [B, V], the cache, the timed seconds and the number of processes the
+  prefill took. With --state_dir and --part_seconds, resumes a saved prefill and raises
+  PrefillPaused after saving one that must go on in another process."""
+  B = FLAGS.batch
+  tokens_BxL = np.random.default_rng(L).integers(0, 256, (B, L)).astype(np.int32)
+  live_BxC = np.ones((B, chunk), bool)
+  path = os.path.join(os.path.abspath(_STATE_DIR.value), f"prefill_{L}") if _STATE_DIR.value else ""
+  meta_path = path + ".json"
+  if path and os.path.exists(meta_path):
+    with open(meta_path) as f:
+      meta = json.load(f)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ONE_DEVICE()),
+        {"cache": jax.eval_shape(lambda: init_cache(model.cfg, B, max_len)),
+         "logits": jax.ShapeDtypeStruct((B, model.cfg.vocab_size), jnp.float32)})
+    saved = ocp.StandardCheckpointer().restore(os.path.join(path, str(meta["part"])), target)
+    cache, logits_BxV = saved["cache"], saved["logits"]
+    print(f"{time.strftime('%H:%M:%S')} resumed at chunk {meta['next_chunk']}", flush=True)
+  else:
+    meta = {"next_chunk": 0, "seconds": 0.0, "part": 0}
+    cache, logits_BxV = jax.device_put(init_cache(model.cfg, B, max_len), ONE_DEVICE()), None
+  n_chunks = L // chunk
+  for c in range(meta["next_chunk"], n_chunks):
+    t0 = time.perf_counter()
+    logits_BxCxV, cache = jstep(variables, tokens_BxL[:, c * chunk:(c + 1) * chunk], live_BxC,
+                                cache)
+    logits_BxV = logits_BxCxV[:, -1]
+    jax.block_until_ready(cache)
+    meta["seconds"] += time.perf_counter() - t0
+    if (path and _PART_SECONDS.value and c + 1 < n_chunks
+        and time.time() - _LAUNCH > _PART_SECONDS.value):
+      meta.update(next_chunk=c + 1, part=meta["part"] + 1)
+      checkpointer = ocp.StandardCheckpointer()
+      checkpointer.save(os.path.join(path, str(meta["part"])),
+                        {"cache": cache, "logits": logits_BxV})
+      checkpointer.wait_until_finished()
+      with open(meta_path, "w") as f:
+        json.dump(meta, f)
+      shutil.rmtree(os.path.join(path, str(meta["part"] - 1)), ignore_errors=True)
+      raise PrefillPaused(f"{time.strftime('%H:%M:%S')} prefill of {L} paused after chunk "
+                          f"{c + 1} of {n_chunks} ({meta['seconds']:.1f} s timed), state in "
+                          f"{path}: run the same command again")
+  if path:   # done: the next run of this context starts afresh
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(meta_path):
+      os.remove(meta_path)
+  return logits_BxV, cache, meta["seconds"], meta["part"] + 1
 
 
 def compiled_memory(model, jstep, jdecode, max_len: int, chunk: int) -> dict:

@@ -255,8 +255,11 @@ def measure(name: str, mode: str, cache_dir: str, steps: int, extra) -> dict:
 
   rec = {"row": name, "mode": mode, "imports_s": time.time() - _LAUNCH}
   c = config_lib.validate(row_config(name, extra, _CODE.value))
-  # As train.py: the config's flags (train.xla_flags) after --xla_flags, before jax starts.
-  rec["xla_flags"] = xla_flags.apply(c.train.xla_flags)
+  # As train.py: the config's flags (train.xla_flags) after --xla_flags, and its
+  # train.memory_fraction, before jax starts.
+  rec["xla_flags"] = (xla_flags.apply_config(c.train) if hasattr(xla_flags, "apply_config")
+                      else xla_flags.apply(c.train.xla_flags))   # a baseline before it
+  rec["memory_fraction"] = os.environ.get(xla_flags.MEM_FRACTION, "")
   compile_cache.enable(cache_dir)
   mesh = make_mesh(c.mesh)
   with jax.set_mesh(mesh):

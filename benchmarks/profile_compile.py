@@ -79,7 +79,7 @@ def event_totals(trace_dir: str) -> dict:
 def main(argv):
   del argv
   c = bench_train.row_config(_ROW.value, bench_train._SET.value)
-  xla_flags.apply(c.train.xla_flags)   # before jax starts, as train.py
+  xla_flags.apply_config(c.train)   # before jax starts, as train.py
   compile_cache.enable(tempfile.mkdtemp(prefix="xla_cache_profile_"))   # empty: a cold compile
   mesh = make_mesh(c.mesh)
   with jax.set_mesh(mesh):

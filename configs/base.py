@@ -179,6 +179,9 @@ def get_config(arg=None):
   t.split_step = True
   t.xla_flags = ("--xla_gpu_autotune_level=1 --xla_gpu_enable_triton_gemm=false "
                  "--xla_gpu_enable_dynamic_slice_fusion=false")
+  # Share of GPU memory the allocator may take (XLA_PYTHON_CLIENT_MEM_FRACTION, which wins);
+  # 0 = JAX's default, 0.75. XLA plans the step for this limit (train/xla_flags.py).
+  t.memory_fraction = 0.0
   g = t.guard = ml_collections.ConfigDict()  # divergence guard (moe_jax/train/guard.py)
   g.enabled = False
   g.spike_factor = 3.0          # a loss above this x the EMA of healthy losses is a spike...

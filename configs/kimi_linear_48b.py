@@ -17,7 +17,8 @@ without the embedding and head: the "48B"), 3.1 B active per token (the "A3B"):
 Variant `:h200_slice`: the same layer shapes, cut to the first 4 layers (KKKA: one dense
 KDA layer, two MoE KDA layers, one MoE MLA layer) so that training at 8K fits one H200:
 6.43 B parameters (0.78 B active), 103 GB of fp32 parameters, gradients and AdamW
-moments, one 8K row a step (benchmarks/bench_train.py, row `h200_slice`). It keeps what toy shapes hide: 256
+moments, one 8K row a step, 107 GiB at the peak, so the allocator may take 95% of the GPU
+(train.memory_fraction) (benchmarks/bench_train.py, row `h200_slice`; benchmarks/train.md). It keeps what toy shapes hide: 256
 experts of width 1024 make many small grouped matmuls, and the 163840-token head is a
 large share of the step. A fifth layer (another MoE layer: +1.82 B parameters, +29 GB, 132 GB
 before activations) does not fit the H200's 141 GB.
@@ -84,4 +85,6 @@ def get_config(arg=None):
     c.data.batch_size = 1
     c.mesh.fsdp = 1
     c.mesh.expert = 1
+    # 107 GiB a step: past JAX's default 75% of the H200 (XLA then fails to plan it)
+    c.train.memory_fraction = 0.95
   return c

@@ -155,6 +155,10 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_guard(c.train.guard)
   if not isinstance(c.train.get("split_step"), bool):
     _fail("train.split_step", c.train.get("split_step"), "True or False")
+  fraction = c.train.get("memory_fraction", 0.0)
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+      0.0 <= fraction <= 1.0):
+    _fail("train.memory_fraction", fraction, "a number in [0, 1] (0: JAX's default, 0.75)")
   if "rl" in c:
     _validate_rl(c)
   for axis in MESH_AXES:

@@ -111,7 +111,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   sc, workdir = _CONFIG.value, _WORKDIR.value
-  xla_flags.apply(sc.run.train.xla_flags, "run.train.xla_flags")   # before jax starts
+  xla_flags.apply_config(sc.run.train, "run.train")   # before jax starts
   compile_cache.enable(sc.run.train.compile_cache_dir)
   names = stages.stage_names(sc)
   out = stages.run_stages(sc, workdir)

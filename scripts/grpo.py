@@ -23,7 +23,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  xla_flags.apply(_CONFIG.value.train.xla_flags)   # before jax starts
+  xla_flags.apply_config(_CONFIG.value.train)   # before jax starts
   compile_cache.enable(_CONFIG.value.train.compile_cache_dir)
   s = train_grpo(_CONFIG.value, _WORKDIR.value)
   print(f"pass@1 at the start: {s['start']}\npass@1 at the end:   {s.get('final', s.get('latest'))}")

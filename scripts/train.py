@@ -24,7 +24,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; pass -v 0 to see it
     logging.set_verbosity(logging.WARNING)
-  xla_flags.apply(_CONFIG.value.train.xla_flags)   # before jax starts
+  xla_flags.apply_config(_CONFIG.value.train)   # before jax starts
   distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   compile_cache.enable(_CONFIG.value.train.compile_cache_dir)
   train_and_evaluate(_CONFIG.value, _WORKDIR.value)

@@ -192,6 +192,29 @@ def test_bench_kimi_48b_writes_its_record(tmp_path):
   assert "| 128 |" in (tmp_path / "kimi_48b_h200.md").read_text()
 
 
+@pytest.mark.slow   # two processes of the script, 20 s on 2 cores
+def test_bench_kimi_48b_prefills_in_parts(tmp_path):
+  """--state_dir with --part_seconds: the first process stops after a chunk, saving the
+  prefill's state and no row; the second restores it, finishes the prefill and decodes,
+  its row counting 2 parts, and the state is gone."""
+  import json
+  cmd = [sys.executable, "-m", "benchmarks.bench_kimi_48b", "--small", "--contexts=64",
+         "--prefill_chunk=32", "--decode_tokens=4", f"--state_dir={tmp_path}/state",
+         "--part_seconds=0.001", f"--out={tmp_path}/out"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert "paused after chunk 1 of 2" in first.stdout
+  assert json.loads((tmp_path / "state" / "prefill_64.json").read_text())["next_chunk"] == 1
+  assert not (tmp_path / "out" / "kimi_48b_h200.json").exists()
+  second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "resumed at chunk 1" in second.stdout
+  [row] = json.loads((tmp_path / "out" / "kimi_48b_h200.json").read_text())["rows"]
+  assert row["context"] == 64 and row["prefill_parts"] == 2 and row["prefill_s"] > 0
+  assert row["decode_ms_per_token"] > 0 and os.listdir(tmp_path / "state") == []
+
+
 def test_bench_kimi_48b_memory_only(tmp_path):
   """--memory_only compiles both programs from shapes and prints their memory, without
   allocating weights or writing a record."""
@@ -338,13 +361,14 @@ def test_decode_batch_search_ends_beside_the_first_batch_that_does_not_fit():
 @pytest.mark.slow
 def test_bench_decode_rows_on_cpu(tmp_path):
   """bench_decode at a toy size on CPU (--small): rows in decode.json's schema for both
-  variants, tokens_per_s = batch · 1000 / ms_per_token, each with its decode options."""
+  variants, tokens_per_s = batch · 1000 / ms_per_token, each with its decode options and
+  the XLA_FLAGS it ran with (none here: a row with flags is not a default row)."""
   import json
   run = subprocess.run(
       [sys.executable, "-m", "benchmarks.bench_decode", "--small", "--contexts=64",
        "--batches=1,2", "--decode_tokens=4", "--repeats=2", f"--out={tmp_path}"],
       cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu"))
+      env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu", XLA_FLAGS=""))
   assert run.returncode == 0, run.stderr[-3000:]
   rows = json.load(open(tmp_path / "decode.json"))
   assert {(r["variant"], r["batch"]) for r in rows} == {
@@ -354,7 +378,7 @@ def test_bench_decode_rows_on_cpu(tmp_path):
     assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_token"])
     assert r["ms_per_token"] > 0 and r["peak_gib"] > 0
     assert (r["kda_decode"], r["fused_projections"], r["decode_dispatch"],
-            r["decode_matmul"]) == ("xla", False, "auto", "xla")
+            r["decode_matmul"], r["xla_flags"]) == ("xla", False, "auto", "xla", "")
     assert 0 < r["floor_ms"] < r["ms_per_token"]   # a toy step on CPU is far above an H200's
   assert "Largest batch that fits" in (tmp_path / "decode.md").read_text()
   # A run with another decode option adds its rows beside the defaults' (one call times both).
@@ -363,7 +387,7 @@ def test_bench_decode_rows_on_cpu(tmp_path):
        "--batches=1", "--decode_tokens=4", "--repeats=1", "--variants=hybrid",
        "--kda_decode=kernel", f"--out={tmp_path}"],
       cwd=ROOT, capture_output=True, text=True, timeout=600,
-      env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu"))
+      env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu", XLA_FLAGS=""))
   assert run.returncode == 0, run.stderr[-3000:]
   rows = json.load(open(tmp_path / "decode.json"))
   assert len(rows) == 5 and [(r["variant"], r["batch"]) for r in rows

@@ -82,6 +82,8 @@ def test_command_line_overrides(monkeypatch):
                                           r"\('', 'float32', 'bfloat16'\), got 'float16'"),
     ("train.guard.max_rollbacks", -1, r"train\.guard\.max_rollbacks must be a non-negative "),
     ("data.read_threads", -1, r"data\.read_threads must be a non-negative integer, got -1"),
+    ("train.memory_fraction", 1.5, r"train\.memory_fraction must be a number in \[0, 1\] .*"
+                                   r"got 1\.5"),
     ("data.prefetch_batches", -2, r"data\.prefetch_batches must be a non-negative integer, "
                                   r"got -2"),
 ])

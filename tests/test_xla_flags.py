@@ -1,5 +1,6 @@
-"""train.xla_flags (moe_jax/train/xla_flags.py): the flags reach XLA when applied before jax
-starts, the environment's own XLA_FLAGS win, and bad input is refused."""
+"""train.xla_flags and train.memory_fraction (moe_jax/train/xla_flags.py): the flags reach
+XLA and the fraction the allocator when applied before jax starts, the environment's own
+XLA_FLAGS and fraction win, and bad input is refused."""
 
 import os
 import subprocess
@@ -43,6 +44,22 @@ def test_bad_input_and_a_started_backend_are_refused(monkeypatch):
   # Nothing to add: no error, XLA_FLAGS unchanged.
   assert xla_flags.apply("--xla_gpu_autotune_level=1") == "--xla_gpu_autotune_level=4"
   assert os.environ["XLA_FLAGS"] == "--xla_gpu_autotune_level=4"
+
+
+def test_memory_fraction_is_set_before_jax_and_the_environment_wins(monkeypatch):
+  """apply_config sets XLA_PYTHON_CLIENT_MEM_FRACTION from train.memory_fraction in a fresh
+  process (0 leaves JAX's default); a fraction the environment sets wins; a bad one raises
+  naming the field."""
+  code = ("import ml_collections as mc; from moe_jax.train import xla_flags; import os; "
+          "xla_flags.apply_config(mc.ConfigDict({'xla_flags': '', 'memory_fraction': %s})); "
+          "print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', 'default'))")
+  monkeypatch.delenv(xla_flags.MEM_FRACTION, raising=False)
+  assert _python(code % 0.95, "").stdout.split() == ["0.95"]
+  assert _python(code % 0.0, "").stdout.split() == ["default"]
+  monkeypatch.setenv(xla_flags.MEM_FRACTION, "0.5")
+  assert _python(code % 0.95, "").stdout.split() == ["0.5"]
+  with pytest.raises(ValueError, match=r"run\.train\.memory_fraction=1\.2: expected a number"):
+    xla_flags.apply_memory_fraction(1.2, "run.train.memory_fraction")
 
 
 @pytest.mark.gpu

@@ -1,8 +1,16 @@
-"""XLA flags a training job sets for itself (config `train.xla_flags`), before jax starts.
+"""What a training job sets for itself before jax starts: XLA flags (config
+`train.xla_flags`) and the share of GPU memory the allocator may take
+(`train.memory_fraction`).
 
-XLA reads XLA_FLAGS once, when the first backend starts, so the entry points (scripts/train.py,
-extend_context.py, grpo.py, bench_train.py, profile_compile.py) call `apply` first thing. A
-flag already in the environment's XLA_FLAGS is left as the user set it.
+XLA reads XLA_FLAGS once, when the first backend starts, and the allocator reads
+XLA_PYTHON_CLIENT_MEM_FRACTION then too, so the entry points (scripts/train.py,
+extend_context.py, grpo.py, bench_train.py, profile_compile.py) call `apply_config` first
+thing. A flag already in the environment's XLA_FLAGS, or a fraction already in the
+environment, is left as the user set it.
+
+`train.memory_fraction` 0 keeps JAX's default (75% of the GPU). A config whose step needs
+more sets it: at 75% XLA also plans the step for that limit, rematerialising to fit and
+failing where it cannot (configs/kimi_linear_48b.py:h200_slice, 107 GiB, asks for 0.95).
 
 The default (configs/base.py; measured in benchmarks/train.md) shortens the
 cold compile of long_context_1b's train step:
@@ -26,6 +34,37 @@ import os
 import re
 
 _FLAG = re.compile(r"--([A-Za-z0-9_]+)(=\S*)?")
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def apply_config(train_cfg, prefix: str = "train") -> str:
+  """`apply` the config's train.xla_flags, then its train.memory_fraction
+  (`apply_memory_fraction`); returns the XLA_FLAGS that result."""
+  out = apply(train_cfg.xla_flags, f"{prefix}.xla_flags")
+  apply_memory_fraction(train_cfg.get("memory_fraction", 0.0), f"{prefix}.memory_fraction")
+  return out
+
+
+def apply_memory_fraction(fraction: float, field: str = "train.memory_fraction") -> str:
+  """Sets XLA_PYTHON_CLIENT_MEM_FRACTION to `fraction` (0: JAX's default, nothing set) unless
+  the environment already sets it; returns the value in effect ("" for JAX's default).
+  Raises for a fraction outside [0, 1], or once jax's backend has started."""
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+      0.0 <= fraction <= 1.0):
+    raise ValueError(f"{field}={fraction!r}: expected a number in (0, 1], the share of GPU "
+                     "memory the allocator may take, or 0 for JAX's default (0.75)")
+  if not fraction or MEM_FRACTION in os.environ:
+    return os.environ.get(MEM_FRACTION, "")
+  _refuse_if_started(field, f"{MEM_FRACTION}={fraction}")
+  os.environ[MEM_FRACTION] = f"{fraction:g}"
+  return os.environ[MEM_FRACTION]
+
+
+def _refuse_if_started(field: str, what) -> None:
+  from jax._src import xla_bridge
+  if xla_bridge.backends_are_initialized():
+    raise RuntimeError(f"{field}: jax's backend has started, so XLA would ignore {what}; call "
+                       "moe_jax.train.xla_flags.apply_config before the first jax computation")
 
 
 def apply(flags: str, field: str = "train.xla_flags") -> str:
@@ -42,9 +81,6 @@ def apply(flags: str, field: str = "train.xla_flags") -> str:
   new = [t for t, m in parsed if m[1] not in present]
   if not new:
     return current
-  from jax._src import xla_bridge
-  if xla_bridge.backends_are_initialized():
-    raise RuntimeError(f"{field}: jax's backend has started, so XLA would ignore {new}; call "
-                       "moe_jax.train.xla_flags.apply before the first jax computation")
+  _refuse_if_started(field, new)
   os.environ["XLA_FLAGS"] = " ".join([current, *new]).strip()
   return os.environ["XLA_FLAGS"]
