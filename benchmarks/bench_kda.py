@@ -4,8 +4,8 @@ chunk_kda, same inputs.
   python -m benchmarks.bench_kda --out=$OUT [--shapes=1x8192x16,4x8192x16] [--impls=triton,pallas_gpu,xla]
       [--jobs=2 --shape_timeout=280]   # one process per shape, two GPUs at a time
 
-bf16 inputs, K=V=128, bounded gate (lower_bound=-5) computed from raw gate inputs as part of
-the timed function: inside the op as fla's (A_log, dt_bias passed; pallas_gpu's prologue
+bf16 inputs, K=V=128, bounded gate (lower_bound=-5; --gate=unbounded: Kimi's, no bound, fla
+with safe_gate off) computed from raw gate inputs as part of the timed function: inside the op as fla's (A_log, dt_bias passed; pallas_gpu's prologue
 kernel), or in XLA before it for "<impl>/xla_gate". Median of --iters runs after warm-up,
 on benchmarks/timing.py's two clocks for every row, fla's included: pipelined (fwd_ms: windows
 of calls dispatched back to back, the device's time per call; the ratios' clock) and blocked
@@ -13,7 +13,9 @@ of calls dispatched back to back, the device's time per call; the ratios' clock)
 clock of fla's own benchmarks: set against our blocked rows, it would charge our host dispatch
 and wake-up (about 0.3 ms a call) to us.
 Every row also records its wall time with compiles (row_s; fla's first_fwd_s: its first
-call, compiles and any autotuning), what a device call's plan needs.
+call, compiles and any autotuning), what a device call's plan needs. Unbounded gates'
+stage 1 is pallas_gpu.UNBOUNDED_STAGE1's; `--knobs=UNBOUNDED_STAGE1='pallas'` times the
+other one in the same process.
 """
 
 import ast
@@ -52,6 +54,8 @@ _SHAPE_TIMEOUT = flags.DEFINE_integer(
     "shape_timeout", 0, "With --jobs > 1: seconds before a shape's process is stopped "
     "(0: no limit). The rows it finished are kept.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed runs per measurement (median reported).")
+_GATE = flags.DEFINE_enum("gate", "bounded", ["bounded", "unbounded"], "The gate: bounded by "
+                          "-5 (the seeds') or unbounded (Kimi Linear's).")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON and markdown results.")
 _DIM = 128
 _LOWER = -5.0
@@ -102,6 +106,11 @@ def time_jax(fn, args, iters):
           "_blocked": timing.median_ms(fn, args, iters, warmup=1)}, out
 
 
+def lower_bound():
+  """The gate's lower bound (--gate): -5, or None for Kimi's unbounded gate."""
+  return _LOWER if _GATE.value == "bounded" else None
+
+
 def knob_impl(spec):
   """(implementation, module, settings) of a --knobs spec: 'triton:NAME=VALUE,...' sets
   triton_gpu's knobs for a triton row, anything else pallas_gpu's."""
@@ -141,9 +150,9 @@ def jax_fns(impl):
 
   def fwd(q, k, v, x, beta, A_log, dt_bias):
     if variant == "xla_gate":
-      g = kda_gate(x, A_log, dt_bias, lower_bound=_LOWER)
-      return kda(q, k, v, g, beta, lower_bound=_LOWER, implementation=impl)[0]
-    return kda(q, k, v, x, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=_LOWER,
+      g = kda_gate(x, A_log, dt_bias, lower_bound=lower_bound())
+      return kda(q, k, v, g, beta, lower_bound=lower_bound(), implementation=impl)[0]
+    return kda(q, k, v, x, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound(),
                implementation=impl)[0]
 
   def fwd_bwd(q, k, v, x, beta, A_log, dt_bias, do):
@@ -166,7 +175,7 @@ def fla_fns(inp):
   def fwd():
     return chunk_kda(leaves["q"], leaves["k"], leaves["v"], leaves["x"], leaves["beta"],
                      A_log=t["A_log"], dt_bias=t["dt_bias"], use_gate_in_kernel=True,
-                     safe_gate=True, lower_bound=_LOWER)[0]
+                     safe_gate=lower_bound() is not None, lower_bound=lower_bound())[0]
 
   def fwd_bwd():
     for p in leaves.values():
@@ -267,7 +276,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None, dim=_DIM):
 def run_shapes(shapes, impls, out_dir):
   """Every shape in this process; results are saved after every row."""
   results = {"device": str(jax.devices()[0].device_kind), "date": time.strftime("%Y-%m-%d"),
-             "shapes": {}}
+             "gate": _GATE.value, "shapes": {}}
 
   def save(shape, rows):
     results["shapes"][shape] = rows
@@ -286,10 +295,12 @@ def run_shapes(shapes, impls, out_dir):
 
 def run_parallel(shapes, out_dir):
   """Each shape in a child process of this script, --jobs at a time, slot i on GPU i."""
-  flags_kept = [f"--impls={_IMPLS.value}", f"--iters={_ITERS.value}", f"--fla={_FLA.value}"] + [
+  flags_kept = [f"--impls={_IMPLS.value}", f"--iters={_ITERS.value}", f"--fla={_FLA.value}",
+                f"--gate={_GATE.value}"] + [
       f"--knobs={k}" for k in _KNOBS.value]
   pending, running = list(shapes), {}
-  results = {"device": None, "date": time.strftime("%Y-%m-%d"), "shapes": {}}
+  results = {"device": None, "date": time.strftime("%Y-%m-%d"), "gate": _GATE.value,
+             "shapes": {}}
   while pending or running:
     for slot in range(_JOBS.value):
       if slot not in running and pending:
@@ -327,7 +338,8 @@ def run_parallel(shapes, out_dir):
 
 
 def table(results):
-  lines = [f"KDA bf16 K=V=128, {results['device']}, {results['date']}; median ms, pipelined "
+  lines = [f"KDA bf16 K=V=128, {results.get('gate', 'bounded')} gate, {results['device']}, "
+           f"{results['date']}; median ms, pipelined "
            "(blocked) clock of benchmarks/timing.py for every row; fla's do_bench in its row",
            "| BxTxH | impl | fwd ms | fwd+bwd ms | fwd ×fla | fwd+bwd ×fla | fwd tok/s | "
            "%FLOP/%byte floor fwd | %FLOP/%byte floor fwd+bwd | rel err vs fla |",

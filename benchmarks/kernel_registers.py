@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from absl import app, flags
 from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
 
-_OP = flags.DEFINE_enum("op", "kda", ["kda", "flash"], "Which kernels: KDA's (pallas_gpu, "
-                        "forward and backward) or the training flash kernels "
+_OP = flags.DEFINE_enum("op", "kda", ["kda", "kda_unbounded", "flash"], "Which kernels: "
+                        "KDA's (pallas_gpu, forward and backward; kda_unbounded: Kimi's gate "
+                        "on the Pallas stage 1) or the training flash kernels "
                         "(pallas_gpu_causal.py).")
 _DIM = flags.DEFINE_integer("dim", 64, "Head dim (K = V for KDA; D = Dv for flash).")
 _WARPS = flags.DEFINE_list("warps", [], "KERNEL=N overrides of the shipped num_warps.")
@@ -103,14 +104,17 @@ def _ptxas(ptx, ptx_path):
   return int(regs.group(1)), int(spill.group(1)) if spill else 0
 
 
-def kda_kernels(D):
+def kda_kernels(D, unbounded=False):
+  """The KDA op's kernels, forward and backward; unbounded: Kimi's gate, with stage 1 on
+  the Pallas tiles kernels (pallas_gpu.intra_unbounded)."""
   from pallas_kernels.kda import pallas_gpu
   bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
   B, T, H = 1, 256, 2
+  gate = dict(lower_bound=None, unbounded_stage1="pallas") if unbounded else {}
 
   def fwd_bwd(q, k, v, x, beta, A_log, dt_bias):
     fwd = lambda *a: pallas_gpu.kda_pallas_gpu(*a[:5], A_log=a[5], dt_bias=a[6],
-                                               qk_l2norm=True, interpret=False)[0]
+                                               qk_l2norm=True, interpret=False, **gate)[0]
     o, vjp = jax.vjp(fwd, q, k, v, x, beta, A_log, dt_bias)
     return vjp(o)
 
@@ -133,7 +137,8 @@ def flash_kernels(D):
 
 def main(argv):
   del argv
-  fn, args = (kda_kernels if _OP.value == "kda" else flash_kernels)(_DIM.value)
+  fn, args = (flash_kernels(_DIM.value) if _OP.value == "flash"
+              else kda_kernels(_DIM.value, unbounded=_OP.value == "kda_unbounded"))
   overrides = {k: int(v) for k, v in (w.split("=") for w in _WARPS.value)}
   out_dir = _KEEP.value or tempfile.mkdtemp()
   os.makedirs(out_dir, exist_ok=True)

@@ -42,12 +42,19 @@ def test_kernel_registers_dumps_every_kda_kernel_with_its_launch_width(tmp_path)
   from benchmarks import kernel_registers
   fn, args = kernel_registers.kda_kernels(64)
   kernels = kernel_registers.dump_ttir(fn, args, str(tmp_path))
-  shipped = {f"kda_intra_{n}": w for n, w in pallas_gpu.WARPS.items()}
+  shipped = {f"kda_intra_{n}": w for n, w in pallas_gpu.WARPS.items()
+             if not n.endswith("_unbounded")}
   shipped.update(kda_prologue=prologue_gpu.WARPS, kda_prologue_bwd=prologue_gpu.WARPS)
   assert {n: kernels[n] for n in shipped} == shipped
   assert {"kda_recurrence", "kda_recurrence_bwd", "kda_recurrence_grads"} <= set(kernels)
   for name in kernels:
     assert f"tt.func public @{name}" in (tmp_path / f"{name}.ttir").read_text()
+  # Kimi's unbounded gate on the Pallas stage 1: its own tiles kernel and launch width.
+  fn, args = kernel_registers.kda_kernels(64, unbounded=True)
+  (tmp_path / "unbounded").mkdir()
+  kernels = kernel_registers.dump_ttir(fn, args, str(tmp_path / "unbounded"))
+  assert kernels["kda_intra_tiles_unbounded"] == pallas_gpu.WARPS["tiles_unbounded"]
+  assert "kda_intra_tiles" not in kernels and "kda_intra_tiles_bwd" in kernels
 
 
 _KNOB_CHECK = """
@@ -78,6 +85,15 @@ assert set(rows) == {"xla"}, rows
 row = rows["xla"]
 assert 0 < row["row_s"] <= time.perf_counter() - start, row
 assert all(row[f"{m}_ms{c}"] > 0 for m in ("fwd", "fwd_bwd") for c in ("", "_blocked")), row
+# --gate=unbounded: Kimi's gate; a knob row times the other stage 1 beside the default's,
+# checked against it (o and every gradient).
+flags.FLAGS.unparse_flags()
+flags.FLAGS(["bench_kda", "--fla=false", "--gate=unbounded",
+             "--knobs=UNBOUNDED_STAGE1='pallas'"])
+rows = bench_kda.bench_shape(1, 32, 1, ["pallas_gpu"], 1, io.StringIO(), dim=16)
+assert set(rows) == {"pallas_gpu", "pallas_gpu[UNBOUNDED_STAGE1='pallas']"}, rows
+assert rows["pallas_gpu[UNBOUNDED_STAGE1='pallas']"]["max_rel_err_vs_pallas_gpu"] < 2e-2, rows
+assert pallas_gpu.UNBOUNDED_STAGE1 == "xla"
 print("ok")
 """
 
@@ -87,8 +103,8 @@ def test_bench_kda_knobs_set_either_module_and_undo():
   else pallas_gpu's; the undo restores them; an unknown knob is a ValueError naming it. A
   shape may name its head width (BxTxHxK). And a row at a tiny shape on CPU (xla, K = 16):
   both clocks, and its wall time with compiles (row_s,
-  what plans a device call). In its own process: bench_kda and bench_train both define
-  --out."""
+  what plans a device call); --gate=unbounded with a stage-1 knob row checked against the
+  default's. In its own process: bench_kda and bench_train both define --out."""
   run = subprocess.run([sys.executable, "-c", _KNOB_CHECK], cwd=ROOT, capture_output=True,
                        text=True, env=subprocess_env(), timeout=300)
   assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

@@ -156,6 +156,45 @@ def test_extreme_gates_stay_finite_and_accurate(impl):
     assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
 
 
+@pytest.fixture
+def pallas_unbounded_stage1(monkeypatch):
+  """Unbounded gates through the Pallas tiles kernels (pallas_gpu.intra_unbounded) instead
+  of the XLA stage 1."""
+  from pallas_kernels.kda import pallas_gpu
+  monkeypatch.setattr(pallas_gpu, "UNBOUNDED_STAGE1", "pallas")
+
+
+@pytest.mark.usefixtures("pallas_unbounded_stage1")
+@pytest.mark.parametrize("case", [   # K = 128 (several column blocks) in the second tier
+    pytest.param(CASES[2], marks=pytest.mark.slow), pytest.param(CASES[4], marks=pytest.mark.slow),
+    CASES[5]], ids=lambda c: "B{}T{}H{}K{}V{}C{}".format(*c))
+def test_unbounded_pallas_stage1_matches_fp64_spec_with_gradients(case):
+  """Kimi's unbounded gates on the Pallas tiles kernels, whose diagonal 16×16 tiles are
+  summed elementwise: outputs, final state and all six gradients against the fp64 spec,
+  with gates of every size, including far below any bound (-|x|·30 − 2: exponents that
+  overflow e^{40} within one sub-chunk)."""
+  B, T, H, K, V, chunk = case
+  (q, k, v, _, beta), S0, w_o, w_S, _, _ = _spec_case(B, T, H, K, V, T, 1)
+  rng = np.random.default_rng(T)
+  g = -jnp.abs(jnp.asarray(rng.normal(size=q.shape))) * 30.0 - 2.0
+  g = jnp.where(jnp.asarray(rng.random(q.shape) < 0.5), g, -jnp.abs(g) * 1e-3)
+  (o_ref, S_ref), ref_grads = _outputs_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+  (o, S), grads = _outputs_and_grads(_impl("pallas_gpu", chunk, lower_bound=None), f32,
+                                     S0.astype(jnp.float32), w_o, w_S)
+  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+  for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
+    assert np.isfinite(np.asarray(a)).all(), name
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+
+
+@pytest.mark.usefixtures("pallas_unbounded_stage1")
+def test_unbounded_pallas_stage1_with_the_gate_segments_and_padding():
+  """The Kimi gate -exp(A_log)·softplus(x + dt_bias) computed inside the op, with packed
+  segments, a reset in mid-chunk and padding, on the Pallas unbounded stage 1."""
+  check_gate_inside_the_op("pallas_gpu", 2, 70, 2, 32, 16, None, jnp.float32, 1e-4, 7, 32)
+
+
 def check_gate_inside_the_op(impl, B, T, H, K, V, lower_bound, dtype, bound, seed, chunk,
                              plain=False):
   """kda(x, A_log=, dt_bias=, qk_l2norm=True) against the fp64 spec run on

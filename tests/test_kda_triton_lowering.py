@@ -25,14 +25,17 @@ def h200(monkeypatch):
 
 @pytest.mark.parametrize("K,V,T,with_segments,gate", [
     (128, 128, 256, False, "none"), (64, 32, 200, True, "bounded"),
-    (64, 32, 128, False, "unbounded")])
+    (64, 32, 128, False, "unbounded"), (128, 128, 200, True, "unbounded_pallas")])
 def test_forward_and_backward_lower_to_triton(h200, K, V, T, with_segments, gate):
-  """gate "none": g given; else the gate and the q/k L2 norm in the prologue kernel."""
+  """gate "none": g given; else the gate and the q/k L2 norm in the prologue kernel;
+  "unbounded_pallas": unbounded gates on the Pallas stage 1 (elementwise diagonal tiles)."""
   B, H = 1, 2
   bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
   seg = jnp.ones((B, T), jnp.int32) if with_segments else None
   kw = {} if gate == "none" else dict(qk_l2norm=True,
                                       lower_bound=-5.0 if gate == "bounded" else None)
+  if gate == "unbounded_pallas":
+    kw["unbounded_stage1"] = "pallas"
 
   def fwd(q, k, v, g, beta, A_log, dt_bias):
     gate_params = {} if gate == "none" else dict(A_log=A_log, dt_bias=dt_bias)

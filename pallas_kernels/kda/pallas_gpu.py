@@ -114,27 +114,42 @@ def _chunk_gates(G_ref, seg_ref, cols):
   return gamma, to_end, decay
 
 
-def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, block_k):
+def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, block_k, bounded):
   """A (strictly causal) and Aqk of one chunk, a 16-row sub-chunk a at a time against all
   the rows before it: A_a = (K_a ⊙ e^{G_a - m_a}) (K ⊙ e^{m_a - G})ᵀ, with m_a the middle
   row of sub-chunk a as anchor. Rows before sub-chunk a have G ≥ m_a (factor ≤ 1), rows
   of a are within 8 steps (e^{≤40}), rows after it are zeroed before the exponential, so
-  nothing overflows. [16, C] tiles, K contracted in `block_k` columns."""
+  nothing overflows. [16, C] tiles, K contracted in `block_k` columns.
+
+  Unbounded gates (Kimi's): e^{40} no longer bounds a sub-chunk's own rows, so the product
+  covers the rows before sub-chunk a only, anchored at the last of them (both factors ≤ 1
+  for any gate), and the [16, 16] diagonal tile is summed elementwise, column by column
+  (_diagonal_columns)."""
   C, K = q_ref.shape
   L, S = SUB, C // SUB
   row_C1 = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+  j_LC = jax.lax.broadcasted_iota(jnp.int32, (L, C), 1)
 
   def k_block(cols, acc):
     k, G = k_ref[:, cols].astype(F32), G_ref[:, cols].astype(F32)
     out = []
     for a in range(S):
       rows = pl.ds(a * L, L)
-      anchor = G_ref[pl.ds(a * L + L // 2, 1), cols].astype(F32)
-      left = jnp.exp(G_ref[rows, cols].astype(F32) - anchor)
-      seen = row_C1 < (a + 1) * L
-      k_right = k * _exp_where(seen, anchor - G)
-      out.append(acc[2 * a] + _dot_t(k_ref[rows, cols].astype(F32) * left, k_right))
-      out.append(acc[2 * a + 1] + _dot_t(q_ref[rows, cols].astype(F32) * left, k_right))
+      k_a, q_a = k_ref[rows, cols].astype(F32), q_ref[rows, cols].astype(F32)
+      A_kk, A_qk = acc[2 * a], acc[2 * a + 1]
+      if bounded or a > 0:
+        anchor_row = a * L + L // 2 if bounded else a * L - 1
+        anchor = G_ref[pl.ds(anchor_row, 1), cols].astype(F32)
+        left = jnp.exp(G_ref[rows, cols].astype(F32) - anchor)
+        seen = row_C1 < (a + 1 if bounded else a) * L
+        k_right = k * _exp_where(seen, anchor - G)
+        A_kk = A_kk + _dot_t(k_a * left, k_right)
+        A_qk = A_qk + _dot_t(q_a * left, k_right)
+      if not bounded:
+        for j, col_kk, col_qk in _diagonal_columns(k_ref, G_ref, a, cols, k_a, q_a):
+          A_kk = A_kk + jnp.where(j_LC == a * L + j, col_kk[:, None], 0.0)
+          A_qk = A_qk + jnp.where(j_LC == a * L + j, col_qk[:, None], 0.0)
+      out += [A_kk, A_qk]
     return tuple(out)
 
   acc = _col_loop(K // block_k, block_k, k_block,
@@ -148,6 +163,20 @@ def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, bloc
     Akk_ref[rows, :] = jnp.where(same & (i_LC > j_LC), acc[2 * a], 0.0).astype(Akk_ref.dtype)
     Aqk_ref[rows, :] = (jnp.where(same & (i_LC >= j_LC), acc[2 * a + 1], 0.0)
                         * scale).astype(Aqk_ref.dtype)
+
+
+def _diagonal_columns(k_ref, G_ref, a, cols, k_a, q_a):
+  """Column j of sub-chunk a's diagonal tiles, elementwise: for its rows i ≥ j,
+  Σ_k k_i k_j e^{G_i - G_j} and Σ_k q_i k_j e^{G_i - G_j} (each exponent ≤ 0 for any
+  gate; rows i < j are zeroed before the exponential). Yields (j, [16], [16]) for the 16
+  columns, over the `cols` block of K."""
+  L = SUB
+  i_L1 = jax.lax.broadcasted_iota(jnp.int32, (L, 1), 0)
+  G_a = G_ref[pl.ds(a * L, L), cols].astype(F32)
+  for j in range(L):
+    k_j = k_ref[pl.ds(a * L + j, 1), cols].astype(F32)
+    e = _exp_where(i_L1 >= j, G_a - G_ref[pl.ds(a * L + j, 1), cols].astype(F32))
+    yield j, jnp.sum(k_a * k_j * e, axis=1), jnp.sum(q_a * k_j * e, axis=1)
 
 
 def _solve_kernel(A_ref, beta_ref, T_ref):
@@ -270,12 +299,39 @@ def _tile_bwd(q, k, G, a, b, anchor, dA, dAqk, dq, dk, dG):
   dG[b] -= d_kr * kr
 
 
+def _diagonal_tile_bwd(q, k, G, a, dA, dAqk, dq, dk, dG):
+  """Adds the cotangents of sub-chunk a's elementwise diagonal tiles (unbounded gates;
+  _diagonal_columns) into dq, dk, dG, a column j at a time. With E_ij = e^{G_i - G_j}
+  (i ≥ j), A_ij = Σ_k k_i k_j E_ij and Aqk_ij = Σ_k q_i k_j E_ij: row i gets
+  dk_i += Σ_j dA_ij k_j E_ij and dq_i += Σ_j dAqk_ij k_j E_ij, column j gets
+  dk_j += Σ_i (dA_ij k_i + dAqk_ij q_i) E_ij, and dG = k·(row part of dk) + q·dq − k·(column
+  part of dk). dA and dAqk are already masked (and dAqk scaled)."""
+  L = SUB
+  i_L1 = jax.lax.broadcasted_iota(jnp.int32, (L, 1), 0)
+  j_1L = jax.lax.broadcasted_iota(jnp.int32, (1, L), 1)
+  dk_row = dq_d = dk_col = jnp.zeros_like(k[a])
+  for j in range(L):
+    pick = i_L1 == j
+    k_j = jnp.sum(jnp.where(pick, k[a], 0.0), axis=0, keepdims=True)        # row j, [1, BK]
+    G_j = jnp.sum(jnp.where(pick, G[a], 0.0), axis=0, keepdims=True)
+    e = _exp_where(i_L1 >= j, G[a] - G_j)
+    dA_j = jnp.sum(jnp.where(j_1L == j, dA, 0.0), axis=1, keepdims=True)     # column j, [L, 1]
+    dAqk_j = jnp.sum(jnp.where(j_1L == j, dAqk, 0.0), axis=1, keepdims=True)
+    dk_row += dA_j * k_j * e
+    dq_d += dAqk_j * k_j * e
+    dk_col += jnp.where(pick, jnp.sum((dA_j * k[a] + dAqk_j * q[a]) * e, axis=0,
+                                      keepdims=True), 0.0)
+  dq[a] += dq_d
+  dk[a] += dk_row + dk_col
+  dG[a] += k[a] * dk_row + q[a] * dq_d - k[a] * dk_col
+
+
 def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk_ref, dG_ref,
-                      *, scale):
+                      *, scale, bounded):
   """Backward of _tiles_kernel for one chunk and one block of K columns (they are
   independent): the anchored [16, 16] tiles transposed (_tile_bwd). Its anchors are
   _anchor_row's; any anchor gives the same products, and these keep both factors ≤ 1 below
-  the diagonal."""
+  the diagonal. Unbounded gates take the diagonal tiles elementwise (_diagonal_tile_bwd)."""
   C, BK = q_ref.shape
   L, S = SUB, C // SUB
   i_LL = jax.lax.broadcasted_iota(jnp.int32, (L, L), 0)
@@ -288,6 +344,10 @@ def _tiles_bwd_kernel(q_ref, k_ref, G_ref, seg_ref, dA_ref, dAqk_ref, dq_ref, dk
     keep = (i_LL >= j_LL) if a == b else (i_LL >= 0)
     same = seg_ref[rows[a]][:, None] == seg_ref[rows[b]][None, :]
     dAqk = jnp.where(keep & same, dAqk_ref[blk].astype(F32), 0.0) * scale
+    if a == b and not bounded:
+      dA = jnp.where((i_LL > j_LL) & same, dA_ref[blk].astype(F32), 0.0)
+      _diagonal_tile_bwd(q, k, G, a, dA, dAqk, dq, dk, dG)
+      continue
     anchor = G_ref[pl.ds(_anchor_row(a, b), 1), :].astype(F32)
     _tile_bwd(q, k, G, a, b, anchor, dA_ref[blk].astype(F32), dAqk, dq, dk, dG)
   for a in range(S):
@@ -386,6 +446,10 @@ def _params(num_warps, num_stages, interpret):
 BLOCK_K = 32         # K / V columns per step of the stage-1 kernels ...
 ROLLED = True        # ... as a rolled loop (else unrolled)
 WARPS = {"tiles": 2, "solve": 1, "wu": 8, "wu_bwd": 4, "tiles_bwd": 4}   # num_warps per kernel
+# ... and of the unbounded gates' tiles kernel: its elementwise diagonal spills at 2 and 4
+# warps, not at 8, at K = 128 (benchmarks/kernel_registers.py --op=kda_unbounded: 440, 72, 0
+# bytes a thread)
+WARPS["tiles_unbounded"] = 8
 RECURRENCE_WARPS = 4
 BLOCK_V = 32         # V columns per recurrence program; the forward-only call widens it
 WIDE_BLOCK_V = 64    # ... to this when the grid at BLOCK_V would not fit in one wave
@@ -417,17 +481,17 @@ def _rows(q, D, dtype):
   return jax.ShapeDtypeStruct((B, Tp, H, D), dtype)
 
 
-def tiles_call(q, k, G, seg, *, scale, chunk_size, interpret):
+def tiles_call(q, k, G, seg, *, scale, chunk_size, interpret, bounded=True):
   """(A fp32, Aqk) of every chunk."""
   B, Tp, H, K = q.shape
   C = chunk_size
   return pl.pallas_call(
-      functools.partial(_tiles_kernel, scale=scale, block_k=min(K, BLOCK_K)),
+      functools.partial(_tiles_kernel, scale=scale, block_k=min(K, BLOCK_K), bounded=bounded),
       grid=(B, H, Tp // C),
       in_specs=[_chunk(C, K)] * 3 + [_chunk_seg(C)],
       out_specs=[_chunk(C, C)] * 2, out_shape=[_rows(q, C, F32), _rows(q, C, q.dtype)],
-      interpret=interpret, name="kda_intra_tiles",
-      compiler_params=_params(WARPS["tiles"], 1, interpret),
+      interpret=interpret, name="kda_intra_tiles" + ("" if bounded else "_unbounded"),
+      compiler_params=_params(WARPS["tiles" if bounded else "tiles_unbounded"], 1, interpret),
   )(q, k, G, seg)
 
 
@@ -480,7 +544,7 @@ def wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, *, scale, chunk_size, interpr
   )(T, A, q, k, v, G, beta, seg, d_st["W"], d_st["U0"], d_st["Qg"], d_st["Kd"], d_st["decay"])
 
 
-def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret):
+def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret, bounded=True):
   """The tiles' parts of (dq, dk, dG), fp32: one program per (chunk, K block), as the
   column blocks are independent. (Adding wu_bwd's parts here, to write dq and dk in bf16,
   made this kernel 40% slower in the 1B train step: benchmarks/kda.md.)"""
@@ -490,7 +554,7 @@ def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret):
   cols = pl.BlockSpec((None, C, None, BK), lambda b, h, r: (b, r // nk, h, r % nk))
   whole = pl.BlockSpec((None, C, None, C), lambda b, h, r: (b, r // nk, h, 0))
   return pl.pallas_call(
-      functools.partial(_tiles_bwd_kernel, scale=scale),
+      functools.partial(_tiles_bwd_kernel, scale=scale, bounded=bounded),
       grid=(B, H, Tp // C * nk),
       in_specs=[cols, cols, cols, pl.BlockSpec((None, C), lambda b, h, r: (b, r // nk)),
                 whole, whole],
@@ -500,25 +564,27 @@ def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret):
   )(q, k, G, seg, dA, dAqk)
 
 
-def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
-  """Stage 1: (outputs of reference.chunk_intra(bounded=True), A, T), the last two kept
+def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, bounded=True):
+  """Stage 1: (outputs of reference.chunk_intra(bounded=bounded), A, T), the last two kept
   for the backward pass."""
   C = chunk_size
-  A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=C, interpret=interpret)
+  A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=C, interpret=interpret,
+                      bounded=bounded)
   T = solve_call(A, beta, chunk_size=C, interpret=interpret)
   W, U0, Qg, Kd, decay = wu_call(T, q, k, v, G, beta, seg, scale=scale, chunk_size=C,
                                  interpret=interpret)
   return {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}, A, T
 
 
-def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
+def intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret,
+                     bounded=True):
   """Cotangents (dq, dk, dv, dG, dβ) of stage 1 from those of its outputs (dq, dk, dG fp32;
   dv in v's dtype)."""
   C = chunk_size
   dA, dq0, dk0, dv, dbeta, dG0 = wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, scale=scale,
                                              chunk_size=C, interpret=interpret)
   dq1, dk1, dG1 = tiles_bwd_call(q, k, G, seg, dA, d_st["Aqk"], scale=scale, chunk_size=C,
-                                 interpret=interpret)
+                                 interpret=interpret, bounded=bounded)
   return dq0 + dq1, dk0 + dk1, dv, dG0 + dG1, dbeta
 
 
@@ -649,25 +715,37 @@ def intra_with_vjp(fwd_call, bwd_call):
   return intra
 
 
-# Stage 1 with the Pallas kernels forward and backward.
+# Stage 1 with the Pallas kernels forward and backward; for unbounded gates, with the
+# diagonal tiles elementwise.
 intra = intra_with_vjp(intra_pallas, intra_bwd_pallas)
+intra_unbounded = intra_with_vjp(functools.partial(intra_pallas, bounded=False),
+                                 functools.partial(intra_bwd_pallas, bounded=False))
+# Stage 1 of unbounded gates (Kimi's) in every implementation: "xla" (reference.chunk_intra
+# in fp32) or "pallas" (intra_unbounded: equal in interpret mode, tests/test_kda_unbounded.py;
+# the default once timed and checked natively on a GPU).
+UNBOUNDED_STAGE1 = "xla"
 
 
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                    chunk_size=64, lower_bound=-5.0, A_log=None, dt_bias=None, qk_l2norm=False,
-                   interpret=None, stage1=None, stage2=None, prologue=None):
-  """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take the safe
-  XLA stage 1. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
+                   interpret=None, stage1=None, stage2=None, prologue=None,
+                   unbounded_stage1=None):
+  """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take stage 1
+  `unbounded_stage1` (default UNBOUNDED_STAGE1): "xla", the safe XLA stage 1, or "pallas",
+  intra_unbounded. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
   dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there.
   stage1 / stage2 / prologue: another stage 1 (bounded gates) / stage 2 / prologue with
   this module's `intra` / `recurrence` / pallas_gpu_prologue.prologue contract (triton_gpu's)."""
+  unbounded_stage1 = unbounded_stage1 or UNBOUNDED_STAGE1
+  if unbounded_stage1 not in ("xla", "pallas"):
+    raise ValueError(f"unbounded_stage1 must be 'xla' or 'pallas', got {unbounded_stage1!r}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   gate = "none" if A_log is None else ("bounded" if lower_bound is not None else "unbounded")
   return _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, scale=scale,
                   chunk_size=chunk_size, lower_bound=lower_bound, gate=gate,
-                  qk_l2norm=qk_l2norm, interpret=interpret,
+                  qk_l2norm=qk_l2norm, interpret=interpret, unbounded_stage1=unbounded_stage1,
                   stage1=intra if stage1 is None else stage1,
                   stage2=recurrence if stage2 is None else stage2,
                   prologue=pallas_gpu_prologue.prologue if prologue is None else prologue)
@@ -685,10 +763,11 @@ def _gate_params(A_log, dt_bias, H, K):
 # kernels (forward, backward, recomputation): the step's trace + lower time stops growing
 # with the number of KDA layers.
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "lower_bound", "gate",
-                                             "qk_l2norm", "interpret", "stage1",
-                                             "stage2", "prologue"))
+                                             "qk_l2norm", "interpret", "unbounded_stage1",
+                                             "stage1", "stage2", "prologue"))
 def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, scale,
-             chunk_size, lower_bound, gate, qk_l2norm, interpret, stage1, stage2, prologue):
+             chunk_size, lower_bound, gate, qk_l2norm, interpret, unbounded_stage1, stage1,
+             stage2, prologue):
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -710,6 +789,8 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
   seg = reference.chunk_segments(reset_BxT, C)
   if lower_bound is not None:
     st = stage1(q, k, v, G, beta, seg, scale, chunk_size, interpret)
+  elif unbounded_stage1 == "pallas":   # diagonal tiles elementwise in the tiles kernels
+    st = intra_unbounded(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   else:  # unbounded gates: diagonal tiles elementwise in fp32 (the safe path)
     st = _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=False)
   S0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
