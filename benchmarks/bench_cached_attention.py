@@ -5,8 +5,11 @@
 
 Prefill (default):
 One prefill chunk of T queries (the last T of `filled` positions) against a cache of
---cache positions, 16 heads of 64, bf16, batch 1: the shape of configs/long_context_1b.py's
-MLA layers. FLOPs count the visible (causal) scores only: 2·(Dqk+Dv)·H·visible pairs.
+--cache positions, --heads heads of --dqk query/key and --dv value dims (16 of 64: the
+shape of configs/long_context_1b.py's MLA layers; 32 of 192 + 128 with --cache=65536: a
+window of Kimi-Linear-48B's prefill), bf16, batch 1. FLOPs count the visible (causal)
+scores only: 2·(Dqk+Dv)·H·visible pairs. --num_warps=4,8 times the kernel at each launch
+width in the same process (one row each; default: the width it ships with).
 
 --decode: one new token's 16 heads in the latent space (R = 256, k_b absorbed) over a cache
 filled to each length, batch --batches: the split-cache kernel (pallas_gpu_latent_decode.py)
@@ -32,6 +35,11 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Timed runs (median).")
 _OUT = flags.DEFINE_string("out", None, "Folder for the JSON results.")
 _DECODE = flags.DEFINE_bool("decode", False, "Time the decode kernel instead (see above).")
 _BATCHES = flags.DEFINE_string("batches", "1,8", "Batch sizes for --decode.")
+_HEADS = flags.DEFINE_integer("heads", 16, "Prefill: heads.")
+_DQK = flags.DEFINE_integer("dqk", 64, "Prefill: query/key head dim.")
+_DV = flags.DEFINE_integer("dv", 64, "Prefill: value head dim.")
+_NUM_WARPS = flags.DEFINE_list("num_warps", [], "Prefill: launch widths to time (default: "
+                               "the shipped one).")
 PEAK_TFLOPS = 762.0  # bf16 dense matmul through JAX on the H200 (shared/device/README.md)
 PEAK_TBS = 4.3       # device copy, read+write (shared/device/README.md)
 
@@ -91,38 +99,61 @@ def main(argv):
   del argv
   if _DECODE.value:
     return decode_main()
-  H, D, T, S = 16, 64, _T.value, _S.value
+  H, D, Dv, T, S = _HEADS.value, _DQK.value, _DV.value, _T.value, _S.value
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (1, T, H, D), jnp.bfloat16) * D ** -0.5
   k = jax.random.normal(keys[1], (1, S, H, D), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, S, H, D), jnp.bfloat16)
-  kv = jnp.concatenate([k.reshape(1, S, -1), v.reshape(1, S, -1)], -1)
-  pallas = jax.jit(lambda *a: ca.cached_attention(*a, scale=1.0))
-  xla = jax.jit(xla_loop)
+  v = jax.random.normal(keys[2], (1, S, H, Dv), jnp.bfloat16)
+  widths = [int(w) for w in _NUM_WARPS.value] or [ca.num_warps(D)]
+  wide = ca.tile_dim(D) > 128   # the knob num_warps(D) reads
+
+  def pallas_at(warps):
+    name = "WIDE_NUM_WARPS" if wide else "NUM_WARPS"
+    old = getattr(ca, name)
+    setattr(ca, name, warps)
+    try:   # traced and compiled now, with the knob set
+      return jax.jit(lambda *a: ca.cached_attention(*a, scale=1.0)).lower(
+          q, k, v, jnp.array([0]), jnp.array([1])).compile()
+    finally:
+      setattr(ca, name, old)
+
+  kernels = {w: pallas_at(w) for w in widths}
+  xla = None
+  if D == Dv:   # the XLA loop's single K/V array needs equal widths
+    kv = jnp.concatenate([k.reshape(1, S, -1), v.reshape(1, S, -1)], -1)
+    xla = jax.jit(xla_loop)
   rows = []
   for L in (int(x) for x in _FILLED.value.split(",")):
     q_start, kv_len = jnp.array([L - T]), jnp.array([L])
     pairs = T * (L - T) + T * (T + 1) / 2
-    flops = 2 * 2 * D * H * pairs
-    row = {"filled": L, "chunk": T}
-    ref = xla(q, kv, q_start, kv_len).astype(jnp.float32)
-    err = float(jnp.linalg.norm(pallas(q, k, v, q_start, kv_len).astype(jnp.float32) - ref)
-                / jnp.linalg.norm(ref))
-    for name, fn, args in (("pallas", pallas, (q, k, v, q_start, kv_len)),
-                           ("xla", xla, (q, kv, q_start, kv_len))):
-      ms = median_ms(fn, args, _ITERS.value)
-      row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / ms / 1e9
-    row["rel_err"] = err
+    flops = 2 * (D + Dv) * H * pairs
+    row = {"filled": L, "chunk": T, "heads": H, "dqk": D, "dv": Dv}
+    outs = {}
+    for w, fn in kernels.items():
+      ms = median_ms(fn, (q, k, v, q_start, kv_len), _ITERS.value)
+      row[f"pallas_w{w}_ms"], row[f"pallas_w{w}_tflops"] = ms, flops / ms / 1e9
+      outs[w] = fn(q, k, v, q_start, kv_len).astype(jnp.float32)
+    first = outs[widths[0]]
+    row["rel_err_between_widths"] = max(
+        float(jnp.linalg.norm(o - first) / jnp.linalg.norm(first)) for o in outs.values())
+    if xla is not None:
+      ref = xla(q, kv, q_start, kv_len).astype(jnp.float32)
+      row["rel_err"] = float(jnp.linalg.norm(first - ref) / jnp.linalg.norm(ref))
+      ms = median_ms(xla, (q, kv, q_start, kv_len), _ITERS.value)
+      row["xla_ms"], row["xla_tflops"] = ms, flops / ms / 1e9
     rows.append(row)
     print(row, flush=True)
-  save("bench_cached_attention.json", rows, [ca.BLOCK_Q, ca.BLOCK_K, ca.NUM_WARPS, ca.NUM_STAGES])
-  print(f"\n{jax.devices()[0]}; T={T} queries, H={H}, D={D}, bf16, cache {S}")
-  print("| filled | pallas ms | TFLOP/s | % of 762 | xla loop ms | TFLOP/s | speed-up | rel err |")
-  print("|---|---|---|---|---|---|---|---|")
+  save("bench_cached_attention.json", rows,
+       {"BLOCK_Q": ca.BLOCK_Q, "BLOCK_K": ca.BLOCK_K, "NUM_STAGES": ca.NUM_STAGES,
+        "num_warps_timed": widths})
+  print(f"\n{jax.devices()[0]}; T={T} queries, H={H}, Dqk={D}, Dv={Dv}, bf16, cache {S}")
+  print("| filled | launch width | pallas ms | TFLOP/s | % of 989 | xla loop ms |")
+  print("|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['filled']} | {r['pallas_ms']:.2f} | {r['pallas_tflops']:.0f} | "
-          f"{100 * r['pallas_tflops'] / PEAK_TFLOPS:.0f}% | {r['xla_ms']:.2f} | "
-          f"{r['xla_tflops']:.0f} | {r['xla_ms'] / r['pallas_ms']:.1f}× | {r['rel_err']:.1e} |")
+    for w in widths:
+      tf = r[f"pallas_w{w}_tflops"]
+      print(f"| {r['filled']} | {w} | {r[f'pallas_w{w}_ms']:.2f} | {tf:.0f} | "
+            f"{100 * tf / 989:.0f}% | {r.get('xla_ms', float('nan')):.2f} |")
 
 
 if __name__ == "__main__":

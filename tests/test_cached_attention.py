@@ -123,6 +123,26 @@ def test_lowers_to_triton(h200, D, Dv, lse):  # noqa: F811
   assert "cached_attention" in text
 
 
+@pytest.mark.parametrize("D,Dv", [(64, 64), (192, 128)])
+def test_prefill_kernel_does_not_spill(D, Dv, tmp_path):
+  """The prefill kernel at the launch width it ships with for each head dim, compiled for
+  sm_90a by the triton package: no register spills, and shared memory within an H100/H200
+  block's 232,448 bytes. At Kimi Linear's MLA dims (192 padded to 256, values 128) four
+  warps spilled 2,308 bytes a thread; the kernel launches 8 there (WIDE_NUM_WARPS)."""
+  from benchmarks.kernel_registers import dump_ttir, ptxas_report, shared_bytes
+  bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  fn = lambda q, k, v: ca.cached_attention(q, k, v, jnp.zeros(1, jnp.int32),
+                                           jnp.full(1, 1024, jnp.int32), return_lse=True,
+                                           interpret=False)
+  kernels = dump_ttir(fn, (bf(1, 256, 2, D), bf(1, 1024, 2, D), bf(1, 1024, 2, Dv)),
+                      str(tmp_path), stages=True)
+  warps, stages = kernels["cached_attention"]
+  assert warps == ca.num_warps(D) == (8 if D > 128 else 4)
+  ttir = str(tmp_path / "cached_attention.ttir")
+  assert ptxas_report(ttir, warps)[1] == 0
+  assert shared_bytes(ttir, warps, stages) <= 232448
+
+
 @pytest.mark.parametrize("B,Q,R,S,pos,kv_len", [
     # Decode rows of two rows at different lengths, a cache that is not a multiple of the
     # key block, and (small CHUNK) several chunks merged; a row that sees nothing.

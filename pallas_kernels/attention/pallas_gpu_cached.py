@@ -28,6 +28,16 @@ BLOCK_Q = 128
 BLOCK_K = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+# ... and the launch width past 128 (Kimi's MLA: 192 + 128, padded to 256): at 4 warps a
+# program holds a [128, 256] query tile and a [128, 128] accumulator in 255 registers and
+# spills 2,308 bytes a thread; at 8 it spills none (sm_90a, benchmarks/kernel_registers.py;
+# tests/test_attention_cached.py).
+WIDE_NUM_WARPS = 8
+
+
+def num_warps(D: int) -> int:
+  """The launch width for query/key head dim D."""
+  return NUM_WARPS if tile_dim(D) <= 128 else WIDE_NUM_WARPS
 
 
 def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, scale, block_k):
@@ -109,7 +119,7 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   v_BxSxHxDv = jnp.pad(v_BxSxHxDv, ((0, 0), (0, Sp - S), (0, 0), (0, Dvp - Dv)))
   S = Sp
   row = pl.BlockSpec((1,), lambda b, h, i: (b,))
-  params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS,
+  params = None if interpret else pltriton.CompilerParams(num_warps=num_warps(D),
                                                           num_stages=NUM_STAGES)
   lse_spec = pl.BlockSpec((None, None, BQ), lambda b, h, i: (b, h, i))
   out = pl.pallas_call(
