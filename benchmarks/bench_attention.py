@@ -4,6 +4,7 @@ kernel's tiles swept at one shape, side by side with a baseline copy of the modu
 
   python -m benchmarks.bench_attention [--shape=4,8192,16,64] [--baseline=old/ring_step.py] \
       [--out=$OUT]
+  python -m benchmarks.bench_attention --shape=1,8192,32,192 --dv=128   # Kimi-48B's MLA
 
 Packed documents (segment ids; lengths exponential with mean --doc_len), bf16. The forward
 is timed alone; the backward (dq and dk/dv kernels, with delta in XLA as
@@ -26,7 +27,8 @@ from pallas_kernels.attention import pallas_gpu_ring_step as ring_step
 from pallas_kernels.attention.pallas_gpu_ring_step import Tiles
 from benchmarks.timing import median_ms
 
-_SHAPE = flags.DEFINE_list("shape", ["4", "8192", "16", "64"], "B, T, H, D (= Dv).")
+_SHAPE = flags.DEFINE_list("shape", ["4", "8192", "16", "64"], "B, T, H, D.")
+_DV = flags.DEFINE_integer("dv", 0, "Value head dim (0: D).")
 _DOC_LEN = flags.DEFINE_integer("doc_len", 2048, "Mean packed document length.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed runs (median).")
 _BASELINE = flags.DEFINE_string("baseline", "",
@@ -45,6 +47,13 @@ DQ_CANDIDATES = [Tiles(64, 64), Tiles(128, 64), Tiles(128, 64, 8), Tiles(128, 32
 DKV_CANDIDATES = [Tiles(64, 64), Tiles(128, 64), Tiles(128, 64, 8), Tiles(128, 32),
                   Tiles(64, 32), Tiles(32, 64), Tiles(64, 128), Tiles(64, 64, 4, 2),
                   Tiles(128, 32, 8)]
+# Past 128 head dims (padded to 256) the defaults spill thousands of bytes a thread at
+# 4 warps (fwd 2,852, dq 4,840, dk/dv 3,048 at 192 / 128 on sm_90a); these do not (dq's
+# 64x32 w8: 420), by benchmarks/kernel_registers.py's ptxas report. Swept with the others
+# when D > 128.
+WIDE_CANDIDATES = {"fwd": [Tiles(128, 64, 8, 2), Tiles(64, 32, 8, 2), Tiles(128, 32, 8, 2)],
+                   "dq": [Tiles(32, 64, 4, 2), Tiles(32, 64, 8, 2), Tiles(64, 32, 8, 2)],
+                   "dkv": [Tiles(64, 32, 8, 2), Tiles(32, 64, 8, 2), Tiles(32, 32, 4, 2)]}
 
 
 def _segments(B, T, mean, rng):
@@ -58,9 +67,10 @@ def _segments(B, T, mean, rng):
   return jnp.asarray(seg)
 
 
-def _inputs(B, T, H, D):
+def _inputs(B, T, H, D, Dv):
   ks = jax.random.split(jax.random.key(0), 4)
-  q, k, v, do = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks)
+  q, k = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks[:2])
+  v, do = (jax.random.normal(kk, (B, T, H, Dv), jnp.bfloat16) for kk in ks[2:])
   return q, k, v, do, _segments(B, T, _DOC_LEN.value, np.random.default_rng(0))
 
 
@@ -104,7 +114,7 @@ def _error(both, q, k, v, seg, do, n_heads=4):
   return max(rel(sl(a), b) for a, b in zip((o, *grads), refs))
 
 
-def _flops(B, T, H, D, seg):
+def _flops(B, T, H, D, Dv, seg):
   """Model FLOPs of the forward and the backward over the visible (causal, same-document)
   scores."""
   s = np.asarray(seg)
@@ -112,14 +122,19 @@ def _flops(B, T, H, D, seg):
   for b in range(B):
     _, counts = np.unique(s[b], return_counts=True)
     visible += int(np.sum(counts * (counts + 1) // 2))
-  return H * visible * 2 * (2 * D), H * visible * 2 * (5 * D)
+  return H * visible * 2 * (D + Dv), H * visible * 2 * (3 * D + 2 * Dv)
 
 
 def main(argv):
   del argv
   B, T, H, D = (int(x) for x in _SHAPE.value)
-  q, k, v, do, seg = _inputs(B, T, H, D)
-  f_fwd, f_bwd = _flops(B, T, H, D, seg)
+  Dv = _DV.value or D
+  q, k, v, do, seg = _inputs(B, T, H, D, Dv)
+  f_fwd, f_bwd = _flops(B, T, H, D, Dv, seg)
+  wide = D > 128
+  candidates = {kern: base + (WIDE_CANDIDATES[kern] if wide else [])
+                for kern, base in (("fwd", FWD_CANDIDATES), ("dq", DQ_CANDIDATES),
+                                   ("dkv", DKV_CANDIDATES))}
   rows = []
 
   def record(name, fwd, both, kernel):
@@ -139,11 +154,11 @@ def main(argv):
     record("baseline", *_fns(base), "all")
   record(f"default {ring_step.FWD} {ring_step.DQ} {ring_step.DKV}", *_fns(ring_step), "all")
   if _SWEEP.value:
-    for t in FWD_CANDIDATES:
+    for t in candidates["fwd"]:
       record(f"fwd {t}", *_fns(ring_step, fwd_tiles=t), "fwd")
-    for t in DQ_CANDIDATES:
+    for t in candidates["dq"]:
       record(f"dq {t}", *_fns(ring_step, bwd_tiles=(t, ring_step.DKV)), "dq")
-    for t in DKV_CANDIDATES:
+    for t in candidates["dkv"]:
       record(f"dkv {t}", *_fns(ring_step, bwd_tiles=(ring_step.DQ, t)), "dkv")
 
   causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -156,7 +171,7 @@ def main(argv):
   try:
     ms_f = median_ms(jax.jit(causal), (q, k, v), _ITERS.value)
     ms_b = median_ms(jax.jit(cudnn_both), (q, k, v, do), _ITERS.value)
-    dense_flops = B * H * T * (T + 1) // 2 * 2 * (2 * D)
+    dense_flops = B * H * T * (T + 1) // 2 * 2 * (D + Dv)
     rows.append({"variant": "cudnn (no segments)", "fwd_ms": ms_f, "fwd_bwd_ms": ms_b,
                  "fwd_tflops": dense_flops / ms_f / 1e9,
                  "fwd_bwd_tflops": dense_flops * 3.5 / ms_b / 1e9})
@@ -168,8 +183,8 @@ def main(argv):
   best = {kern: min((r for r in rows if r.get("kernel") == kern),
                     key=lambda r: r["fwd_ms"] if kern == "fwd" else r["fwd_bwd_ms"])
           for kern in ("fwd", "dq", "dkv") if any(r.get("kernel") == kern for r in rows)}
-  whole_fwd = B * H * T * (T + 1) // 2 * 2 * (2 * D)
-  summary = {"shape": [B, T, H, D], "doc_len": _DOC_LEN.value,
+  whole_fwd = B * H * T * (T + 1) // 2 * 2 * (D + Dv)
+  summary = {"shape": [B, T, H, D], "dv": Dv, "doc_len": _DOC_LEN.value,
              "visible_fraction": f_fwd / whole_fwd, "device": jax.devices()[0].device_kind,
              "rows": rows, "best": {k: r["variant"] for k, r in best.items()}}
   if _OUT.value:
