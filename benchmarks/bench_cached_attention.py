@@ -8,8 +8,9 @@ One prefill chunk of T queries (the last T of `filled` positions) against a cach
 --cache positions, --heads heads of --dqk query/key and --dv value dims (16 of 64: the
 shape of configs/long_context_1b.py's MLA layers; 32 of 192 + 128 with --cache=65536: a
 window of Kimi-Linear-48B's prefill), bf16, batch 1. FLOPs count the visible (causal)
-scores only: 2·(Dqk+Dv)·H·visible pairs. --num_warps=4,8 times the kernel at each launch
-width in the same process (one row each; default: the width it ships with).
+scores only: 2·(Dqk+Dv)·H·visible pairs. --num_warps=4,8 and --split=true,false time the
+kernel at each launch width and with the head dim split or padded (a 192-wide head as 128 +
+64 or as 256), every pair in the same process (default: what it ships with).
 
 --decode: one new token's 16 heads in the latent space (R = 256, k_b absorbed) over a cache
 filled to each length, batch --batches: the split-cache kernel (pallas_gpu_latent_decode.py)
@@ -40,6 +41,8 @@ _DQK = flags.DEFINE_integer("dqk", 64, "Prefill: query/key head dim.")
 _DV = flags.DEFINE_integer("dv", 64, "Prefill: value head dim.")
 _NUM_WARPS = flags.DEFINE_list("num_warps", [], "Prefill: launch widths to time (default: "
                                "the shipped one).")
+_SPLIT = flags.DEFINE_list("split", [], "Prefill: pallas_gpu_cached.SPLIT_HEAD_DIM values to "
+                           "time, true/false (default: the shipped one).")
 PEAK_TFLOPS = 762.0  # bf16 dense matmul through JAX on the H200 (shared/device/README.md)
 PEAK_TBS = 4.3       # device copy, read+write (shared/device/README.md)
 
@@ -105,19 +108,23 @@ def main(argv):
   k = jax.random.normal(keys[1], (1, S, H, D), jnp.bfloat16)
   v = jax.random.normal(keys[2], (1, S, H, Dv), jnp.bfloat16)
   widths = [int(w) for w in _NUM_WARPS.value] or [ca.num_warps(D)]
+  splits = [x.lower() == "true" for x in _SPLIT.value] or [ca.SPLIT_HEAD_DIM]
   wide = ca.tile_dim(D) > 128   # the knob num_warps(D) reads
 
-  def pallas_at(warps):
-    name = "WIDE_NUM_WARPS" if wide else "NUM_WARPS"
-    old = getattr(ca, name)
-    setattr(ca, name, warps)
-    try:   # traced and compiled now, with the knob set
+  def pallas_at(warps, split):
+    knobs = {"WIDE_NUM_WARPS" if wide else "NUM_WARPS": warps, "SPLIT_HEAD_DIM": split}
+    old = {n: getattr(ca, n) for n in knobs}
+    for n, x in knobs.items():
+      setattr(ca, n, x)
+    try:   # traced and compiled now, with the knobs set
       return jax.jit(lambda *a: ca.cached_attention(*a, scale=1.0)).lower(
           q, k, v, jnp.array([0]), jnp.array([1])).compile()
     finally:
-      setattr(ca, name, old)
+      for n, x in old.items():
+        setattr(ca, n, x)
 
-  kernels = {w: pallas_at(w) for w in widths}
+  variant = lambda w, sp: f"w{w}" + ("_split" if sp else "_padded")
+  kernels = {variant(w, sp): pallas_at(w, sp) for w in widths for sp in splits}
   xla = None
   if D == Dv:   # the XLA loop's single K/V array needs equal widths
     kv = jnp.concatenate([k.reshape(1, S, -1), v.reshape(1, S, -1)], -1)
@@ -131,10 +138,10 @@ def main(argv):
     outs = {}
     for w, fn in kernels.items():
       ms = median_ms(fn, (q, k, v, q_start, kv_len), _ITERS.value)
-      row[f"pallas_w{w}_ms"], row[f"pallas_w{w}_tflops"] = ms, flops / ms / 1e9
+      row[f"pallas_{w}_ms"], row[f"pallas_{w}_tflops"] = ms, flops / ms / 1e9
       outs[w] = fn(q, k, v, q_start, kv_len).astype(jnp.float32)
-    first = outs[widths[0]]
-    row["rel_err_between_widths"] = max(
+    first = outs[next(iter(kernels))]
+    row["rel_err_between_variants"] = max(
         float(jnp.linalg.norm(o - first) / jnp.linalg.norm(first)) for o in outs.values())
     if xla is not None:
       ref = xla(q, kv, q_start, kv_len).astype(jnp.float32)
@@ -145,14 +152,14 @@ def main(argv):
     print(row, flush=True)
   save("bench_cached_attention.json", rows,
        {"BLOCK_Q": ca.BLOCK_Q, "BLOCK_K": ca.BLOCK_K, "NUM_STAGES": ca.NUM_STAGES,
-        "num_warps_timed": widths})
+        "variants_timed": list(kernels)})
   print(f"\n{jax.devices()[0]}; T={T} queries, H={H}, Dqk={D}, Dv={Dv}, bf16, cache {S}")
-  print("| filled | launch width | pallas ms | TFLOP/s | % of 989 | xla loop ms |")
+  print("| filled | variant | pallas ms | TFLOP/s | % of 989 | xla loop ms |")
   print("|---|---|---|---|---|---|")
   for r in rows:
-    for w in widths:
-      tf = r[f"pallas_w{w}_tflops"]
-      print(f"| {r['filled']} | {w} | {r[f'pallas_w{w}_ms']:.2f} | {tf:.0f} | "
+    for w in kernels:
+      tf = r[f"pallas_{w}_tflops"]
+      print(f"| {r['filled']} | {w} | {r[f'pallas_{w}_ms']:.2f} | {tf:.0f} | "
             f"{100 * tf / 989:.0f}% | {r.get('xla_ms', float('nan')):.2f} |")
 
 

@@ -22,6 +22,7 @@ from tests.test_kda_triton_lowering import h200  # noqa: F401 — fixture
     (2, 130, 1, 64, 64, 200, [0, 70], [130, 0]),
     (1, 5, 2, 16, 16, 20, [3], [8]),        # cache shorter than one key block
     (2, 33, 2, 24, 40, 90, [10, 0], [43, 33]),   # head dims that are not tiles: padded
+    (2, 40, 2, 48, 32, 150, [0, 90], [40, 120]),   # two tiles (32 + 16): split, not padded
 ])
 @pytest.mark.parametrize("kernel", ["gpu", "tpu"])
 def test_equals_materialised_attention(kernel, B, T, H, D, Dv, S, q_start, kv_len):
@@ -96,6 +97,26 @@ def test_prefill_over_latents_in_windows(window, monkeypatch):
   assert rel_err(got, ref) < 1e-5
 
 
+def test_split_head_dim_equals_padded(monkeypatch):
+  """Kimi's 192-wide query/key heads as two products (128 + 64) give the padded kernel's
+  output and log-sum-exp; 24 = 16 + 8 is not two tiles and stays padded."""
+  assert ca.head_split(192) == (128, 64) and ca.head_split(48) == (32, 16)
+  assert ca.head_split(24) is None and ca.head_split(128) is None
+  B, T, H, D, Dv, S = 1, 70, 2, 192, 128, 200
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q, k = jax.random.normal(kq, (B, T, H, D)), jax.random.normal(kk, (B, S, H, D))
+  v = jax.random.normal(kv, (B, S, H, Dv))
+  args = (q, k, v, jnp.array([100]), jnp.array([150]))
+  split = ca.cached_attention(*args, return_lse=True, interpret=True)
+  monkeypatch.setattr(ca, "SPLIT_HEAD_DIM", False)
+  assert ca.head_split(192) is None
+  padded = ca.cached_attention(*args, return_lse=True, interpret=True)
+  ref = reference.cached_attention(*args)
+  for a, b in zip(split, padded):
+    assert rel_err(a, b) < 1e-6
+  assert rel_err(split[0], ref) < 1e-5
+
+
 def test_bf16_matches_fp32_reference():
   q, k, v = (jax.random.normal(key, shape) for key, shape in zip(
       jax.random.split(jax.random.key(1), 3), [(1, 64, 2, 64), (1, 256, 2, 64), (1, 256, 2, 64)]))
@@ -127,8 +148,9 @@ def test_lowers_to_triton(h200, D, Dv, lse):  # noqa: F811
 def test_prefill_kernel_does_not_spill(D, Dv, tmp_path):
   """The prefill kernel at the launch width it ships with for each head dim, compiled for
   sm_90a by the triton package: no register spills, and shared memory within an H100/H200
-  block's 232,448 bytes. At Kimi Linear's MLA dims (192 padded to 256, values 128) four
-  warps spilled 2,308 bytes a thread; the kernel launches 8 there (WIDE_NUM_WARPS)."""
+  block's 232,448 bytes. At Kimi Linear's MLA dims (192 as 128 + 64, values 128) four
+  warps spill 2,228 bytes a thread (2,308 padded to 256); the kernel launches 8 there
+  (WIDE_NUM_WARPS)."""
   from benchmarks.kernel_registers import dump_ttir, ptxas_report, shared_bytes
   bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   fn = lambda q, k, v: ca.cached_attention(q, k, v, jnp.zeros(1, jnp.int32),

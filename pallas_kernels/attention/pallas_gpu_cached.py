@@ -28,25 +28,48 @@ BLOCK_Q = 128
 BLOCK_K = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
-# ... and the launch width past 128 (Kimi's MLA: 192 + 128, padded to 256): at 4 warps a
-# program holds a [128, 256] query tile and a [128, 128] accumulator in 255 registers and
-# spills 2,308 bytes a thread; at 8 it spills none (sm_90a, benchmarks/kernel_registers.py;
-# tests/test_attention_cached.py).
+# ... and the launch width past 128 (Kimi's MLA: 192 query/key, 128 values): at 4 warps a
+# program's query tiles and [128, 128] accumulator take 255 registers and spill 2,228 bytes
+# a thread (2,308 with the head padded to 256); at 8 none (sm_90a, benchmarks/
+# kernel_registers.py; tests/test_cached_attention.py).
 WIDE_NUM_WARPS = 8
 
 
+# A query/key head dim that is two tiles, as Kimi's 192 = 128 + 64, runs as two products
+# (q·kᵀ = q₁·k₁ᵀ + q₂·k₂ᵀ) instead of one padded to 256: a quarter fewer score FLOPs and
+# loads, and smaller tiles in registers. False pads it (the kernel before the split).
+SPLIT_HEAD_DIM = True
+
+
+def head_split(D: int) -> tuple[int, int] | None:
+  """(D₁, D₂) = (the largest power of two below D, the rest) where both are tiles (powers
+  of two ≥ 16) and SPLIT_HEAD_DIM is on; else None (D padded to one tile)."""
+  if not SPLIT_HEAD_DIM or tile_dim(D) == D:
+    return None
+  D1 = tile_dim(D) // 2
+  return (D1, D - D1) if D1 >= 16 and tile_dim(D - D1) == D - D1 else None
+
+
 def num_warps(D: int) -> int:
-  """The launch width for query/key head dim D."""
+  """The launch width for query/key head dim D (split or not)."""
   return NUM_WARPS if tile_dim(D) <= 128 else WIDE_NUM_WARPS
 
 
-def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, scale, block_k):
+def _kernel(q_start_ref, kv_len_ref, *refs, scale, block_k, split):
+  """refs: q, k (or q, q2, k, k2 with a split head dim: scores are q·kᵀ + q2·k2ᵀ), v, then
+  the output and, with return_lse, the log-sum-exp."""
+  if split:
+    q_ref, q2_ref, k_ref, k2_ref, v_ref, o_ref, *lse_ref = refs
+  else:
+    (q_ref, k_ref, v_ref, o_ref, *lse_ref), q2_ref = refs, None
   BQ, BK = q_ref.shape[0], block_k
   S = k_ref.shape[0]
   q_start, kv_len = q_start_ref[0], kv_len_ref[0]
   first_q = q_start + pl.program_id(2) * BQ
   pos_Q = first_q + jax.lax.broadcasted_iota(jnp.int32, (BQ,), 0)
-  q_QxD = (q_ref[...].astype(F32) * scale).astype(k_ref.dtype)
+  scaled = lambda ref: (ref[...].astype(F32) * scale).astype(k_ref.dtype)
+  q_QxD = scaled(q_ref)
+  q2_QxD2 = scaled(q2_ref) if split else None
   # Blocks below n_full are visible to every query of the block; the rest up to n_all
   # are partly visible.
   n_full = jnp.maximum(jnp.minimum(first_q + 1, kv_len), 0) // BK
@@ -61,6 +84,9 @@ def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *lse_ref, scale
     k_KxD, v_KxDv = k_ref[ks, :], v_ref[ks, :]
     s_QxK = jax.lax.dot_general(q_QxD, k_KxD, (((1,), (1,)), ((), ())),
                                 preferred_element_type=F32)
+    if split:
+      s_QxK += jax.lax.dot_general(q2_QxD2, k2_ref[ks, :], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=F32)
     if masked:
       j_K = start + jax.lax.broadcasted_iota(jnp.int32, (BK,), 0)
       visible_QxK = ((j_K[None, :] >= j * BK) & (j_K[None, :] <= pos_Q[:, None])
@@ -111,30 +137,39 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   scale = D ** -0.5 if scale is None else scale
   BQ = min(BLOCK_Q, pl.next_power_of_2(T))
   Tp = pl.cdiv(T, BQ) * BQ
-  # Zero head-dim columns change no score; the extra output columns are sliced off.
-  Dp, Dvp = tile_dim(D), tile_dim(Dv)
-  q_BxTxHxD = jnp.pad(q_BxTxHxD, ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D)))
   Sp = max(S, BLOCK_K)  # a block must fit in the cache; padded keys are past kv_len
-  k_BxSxHxD = jnp.pad(k_BxSxHxD, ((0, 0), (0, Sp - S), (0, 0), (0, Dp - D)))
-  v_BxSxHxDv = jnp.pad(v_BxSxHxDv, ((0, 0), (0, Sp - S), (0, 0), (0, Dvp - Dv)))
+  # Zero head-dim columns change no score; the extra output columns are sliced off. A head
+  # dim of two tiles (head_split) is two arrays instead, nothing padded.
+  pad = lambda x, rows, d: jnp.pad(x, ((0, 0), (0, rows), (0, 0), (0, d - x.shape[-1])))
+  split = head_split(D)
+  if split:
+    D1 = split[0]
+    qk = [pad(q_BxTxHxD[..., :D1], Tp - T, D1), pad(q_BxTxHxD[..., D1:], Tp - T, D - D1),
+          pad(k_BxSxHxD[..., :D1], Sp - S, D1), pad(k_BxSxHxD[..., D1:], Sp - S, D - D1)]
+  else:
+    qk = [pad(q_BxTxHxD, Tp - T, tile_dim(D)), pad(k_BxSxHxD, Sp - S, tile_dim(D))]
+  Dvp = tile_dim(Dv)
+  v_BxSxHxDv = pad(v_BxSxHxDv, Sp - S, Dvp)
   S = Sp
   row = pl.BlockSpec((1,), lambda b, h, i: (b,))
   params = None if interpret else pltriton.CompilerParams(num_warps=num_warps(D),
                                                           num_stages=NUM_STAGES)
   lse_spec = pl.BlockSpec((None, None, BQ), lambda b, h, i: (b, h, i))
+  q_spec = lambda d: pl.BlockSpec((None, BQ, None, d), lambda b, h, i: (b, i, h, 0))
+  k_spec = lambda d: pl.BlockSpec((None, S, None, d), lambda b, h, i: (b, 0, h, 0))
+  qk_specs = ([q_spec(x.shape[-1]) for x in qk[:len(qk) // 2]]
+              + [k_spec(x.shape[-1]) for x in qk[len(qk) // 2:]])
   out = pl.pallas_call(
-      functools.partial(_kernel, scale=scale, block_k=BLOCK_K),
+      functools.partial(_kernel, scale=scale, block_k=BLOCK_K, split=split is not None),
       grid=(B, H, Tp // BQ),
-      in_specs=[row, row,
-                pl.BlockSpec((None, BQ, None, Dp), lambda b, h, i: (b, i, h, 0)),
-                pl.BlockSpec((None, S, None, Dp), lambda b, h, i: (b, 0, h, 0)),
+      in_specs=[row, row, *qk_specs,
                 pl.BlockSpec((None, S, None, Dvp), lambda b, h, i: (b, 0, h, 0))],
       out_specs=[pl.BlockSpec((None, BQ, None, Dvp), lambda b, h, i: (b, i, h, 0)),
                  *([lse_spec] if return_lse else [])],
       out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dvp), q_BxTxHxD.dtype),
                  *([jax.ShapeDtypeStruct((B, H, Tp), F32)] if return_lse else [])],
       interpret=interpret, name="cached_attention", compiler_params=params,
-  )(q_start_B.astype(jnp.int32), kv_len_B.astype(jnp.int32), q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv)
+  )(q_start_B.astype(jnp.int32), kv_len_B.astype(jnp.int32), *qk, v_BxSxHxDv)
   o_BxTxHxDv = out[0][:, :T, :, :Dv]
   if not return_lse:
     return o_BxTxHxDv
