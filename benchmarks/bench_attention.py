@@ -47,10 +47,9 @@ DQ_CANDIDATES = [Tiles(64, 64), Tiles(128, 64), Tiles(128, 64, 8), Tiles(128, 32
 DKV_CANDIDATES = [Tiles(64, 64), Tiles(128, 64), Tiles(128, 64, 8), Tiles(128, 32),
                   Tiles(64, 32), Tiles(32, 64), Tiles(64, 128), Tiles(64, 64, 4, 2),
                   Tiles(128, 32, 8)]
-# Past 128 head dims (padded to 256) the defaults spill thousands of bytes a thread at
-# 4 warps (fwd 2,852, dq 4,840, dk/dv 3,048 at 192 / 128 on sm_90a); these do not (dq's
-# 64x32 w8: 420), by benchmarks/kernel_registers.py's ptxas report. Swept with the others
-# when D > 128.
+# Past 128 head dims the tiles above spill thousands of bytes a thread at 4 warps (at
+# 192 / 128 on sm_90a; benchmarks/attention.md), which is why the kernels ship WIDE_ tiles
+# there (64x32 w8); these spill little or none too. Swept with the others when D > 128.
 WIDE_CANDIDATES = {"fwd": [Tiles(128, 64, 8, 2), Tiles(64, 32, 8, 2), Tiles(128, 32, 8, 2)],
                    "dq": [Tiles(32, 64, 4, 2), Tiles(32, 64, 8, 2), Tiles(64, 32, 8, 2)],
                    "dkv": [Tiles(64, 32, 8, 2), Tiles(32, 64, 8, 2), Tiles(32, 32, 4, 2)]}
@@ -152,14 +151,16 @@ def main(argv):
     base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base)
     record("baseline", *_fns(base), "all")
-  record(f"default {ring_step.FWD} {ring_step.DQ} {ring_step.DKV}", *_fns(ring_step), "all")
+  fwd0, dq0, dkv0 = ((ring_step.WIDE_FWD, ring_step.WIDE_DQ, ring_step.WIDE_DKV) if wide
+                     else (ring_step.FWD, ring_step.DQ, ring_step.DKV))   # what ships here
+  record(f"default {fwd0} {dq0} {dkv0}", *_fns(ring_step), "all")
   if _SWEEP.value:
     for t in candidates["fwd"]:
       record(f"fwd {t}", *_fns(ring_step, fwd_tiles=t), "fwd")
     for t in candidates["dq"]:
-      record(f"dq {t}", *_fns(ring_step, bwd_tiles=(t, ring_step.DKV)), "dq")
+      record(f"dq {t}", *_fns(ring_step, bwd_tiles=(t, dkv0)), "dq")
     for t in candidates["dkv"]:
-      record(f"dkv {t}", *_fns(ring_step, bwd_tiles=(ring_step.DQ, t)), "dkv")
+      record(f"dkv {t}", *_fns(ring_step, bwd_tiles=(dq0, t)), "dkv")
 
   causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation="cudnn")

@@ -93,6 +93,41 @@ def test_backward_of_one_step_matches_autodiff(q_first, k_first, small, docs):
     assert rel_err(g, g_ref) < 1e-5, name
 
 
+@pytest.mark.parametrize("small", [False, True], ids=["default-tiles", "small-tiles"])
+def test_split_head_dim_matches_written_out_attention(small, monkeypatch):
+  """A query/key head dim of two tiles (48 = 32 + 16, as Kimi's 192 = 128 + 64) runs as two
+  summed products: forward (o, lse) and backward (dq, dk, dv) equal attention written out,
+  and the padded kernels' (SPLIT_HEAD_DIM off)."""
+  Dqk, q_first, k_first = 48, 40, 18
+  assert ring_step._qk_parts(Dqk) == [(0, 32), (32, 16)] and ring_step._qk_parts(16) == [(0, 16)]
+  q, k, v, seg_q, seg_k, w = _inputs(11, (q_first, k_first))
+  q, k = (jnp.concatenate([x, jnp.roll(x, 1, axis=1) * 0.5, -x[:, ::-1]], -1) for x in (q, k))
+  assert q.shape[-1] == Dqk
+  args = (q, k, v, seg_q, seg_k, jnp.int32(q_first), jnp.int32(k_first))
+  kw = dict(scale=Dqk ** -0.5, interpret=True)
+  fwd_tiles, bwd_tiles = (SMALL["fwd"], (SMALL["dq"], SMALL["dkv"])) if small else (None, None)
+
+  def run():
+    o, lse = ring_step.ring_step_forward(*args, tiles=fwd_tiles, **kw)
+    delta = jnp.einsum("bthd,bthd->bht", w, o)
+    return (o, lse), ring_step.ring_step_backward(*args, w, lse, delta, tiles=bwd_tiles, **kw)
+
+  (o, lse), grads = run()
+  o_ref, lse_ref = _dense(q, k, v, seg_q, seg_k, q_first, k_first)
+  assert o.shape == (B, T, H, DV) and rel_err(o, o_ref) < 1e-5
+  seen = np.isfinite(np.asarray(lse_ref))
+  assert rel_err(jnp.where(seen, lse, 0.0), jnp.where(seen, lse_ref, 0.0)) < 1e-5
+  # With the step's own lse its (dq, dk, dv) are the gradient of its output.
+  _, vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, seg_q, seg_k, q_first, k_first)[0], q, k, v)
+  for name, g, g_ref in zip(("dq", "dk", "dv"), grads, vjp(w)):
+    assert g.shape == g_ref.shape and rel_err(g, g_ref) < 1e-5, name
+  monkeypatch.setattr(ring_step, "SPLIT_HEAD_DIM", False)
+  (o_pad, lse_pad), grads_pad = run()
+  assert rel_err(o, o_pad) < 1e-6
+  for name, g, g_pad in zip(("dq", "dk", "dv"), grads, grads_pad):
+    assert rel_err(g, g_pad) < 1e-6, name
+
+
 def test_outputs_in_the_model_dtype_are_the_fp32_outputs_rounded_once():
   """out_dtype=bf16 (pallas_gpu_causal.py's single-device attention): o, dq, dk, dv are
   written in bf16 by the kernels, equal to the fp32 outputs rounded, element for element."""
@@ -111,7 +146,7 @@ def test_outputs_in_the_model_dtype_are_the_fp32_outputs_rounded_once():
   np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse))
 
 
-@pytest.mark.parametrize("D,Dv", [(64, 64), (24, 40)])   # odd head dims are padded to tiles
+@pytest.mark.parametrize("D,Dv", [(64, 64), (24, 40), (192, 128)])   # odd dims padded, 192 split
 def test_forward_and_backward_lower_to_triton(h200, D, Dv):  # noqa: F811
   bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   seg = jnp.ones((B, 128), jnp.int32)
@@ -134,8 +169,9 @@ def test_kernels_fit_the_gpus_shared_memory(D, Dv, tmp_path):
   """Each training flash kernel, compiled for sm_90a by the triton package at the pipeline
   depth it launches with, asks for at most the 232,448 bytes of shared memory an H100/H200
   block may have. At Kimi Linear's MLA head dims (192 = 128 + 64 shared key dims, 128
-  values) three stages of dq asked for 246,784 and the train step did not compile."""
-  from benchmarks.kernel_registers import dump_ttir, shared_bytes
+  values) three stages of dq asked for 246,784 and the train step did not compile; there
+  the kernels' WIDE_ tiles also spill no registers."""
+  from benchmarks.kernel_registers import dump_ttir, ptxas_report, shared_bytes
   from pallas_kernels.attention.pallas_gpu_causal import causal_attention
   bf = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
   seg = jnp.ones((1, 512), jnp.int32)
@@ -149,3 +185,5 @@ def test_kernels_fit_the_gpus_shared_memory(D, Dv, tmp_path):
   assert set(kernels) == {"ring_step_fwd", "ring_step_dq", "ring_step_dkv"}
   for name, (warps, stages) in kernels.items():
     assert shared_bytes(str(tmp_path / f"{name}.ttir"), warps, stages) <= 232448, name
+    if D > 128:   # the WIDE_ tiles: no register spills (the defaults spilled 2-4 KB a thread)
+      assert ptxas_report(str(tmp_path / f"{name}.ttir"), warps)[1] == 0, name

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention.pallas_gpu_tiles import tile_dim
+from pallas_kernels.attention.pallas_gpu_tiles import head_parts, tile_dim
 
 F32 = jnp.float32
 
@@ -42,12 +42,10 @@ SPLIT_HEAD_DIM = True
 
 
 def head_split(D: int) -> tuple[int, int] | None:
-  """(D₁, D₂) = (the largest power of two below D, the rest) where both are tiles (powers
-  of two ≥ 16) and SPLIT_HEAD_DIM is on; else None (D padded to one tile)."""
-  if not SPLIT_HEAD_DIM or tile_dim(D) == D:
-    return None
-  D1 = tile_dim(D) // 2
-  return (D1, D - D1) if D1 >= 16 and tile_dim(D - D1) == D - D1 else None
+  """(D₁, D₂) where D runs as two tiles (pallas_gpu_tiles.head_parts, SPLIT_HEAD_DIM on);
+  else None (D padded to one tile)."""
+  parts = head_parts(D, SPLIT_HEAD_DIM)
+  return (parts[0][1], parts[1][1]) if len(parts) == 2 else None
 
 
 def num_warps(D: int) -> int:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.attention.pallas_gpu_tiles import tile_dim
+from pallas_kernels.attention.pallas_gpu_tiles import head_parts, tile_dim
 
 F32 = jnp.float32
 LOG2E = 1.4426950408889634   # scores are kept in log2 units: exp2 is one MUFU instruction
@@ -60,6 +60,16 @@ DKV = Tiles(64, 64)
 # 232,448 per block (fwd 214,016, dk/dv 206,848); two stages fit (197,632 / 164,096 /
 # 156,672; triton 3.6 for sm_90a, benchmarks/attention.md).
 WIDE_DIM, WIDE_STAGES = 128, 2
+# ... and past 128 the default tiles spill: at Kimi's 192 (split, below) / 128 the kernels
+# at FWD, DQ, DKV spill 2,448, 4,060 and 2,292 bytes a thread (sm_90a ptxas; 2,852, 4,840,
+# 3,048 padded to 256). 64-row tiles over 32-wide loop blocks at 8 warps spill none in all
+# three (199, 254, 237 registers; benchmarks/attention.md). Not yet timed against them:
+# `benchmarks/bench_attention.py --shape=1,8192,32,192 --dv=128` sweeps both.
+WIDE_FWD = WIDE_DQ = WIDE_DKV = Tiles(64, 32, 8, 2)
+# A query/key head dim of two tiles (Kimi's 192 = 128 + 64) as two arrays whose score
+# products are summed, instead of one padded to 256 (pallas_gpu_tiles.head_parts); False
+# pads it.
+SPLIT_HEAD_DIM = True
 _PAD_Q, _PAD_K = -2, -1   # segment ids of padding rows: they see, and are seen by, nothing
 
 
@@ -115,18 +125,30 @@ def _meeting_blocks(ids_ref, seg_X, start, stop):
   return lo, jnp.maximum(lo, jnp.max(jnp.where(meets, idx + 1, start)))
 
 
-def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, o_ref, lse_ref, *,
-                scale, block_k):
-  BQ, D = q_ref.shape
+def _parts(refs, n):
+  """(off, q parts, k parts, the rest) of a kernel's refs: q and k are n arrays each (two
+  when the head dim is split, _head_split)."""
+  return refs[0], refs[1:1 + n], refs[1 + n:1 + 2 * n], refs[1 + 2 * n:]
+
+
+def _scores(q_parts, k_refs, ks):
+  """Σ_p q_p · k_p[ks]ᵀ: the scores of a split head dim summed over its parts."""
+  return sum(_dot_t(q, k_ref[ks, :]) for q, k_ref in zip(q_parts, k_refs))
+
+
+def _fwd_kernel(*refs, scale, block_k, n_parts):
+  off_ref, q_refs, k_refs, (v_ref, segq_ref, segk_ref, ids_ref, o_ref, lse_ref) = _parts(
+      refs, n_parts)
+  BQ = q_refs[0].shape[0]
   Tk, Dv = v_ref.shape
   BK = min(block_k, Tk)
   i = pl.program_id(2)
-  q_QxD, seg_Q = q_ref[...], segq_ref[...]
+  q_parts, seg_Q = [r[...] for r in q_refs], segq_ref[...]
 
   def body(j, carry, causal):
     m_Q, l_Q, acc_QxDv = carry    # m in log2 units
     ks = pl.ds(pl.multiple_of(j * BK, BK), BK)
-    s_QxK = _dot_t(q_QxD, k_ref[ks, :]) * (scale * LOG2E)
+    s_QxK = _scores(q_parts, k_refs, ks) * (scale * LOG2E)
     s_QxK = jnp.where(_visible(off_ref, i, j, seg_Q, segk_ref[ks], BQ, BK, causal), s_QxK,
                       -jnp.inf)
     m_new = jnp.maximum(m_Q, s_QxK.max(axis=1))
@@ -149,59 +171,68 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, o_ref
                            -jnp.inf)
 
 
-def _dq_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, do_ref, lse_ref,
-               delta_ref, dq_ref, *, scale, block_k):
-  BQ, D = q_ref.shape
-  Tk = k_ref.shape[0]
+def _dq_kernel(*refs, scale, block_k, n_parts):
+  off_ref, q_refs, k_refs, rest = _parts(refs, n_parts)
+  v_ref, segq_ref, segk_ref, ids_ref, do_ref, lse_ref, delta_ref, *dq_refs = rest
+  BQ = q_refs[0].shape[0]
+  Tk = k_refs[0].shape[0]
   BK = min(block_k, Tk)
   i = pl.program_id(2)
-  q_QxD, do_QxDv, seg_Q = q_ref[...], do_ref[...], segq_ref[...]
+  q_parts, do_QxDv, seg_Q = [r[...] for r in q_refs], do_ref[...], segq_ref[...]
   lse2_Q, delta_Q = lse_ref[...] * LOG2E, delta_ref[...]
 
-  def body(j, dq_QxD, causal):
+  def body(j, dq_parts, causal):
     ks = pl.ds(pl.multiple_of(j * BK, BK), BK)
-    k_KxD, v_KxDv = k_ref[ks, :], v_ref[ks, :]
+    v_KxDv = v_ref[ks, :]
     visible = _visible(off_ref, i, j, seg_Q, segk_ref[ks], BQ, BK, causal)
-    p_QxK = jnp.exp2(jnp.where(visible, _dot_t(q_QxD, k_KxD) * (scale * LOG2E)
+    p_QxK = jnp.exp2(jnp.where(visible, _scores(q_parts, k_refs, ks) * (scale * LOG2E)
                                - lse2_Q[:, None], -jnp.inf))
     ds_QxK = p_QxK * (_dot_t(do_QxDv, v_KxDv) - delta_Q[:, None])
-    return dq_QxD + jnp.dot(ds_QxK.astype(k_KxD.dtype), k_KxD, preferred_element_type=F32)
+    return tuple(dq + jnp.dot(ds_QxK.astype(k_ref.dtype), k_ref[ks, :],
+                              preferred_element_type=F32)
+                 for dq, k_ref in zip(dq_parts, k_refs))
 
   n_below, n = _key_blocks(off_ref, i, BQ, BK, Tk // BK)
   lo, hi = _meeting_blocks(ids_ref, seg_Q, 0, n)
   mid = jnp.clip(n_below, lo, hi)
-  dq_QxD = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=False),
-                             jnp.zeros((BQ, D), F32))
-  dq_QxD = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=True), dq_QxD)
-  dq_ref[...] = (dq_QxD * scale).astype(dq_ref.dtype)
+  dq_parts = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=False),
+                               tuple(jnp.zeros((BQ, r.shape[1]), F32) for r in q_refs))
+  dq_parts = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=True), dq_parts)
+  for dq_ref, dq in zip(dq_refs, dq_parts):
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, segq_ref, segk_ref, ids_ref, do_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref, *, scale, block_q):
-  BK, D = k_ref.shape
+def _dkv_kernel(*refs, scale, block_q, n_parts):
+  off_ref, q_refs, k_refs, rest = _parts(refs, n_parts)
+  v_ref, segq_ref, segk_ref, ids_ref, do_ref, lse_ref, delta_ref, *out_refs = rest
+  dk_refs, dv_ref = out_refs[:n_parts], out_refs[n_parts]
+  BK = k_refs[0].shape[0]
   Tq, Dv = do_ref.shape
   BQ = min(block_q, Tq)
   j = pl.program_id(2)
-  k_KxD, v_KxDv, seg_K = k_ref[...], v_ref[...], segk_ref[...]
+  k_parts, v_KxDv, seg_K = [r[...] for r in k_refs], v_ref[...], segk_ref[...]
 
   def body(i, carry, causal):
-    dk_KxD, dv_KxDv = carry
+    dk_parts, dv_KxDv = carry
     qs = pl.ds(pl.multiple_of(i * BQ, BQ), BQ)
-    q_QxD, do_QxDv = q_ref[qs, :], do_ref[qs, :]
+    q_parts, do_QxDv = [r[qs, :] for r in q_refs], do_ref[qs, :]
     visible = _visible(off_ref, i, j, segq_ref[qs], seg_K, BQ, BK, causal)
-    p_QxK = jnp.exp2(jnp.where(visible, _dot_t(q_QxD, k_KxD) * (scale * LOG2E)
+    s_QxK = sum(_dot_t(q, k) for q, k in zip(q_parts, k_parts))
+    p_QxK = jnp.exp2(jnp.where(visible, s_QxK * (scale * LOG2E)
                                - (lse_ref[qs] * LOG2E)[:, None], -jnp.inf))
     dv_KxDv = dv_KxDv + _t_dot(p_QxK.astype(do_QxDv.dtype), do_QxDv)
-    ds_QxK = p_QxK * (_dot_t(do_QxDv, v_KxDv) - delta_ref[qs][:, None])
-    return dk_KxD + _t_dot(ds_QxK.astype(q_QxD.dtype), q_QxD), dv_KxDv
+    ds_QxK = (p_QxK * (_dot_t(do_QxDv, v_KxDv) - delta_ref[qs][:, None])).astype(
+        q_parts[0].dtype)
+    return tuple(dk + _t_dot(ds_QxK, q) for dk, q in zip(dk_parts, q_parts)), dv_KxDv
 
   first, first_after = _query_blocks(off_ref, j, BQ, BK, Tq // BQ)
   lo, hi = _meeting_blocks(ids_ref, seg_K, first, Tq // BQ)
   mid = jnp.clip(first_after, lo, hi)
-  carry = (jnp.zeros((BK, D), F32), jnp.zeros((BK, Dv), F32))
+  carry = (tuple(jnp.zeros((BK, r.shape[1]), F32) for r in k_refs), jnp.zeros((BK, Dv), F32))
   carry = jax.lax.fori_loop(lo, mid, functools.partial(body, causal=True), carry)
-  dk_KxD, dv_KxDv = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=False), carry)
-  dk_ref[...] = (dk_KxD * scale).astype(dk_ref.dtype)
+  dk_parts, dv_KxDv = jax.lax.fori_loop(mid, hi, functools.partial(body, causal=False), carry)
+  for dk_ref, dk in zip(dk_refs, dk_parts):
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv_KxDv.astype(dv_ref.dtype)
 
 
@@ -214,17 +245,33 @@ def _pad4(x, Tp):
 
 def _padded(q, k, v, seg_q, seg_k, tiles):
   """Pads T to whole blocks of every tile in `tiles` (powers of two, clipped to T's next
-  power of two) and head dims to tile dims; padding rows get segment ids nothing matches.
-  Returns the padded arrays, the clipped tiles and Tp."""
+  power of two) and head dims to tile dims, q and k as the parts of their head dim
+  (_qk_parts); padding rows get segment ids nothing matches. Returns q's parts, k's parts,
+  v, the segment ids, the clipped tiles and Tp."""
   T = q.shape[1]
   L = min(max(max(t.rows, t.loop) for t in tiles), pl.next_power_of_2(T))
   tiles = [dataclasses.replace(t, rows=min(t.rows, L), loop=min(t.loop, L)) for t in tiles]
-  if tile_dim(max(q.shape[-1], v.shape[-1])) > WIDE_DIM:
+  if _wide(q.shape[-1], v.shape[-1]):
     tiles = [dataclasses.replace(t, stages=min(t.stages, WIDE_STAGES)) for t in tiles]
   Tp = pl.cdiv(T, L) * L
   pad2 = lambda x, c: jnp.pad(x.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=c)
-  return (_pad4(q, Tp), _pad4(k, Tp), _pad4(v, Tp), pad2(seg_q, _PAD_Q), pad2(seg_k, _PAD_K),
-          tiles, Tp)
+  parts = lambda x: [_pad4(x[..., a:a + w], Tp) for a, w in _qk_parts(x.shape[-1])]
+  return (parts(q), parts(k), _pad4(v, Tp), pad2(seg_q, _PAD_Q), pad2(seg_k, _PAD_K), tiles,
+          Tp)
+
+
+def _wide(D, Dv):
+  """Whether a head dim's tile is past WIDE_DIM (the WIDE_ tiles and stages)."""
+  return tile_dim(max(D, Dv)) > WIDE_DIM
+
+
+def _qk_parts(D):
+  return head_parts(D, SPLIT_HEAD_DIM)
+
+
+def _joined(parts, D):
+  """[B, Tp, H, D] from the per-part gradients (each padded to its tile)."""
+  return jnp.concatenate([x[..., :w] for x, (_, w) in zip(parts, _qk_parts(D))], axis=-1)
 
 
 def _block_ids(seg_BxTp, Bl):
@@ -243,16 +290,17 @@ def _ids_spec(ids):
   return pl.BlockSpec((None, *ids.shape[1:]), lambda b, h, i: (b, 0, 0))
 
 
-def _specs(Bl, Tp, D, Dv, rows_of_q):
-  """Offsets, then q, k, v, seg_q, seg_k; the grid axis walks q blocks or k blocks."""
+def _specs(Bl, Tp, Ds, Dv, rows_of_q):
+  """Offsets, then q's and k's parts (widths Ds), v, seg_q, seg_k; the grid axis walks q
+  blocks or k blocks."""
   tile = lambda d: pl.BlockSpec((None, Bl, None, d), lambda b, h, i: (b, i, h, 0))
   whole = lambda d: pl.BlockSpec((None, Tp, None, d), lambda b, h, i: (b, 0, h, 0))
   seg_tile = pl.BlockSpec((None, Bl), lambda b, h, i: (b, i))
   seg_whole = pl.BlockSpec((None, Tp), lambda b, h, i: (b, 0))
   off = pl.BlockSpec((2,), lambda b, h, i: (0,))
   if rows_of_q:
-    return [off, tile(D), whole(D), whole(Dv), seg_tile, seg_whole]
-  return [off, whole(D), tile(D), tile(Dv), seg_whole, seg_tile]
+    return [off, *map(tile, Ds), *map(whole, Ds), whole(Dv), seg_tile, seg_whole]
+  return [off, *map(whole, Ds), *map(tile, Ds), tile(Dv), seg_whole, seg_tile]
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, tiles):
@@ -266,24 +314,26 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret, name, tiles):
 def ring_step_forward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q_first, k_first,
                       *, scale, interpret=None, tiles=None, out_dtype=F32):
   """(o [B,T,H,Dv] in out_dtype, normalised over this block; lse [B,H,T] fp32, -inf where
-  the block shows a query nothing). tiles: the kernel's Tiles (default FWD). out_dtype: fp32
+  the block shows a query nothing). tiles: the kernel's Tiles (default FWD, WIDE_FWD past
+  WIDE_DIM). out_dtype: fp32
   where steps are merged (ring attention); the model's dtype where the block is the whole
   attention (pallas_gpu_causal.py), so no convert follows the kernel."""
   B, T, H, D = q_BxTxHxD.shape
   Dv = v_BxTxHxDv.shape[-1]
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-  q, k, v, sq, sk, (t,), Tp = _padded(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT,
-                                      [tiles or FWD])
-  Dp, Dvp = q.shape[-1], v.shape[-1]
+  wide = _wide(D, Dv)
+  qs, ks, v, sq, sk, (t,), Tp = _padded(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT,
+                                        seg_k_BxT, [tiles or (WIDE_FWD if wide else FWD)])
+  Ds, Dvp = [x.shape[-1] for x in qs], v.shape[-1]
   off = jnp.stack([q_first, k_first]).astype(jnp.int32)
   ids = _block_ids(sk, t.loop)
   o, lse = _call(
-      functools.partial(_fwd_kernel, scale=scale, block_k=t.loop), (B, H, Tp // t.rows),
-      _specs(t.rows, Tp, Dp, Dvp, rows_of_q=True) + [_ids_spec(ids)],
+      functools.partial(_fwd_kernel, scale=scale, block_k=t.loop, n_parts=len(qs)),
+      (B, H, Tp // t.rows), _specs(t.rows, Tp, Ds, Dvp, rows_of_q=True) + [_ids_spec(ids)],
       [pl.BlockSpec((None, t.rows, None, Dvp), lambda b, h, i: (b, i, h, 0)),
        pl.BlockSpec((None, None, t.rows), lambda b, h, i: (b, h, i))],
       [jax.ShapeDtypeStruct((B, Tp, H, Dvp), out_dtype), jax.ShapeDtypeStruct((B, H, Tp), F32)],
-      interpret, "ring_step_fwd", t)(off, q, k, v, sq, sk, ids)
+      interpret, "ring_step_fwd", t)(off, *qs, *ks, v, sq, sk, ids)
   return o[:, :T, :, :Dv], lse[..., :T]
 
 
@@ -291,14 +341,16 @@ def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q
                        do_BxTxHxDv, lse_BxHxT, delta_BxHxT, *, scale, interpret=None,
                        tiles=None, out_dtype=F32):
   """This step's share of (dq, dk, dv), in out_dtype (fp32 where steps are summed), from the
-  final lse and delta = rowsum(dO ⊙ O). tiles: (dq's, dk/dv's) Tiles (default DQ, DKV)."""
+  final lse and delta = rowsum(dO ⊙ O). tiles: (dq's, dk/dv's) Tiles (default DQ, DKV;
+  WIDE_DQ, WIDE_DKV past WIDE_DIM)."""
   B, T, H, D = q_BxTxHxD.shape
   Dv = v_BxTxHxDv.shape[-1]
   interpret = jax.default_backend() != "gpu" if interpret is None else interpret
-  q, k, v, sq, sk, (tq, tk), Tp = _padded(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT,
-                                          seg_k_BxT, list(tiles or (DQ, DKV)))
-  Dp, Dvp = q.shape[-1], v.shape[-1]
-  do = _pad4(do_BxTxHxDv.astype(q.dtype), Tp)
+  default = (WIDE_DQ, WIDE_DKV) if _wide(D, Dv) else (DQ, DKV)
+  qs, ks, v, sq, sk, (tq, tk), Tp = _padded(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT,
+                                            seg_k_BxT, list(tiles or default))
+  Ds, Dvp, n = [x.shape[-1] for x in qs], v.shape[-1], len(qs)
+  do = _pad4(do_BxTxHxDv.astype(qs[0].dtype), Tp)
   lse, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T))) for x in (lse_BxHxT, delta_BxHxT))
   off = jnp.stack([q_first, k_first]).astype(jnp.int32)
   row_tile = lambda Bl: pl.BlockSpec((None, None, Bl), lambda b, h, i: (b, h, i))
@@ -307,16 +359,17 @@ def ring_step_backward(q_BxTxHxD, k_BxTxHxD, v_BxTxHxDv, seg_q_BxT, seg_k_BxT, q
   whole = lambda d: pl.BlockSpec((None, Tp, None, d), lambda b, h, i: (b, 0, h, 0))
   out = lambda d: jax.ShapeDtypeStruct((B, Tp, H, d), out_dtype)
   k_ids, q_ids = _block_ids(sk, tq.loop), _block_ids(sq, tk.loop)
-  dq = _call(functools.partial(_dq_kernel, scale=scale, block_k=tq.loop),
+  dq = _call(functools.partial(_dq_kernel, scale=scale, block_k=tq.loop, n_parts=n),
              (B, H, Tp // tq.rows),
-             _specs(tq.rows, Tp, Dp, Dvp, rows_of_q=True)
+             _specs(tq.rows, Tp, Ds, Dvp, rows_of_q=True)
              + [_ids_spec(k_ids), tile(tq.rows, Dvp), row_tile(tq.rows), row_tile(tq.rows)],
-             tile(tq.rows, Dp), out(Dp), interpret, "ring_step_dq", tq
-             )(off, q, k, v, sq, sk, k_ids, do, lse, delta)
-  dk, dv = _call(functools.partial(_dkv_kernel, scale=scale, block_q=tk.loop),
-                 (B, H, Tp // tk.rows),
-                 _specs(tk.rows, Tp, Dp, Dvp, rows_of_q=False)
-                 + [_ids_spec(q_ids), whole(Dvp), row_whole, row_whole],
-                 [tile(tk.rows, Dp), tile(tk.rows, Dvp)], [out(Dp), out(Dvp)], interpret,
-                 "ring_step_dkv", tk)(off, q, k, v, sq, sk, q_ids, do, lse, delta)
-  return dq[:, :T, :, :D], dk[:, :T, :, :D], dv[:, :T, :, :Dv]
+             [tile(tq.rows, d) for d in Ds], [out(d) for d in Ds], interpret, "ring_step_dq",
+             tq)(off, *qs, *ks, v, sq, sk, k_ids, do, lse, delta)
+  *dk, dv = _call(functools.partial(_dkv_kernel, scale=scale, block_q=tk.loop, n_parts=n),
+                  (B, H, Tp // tk.rows),
+                  _specs(tk.rows, Tp, Ds, Dvp, rows_of_q=False)
+                  + [_ids_spec(q_ids), whole(Dvp), row_whole, row_whole],
+                  [*(tile(tk.rows, d) for d in Ds), tile(tk.rows, Dvp)],
+                  [*(out(d) for d in Ds), out(Dvp)], interpret, "ring_step_dkv", tk
+                  )(off, *qs, *ks, v, sq, sk, q_ids, do, lse, delta)
+  return (_joined(dq, D)[:, :T], _joined(dk, D)[:, :T], dv[:, :T, :, :Dv])
