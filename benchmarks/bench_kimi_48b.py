@@ -16,7 +16,7 @@ shapes alone (no weights allocated, so any GPU can check the plan) and prints th
 arguments, outputs and temporaries (jax's memory analysis).
 Writes kimi_48b_h200.json and kimi_48b_h200.md (date, commit, machine, shapes) into --out.
 
-A 1M prefill takes longer than one device call allows, so it can run in parts:
+A 1M prefill can take longer than a time-limited job may run, so it can run in parts:
 --state_dir=DIR --part_seconds=S stops a process S seconds after its launch, between
 chunks, saving the cache, the last logits, the next chunk and the prefill seconds so far
 (orbax) in DIR; the next process with the same flags restores them and goes on. The row's
