@@ -188,6 +188,7 @@ def test_unbounded_pallas_stage1_matches_fp64_spec_with_gradients(case):
     assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
 
 
+@pytest.mark.slow   # 12 s on 2 cores; the first tier keeps the spec comparison above
 @pytest.mark.usefixtures("pallas_unbounded_stage1")
 def test_unbounded_pallas_stage1_with_the_gate_segments_and_padding():
   """The Kimi gate -exp(A_log)·softplus(x + dt_bias) computed inside the op, with packed

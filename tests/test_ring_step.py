@@ -93,7 +93,8 @@ def test_backward_of_one_step_matches_autodiff(q_first, k_first, small, docs):
     assert rel_err(g, g_ref) < 1e-5, name
 
 
-@pytest.mark.parametrize("small", [False, True], ids=["default-tiles", "small-tiles"])
+@pytest.mark.parametrize("small", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["default-tiles", "small-tiles"])
 def test_split_head_dim_matches_written_out_attention(small, monkeypatch):
   """A query/key head dim of two tiles (48 = 32 + 16, as Kimi's 192 = 128 + 64) runs as two
   summed products: forward (o, lse) and backward (dq, dk, dv) equal attention written out,
