@@ -127,13 +127,16 @@ def _meeting_blocks(ids_ref, seg_X, start, stop):
 
 def _parts(refs, n):
   """(off, q parts, k parts, the rest) of a kernel's refs: q and k are n arrays each (two
-  when the head dim is split, _head_split)."""
+  when the head dim is split, _qk_parts)."""
   return refs[0], refs[1:1 + n], refs[1 + n:1 + 2 * n], refs[1 + 2 * n:]
 
 
-def _scores(q_parts, k_refs, ks):
-  """Σ_p q_p · k_p[ks]ᵀ: the scores of a split head dim summed over its parts."""
-  return sum(_dot_t(q, k_ref[ks, :]) for q, k_ref in zip(q_parts, k_refs))
+def _scores(q_parts, k_parts):
+  """Σ_p q_p · k_pᵀ: the scores of a split head dim summed over its parts."""
+  s = _dot_t(q_parts[0], k_parts[0])
+  for q, k in zip(q_parts[1:], k_parts[1:]):
+    s += _dot_t(q, k)
+  return s
 
 
 def _fwd_kernel(*refs, scale, block_k, n_parts):
@@ -148,7 +151,7 @@ def _fwd_kernel(*refs, scale, block_k, n_parts):
   def body(j, carry, causal):
     m_Q, l_Q, acc_QxDv = carry    # m in log2 units
     ks = pl.ds(pl.multiple_of(j * BK, BK), BK)
-    s_QxK = _scores(q_parts, k_refs, ks) * (scale * LOG2E)
+    s_QxK = _scores(q_parts, [r[ks, :] for r in k_refs]) * (scale * LOG2E)
     s_QxK = jnp.where(_visible(off_ref, i, j, seg_Q, segk_ref[ks], BQ, BK, causal), s_QxK,
                       -jnp.inf)
     m_new = jnp.maximum(m_Q, s_QxK.max(axis=1))
@@ -185,12 +188,12 @@ def _dq_kernel(*refs, scale, block_k, n_parts):
     ks = pl.ds(pl.multiple_of(j * BK, BK), BK)
     v_KxDv = v_ref[ks, :]
     visible = _visible(off_ref, i, j, seg_Q, segk_ref[ks], BQ, BK, causal)
-    p_QxK = jnp.exp2(jnp.where(visible, _scores(q_parts, k_refs, ks) * (scale * LOG2E)
+    k_parts = [r[ks, :] for r in k_refs]
+    p_QxK = jnp.exp2(jnp.where(visible, _scores(q_parts, k_parts) * (scale * LOG2E)
                                - lse2_Q[:, None], -jnp.inf))
     ds_QxK = p_QxK * (_dot_t(do_QxDv, v_KxDv) - delta_Q[:, None])
-    return tuple(dq + jnp.dot(ds_QxK.astype(k_ref.dtype), k_ref[ks, :],
-                              preferred_element_type=F32)
-                 for dq, k_ref in zip(dq_parts, k_refs))
+    return tuple(dq + jnp.dot(ds_QxK.astype(k.dtype), k, preferred_element_type=F32)
+                 for dq, k in zip(dq_parts, k_parts))
 
   n_below, n = _key_blocks(off_ref, i, BQ, BK, Tk // BK)
   lo, hi = _meeting_blocks(ids_ref, seg_Q, 0, n)
@@ -217,8 +220,7 @@ def _dkv_kernel(*refs, scale, block_q, n_parts):
     qs = pl.ds(pl.multiple_of(i * BQ, BQ), BQ)
     q_parts, do_QxDv = [r[qs, :] for r in q_refs], do_ref[qs, :]
     visible = _visible(off_ref, i, j, segq_ref[qs], seg_K, BQ, BK, causal)
-    s_QxK = sum(_dot_t(q, k) for q, k in zip(q_parts, k_parts))
-    p_QxK = jnp.exp2(jnp.where(visible, s_QxK * (scale * LOG2E)
+    p_QxK = jnp.exp2(jnp.where(visible, _scores(q_parts, k_parts) * (scale * LOG2E)
                                - (lse_ref[qs] * LOG2E)[:, None], -jnp.inf))
     dv_KxDv = dv_KxDv + _t_dot(p_QxK.astype(do_QxDv.dtype), do_QxDv)
     ds_QxK = (p_QxK * (_dot_t(do_QxDv, v_KxDv) - delta_ref[qs][:, None])).astype(

@@ -445,11 +445,10 @@ def _params(num_warps, num_stages, interpret):
 # slower; BLOCK_K 64 was faster for the tiles kernel alone, slower for the others.
 BLOCK_K = 32         # K / V columns per step of the stage-1 kernels ...
 ROLLED = True        # ... as a rolled loop (else unrolled)
-WARPS = {"tiles": 2, "solve": 1, "wu": 8, "wu_bwd": 4, "tiles_bwd": 4}   # num_warps per kernel
-# ... and of the unbounded gates' tiles kernel: its elementwise diagonal spills at 2 and 4
-# warps, not at 8, at K = 128 (benchmarks/kernel_registers.py --op=kda_unbounded: 440, 72, 0
-# bytes a thread)
-WARPS["tiles_unbounded"] = 8
+# num_warps per kernel; the unbounded gates' tiles kernel spills at 2 and 4 warps with its
+# elementwise diagonal, not at 8, at K = 128 (benchmarks/kernel_registers.py
+# --op=kda_unbounded: 440, 72, 0 bytes a thread)
+WARPS = {"tiles": 2, "solve": 1, "wu": 8, "wu_bwd": 4, "tiles_bwd": 4, "tiles_unbounded": 8}
 RECURRENCE_WARPS = 4
 BLOCK_V = 32         # V columns per recurrence program; the forward-only call widens it
 WIDE_BLOCK_V = 64    # ... to this when the grid at BLOCK_V would not fit in one wave
