@@ -186,9 +186,8 @@ def _dq_kernel(*refs, scale, block_k, n_parts):
 
   def body(j, dq_parts, causal):
     ks = pl.ds(pl.multiple_of(j * BK, BK), BK)
-    v_KxDv = v_ref[ks, :]
+    k_parts, v_KxDv = [r[ks, :] for r in k_refs], v_ref[ks, :]
     visible = _visible(off_ref, i, j, seg_Q, segk_ref[ks], BQ, BK, causal)
-    k_parts = [r[ks, :] for r in k_refs]
     p_QxK = jnp.exp2(jnp.where(visible, _scores(q_parts, k_parts) * (scale * LOG2E)
                                - lse2_Q[:, None], -jnp.inf))
     ds_QxK = p_QxK * (_dot_t(do_QxDv, v_KxDv) - delta_Q[:, None])

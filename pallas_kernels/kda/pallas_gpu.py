@@ -135,7 +135,6 @@ def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, bloc
     out = []
     for a in range(S):
       rows = pl.ds(a * L, L)
-      k_a, q_a = k_ref[rows, cols].astype(F32), q_ref[rows, cols].astype(F32)
       A_kk, A_qk = acc[2 * a], acc[2 * a + 1]
       if bounded or a > 0:
         anchor_row = a * L + L // 2 if bounded else a * L - 1
@@ -143,9 +142,10 @@ def _tiles_kernel(q_ref, k_ref, G_ref, seg_ref, Akk_ref, Aqk_ref, *, scale, bloc
         left = jnp.exp(G_ref[rows, cols].astype(F32) - anchor)
         seen = row_C1 < (a + 1 if bounded else a) * L
         k_right = k * _exp_where(seen, anchor - G)
-        A_kk = A_kk + _dot_t(k_a * left, k_right)
-        A_qk = A_qk + _dot_t(q_a * left, k_right)
+        A_kk = A_kk + _dot_t(k_ref[rows, cols].astype(F32) * left, k_right)
+        A_qk = A_qk + _dot_t(q_ref[rows, cols].astype(F32) * left, k_right)
       if not bounded:
+        k_a, q_a = k_ref[rows, cols].astype(F32), q_ref[rows, cols].astype(F32)
         for j, col_kk, col_qk in _diagonal_columns(k_ref, G_ref, a, cols, k_a, q_a):
           A_kk = A_kk + jnp.where(j_LC == a * L + j, col_kk[:, None], 0.0)
           A_qk = A_qk + jnp.where(j_LC == a * L + j, col_qk[:, None], 0.0)
