@@ -58,7 +58,7 @@ _PART_SECONDS = flags.DEFINE_float("part_seconds", 0.0, "With --state_dir: a pro
                                    "saves the prefill's state; 0 runs it whole.")
 
 
-def ONE_DEVICE():  # noqa: N802
+def _one_device():
   """Where every cache lives: committed to the first device, as orbax restores a saved one
   (a cache committed or not is a different jit signature: a recompile inside the timing)."""
   return jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -140,7 +140,7 @@ def main(argv):
         logits, scratch = jstep(variables, np.zeros((FLAGS.batch, chunk), np.int32),
                                 np.ones((FLAGS.batch, chunk), bool),
                                 jax.device_put(init_cache(model.cfg, FLAGS.batch, max_len),
-                                               ONE_DEVICE()))
+                                               _one_device()))
         jax.block_until_ready(jdecode(variables, scratch, logits[:, -1]))
         del scratch, logits
       logits_BxV, cache, prefill_s, parts = prefill(L, variables, model, jstep, max_len, chunk)
@@ -179,7 +179,7 @@ def prefill(L: int, variables, model, jstep, max_len: int, chunk: int):
     with open(meta_path) as f:
       meta = json.load(f)
     target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ONE_DEVICE()),
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_one_device()),
         {"cache": jax.eval_shape(lambda: init_cache(model.cfg, B, max_len)),
          "logits": jax.ShapeDtypeStruct((B, model.cfg.vocab_size), jnp.float32)})
     saved = ocp.StandardCheckpointer().restore(os.path.join(path, str(meta["part"])), target)
@@ -187,7 +187,7 @@ def prefill(L: int, variables, model, jstep, max_len: int, chunk: int):
     print(f"{time.strftime('%H:%M:%S')} resumed at chunk {meta['next_chunk']}", flush=True)
   else:
     meta = {"next_chunk": 0, "seconds": 0.0, "part": 0}
-    cache, logits_BxV = jax.device_put(init_cache(model.cfg, B, max_len), ONE_DEVICE()), None
+    cache, logits_BxV = jax.device_put(init_cache(model.cfg, B, max_len), _one_device()), None
   n_chunks = L // chunk
   for c in range(meta["next_chunk"], n_chunks):
     t0 = time.perf_counter()

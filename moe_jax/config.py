@@ -12,6 +12,7 @@ from moe_jax.fields import (BALANCERS, DECODE_DISPATCH, DISPATCH, DOCUMENT_SOURC
                             parse_tokenizer, synthetic_tasks, tokenizer_spec)
 from moe_jax.parallel import ring_attention
 from moe_jax.rl import advantages, environments, loss, rewards
+from moe_jax.train import xla_flags
 
 
 def _fail(field, value, accepted):
@@ -155,10 +156,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_guard(c.train.guard)
   if not isinstance(c.train.get("split_step"), bool):
     _fail("train.split_step", c.train.get("split_step"), "True or False")
-  fraction = c.train.get("memory_fraction", 0.0)
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
-      0.0 <= fraction <= 1.0):
-    _fail("train.memory_fraction", fraction, "a number in [0, 1] (0: JAX's default, 0.75)")
+  if not xla_flags.is_memory_fraction(c.train.get("memory_fraction", 0.0)):
+    _fail("train.memory_fraction", c.train.memory_fraction,
+          "a number in [0, 1] (0: JAX's default, 0.75)")
   if "rl" in c:
     _validate_rl(c)
   for axis in MESH_AXES:

@@ -45,12 +45,16 @@ def apply_config(train_cfg, prefix: str = "train") -> str:
   return out
 
 
+def is_memory_fraction(x) -> bool:
+  """A value train.memory_fraction accepts: a number in [0, 1] (0: JAX's default)."""
+  return not isinstance(x, bool) and isinstance(x, (int, float)) and 0.0 <= x <= 1.0
+
+
 def apply_memory_fraction(fraction: float, field: str = "train.memory_fraction") -> str:
   """Sets XLA_PYTHON_CLIENT_MEM_FRACTION to `fraction` (0: JAX's default, nothing set) unless
   the environment already sets it; returns the value in effect ("" for JAX's default).
   Raises for a fraction outside [0, 1], or once jax's backend has started."""
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
-      0.0 <= fraction <= 1.0):
+  if not is_memory_fraction(fraction):
     raise ValueError(f"{field}={fraction!r}: expected a number in (0, 1], the share of GPU "
                      "memory the allocator may take, or 0 for JAX's default (0.75)")
   if not fraction or MEM_FRACTION in os.environ:
