@@ -14,8 +14,15 @@ pallas_gpu_decode_experts.py (each assignment's tiles loaded directly, full band
          rounded up to a power of two; padding slots have weight 0)
   up:    grid (N·(k + S), F / block_f): slot s < k of token t runs expert idx[t, s], slot k
          (S = 1 with one shared expert) the shared one: a = silu(x · Wg) ⊙ (x · Wu)
-  down:  grid (N, D / block_d):
-         y[t] = Σ_s w[t, s] · a[t, s] · Wd[idx[t, s]] + a[t, k] · Wd_shared
+  down:  grid (N, D / block_d, k + S), one slot a program:
+         part[t, s] = w[t, s] · a[t, s] · Wd[idx[t, s]] (the shared slot: weight 1), fp32;
+         y[t] = Σ_s part[t, s] (an XLA sum, fused with its consumer)
+
+Each program's loop is short and its loads wide: at batch 1 a program is latency-bound, so
+the time is the number of dependent loop steps. The rows a step reads (`rows`) are the
+widest power of two that divides the contracted dim within a register budget, and the down
+product is split by slot (the five slots of long_context_1b's top-4 plus shared expert ran
+55 steps a program summed in the kernel; split, 11).
 """
 
 import functools
@@ -28,7 +35,9 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.moe import pallas_gpu_decode_experts as experts
 
 F32 = jnp.float32
-ROWS = 64           # rows of a weight read a loop step (the contracted dim's block)
+MAX_ROWS = 256      # rows of a weight read a loop step, at most (the contracted dim's block)
+TILE_BUDGET = 8192  # fp32 elements a program holds of a step's weight tiles (64 registers a
+                    # thread at 4 warps)
 NUM_WARPS = 4
 
 
@@ -42,18 +51,29 @@ def _pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
+def rows(n: int, cols: int, tiles: int = 1) -> int:
+  """Rows a loop step reads of a weight whose contracted dim is n: the largest power of two
+  ≤ MAX_ROWS dividing n with `tiles` [rows, cols] fp32 tiles within TILE_BUDGET (at least 16,
+  Triton's smallest tile side; n is a multiple of 64, as `fits` asks)."""
+  r = MAX_ROWS
+  while r > 16 and (n % r or r * cols * tiles > TILE_BUDGET):
+    r //= 2
+  return r
+
+
 def _route_kernel(x_ref, w_ref, bias_ref, idx_ref, wt_ref, *, k, score, route_scale, dtype):
   W, E = w_ref.shape
   KP = idx_ref.shape[-1]
   t = pl.program_id(0)
   rnd = lambda a: a.astype(dtype).astype(F32)
+  R = rows(W, E)
 
   def step(i, acc_E):
-    rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
-    return acc_E + jnp.sum(rnd(x_ref[t, rows].astype(F32))[:, None]
-                           * rnd(w_ref[rows, :].astype(F32)), axis=0)
+    block = pl.ds(pl.multiple_of(i * R, R), R)
+    return acc_E + jnp.sum(rnd(x_ref[t, block].astype(F32))[:, None]
+                           * rnd(w_ref[block, :].astype(F32)), axis=0)
 
-  logits_E = jax.lax.fori_loop(0, W // ROWS, step, jnp.zeros((E,), F32))
+  logits_E = jax.lax.fori_loop(0, W // R, step, jnp.zeros((E,), F32))
   if score == "sigmoid":
     scores_E = jax.nn.sigmoid(logits_E)
   else:
@@ -110,16 +130,17 @@ def _up_kernel(idx_ref, x_ref, gu_ref, *shared_and_out, k, slots, block_f):
   t, s = a // slots, a % slots
   cols = pl.ds(j * block_f, block_f)
   zeros = jnp.zeros((block_f,), F32)
-  x_row = lambda rows: x_ref[t, rows]
+  x_row = lambda block: x_ref[t, block]
+  R = rows(D, block_f, tiles=2)
 
   def routed():
     e = idx_ref[t, jnp.minimum(s, k - 1)]
 
     def step(i, acc):
-      rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
-      return (acc[0] + experts.row_times(x_row(rows), gu_ref[e, rows, 0, cols]),
-              acc[1] + experts.row_times(x_row(rows), gu_ref[e, rows, 1, cols]))
-    return jax.lax.fori_loop(0, D // ROWS, step, (zeros, zeros))
+      block = pl.ds(pl.multiple_of(i * R, R), R)
+      return (acc[0] + experts.row_times(x_row(block), gu_ref[e, block, 0, cols]),
+              acc[1] + experts.row_times(x_row(block), gu_ref[e, block, 1, cols]))
+    return jax.lax.fori_loop(0, D // R, step, (zeros, zeros))
 
   if len(shared_and_out) == 1:
     g_F, u_F = routed()
@@ -128,35 +149,39 @@ def _up_kernel(idx_ref, x_ref, gu_ref, *shared_and_out, k, slots, block_f):
 
     def shared():
       def step(i, acc):
-        rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
-        return (acc[0] + experts.row_times(x_row(rows), sg_ref[rows, cols]),
-                acc[1] + experts.row_times(x_row(rows), su_ref[rows, cols]))
-      return jax.lax.fori_loop(0, D // ROWS, step, (zeros, zeros))
+        block = pl.ds(pl.multiple_of(i * R, R), R)
+        return (acc[0] + experts.row_times(x_row(block), sg_ref[block, cols]),
+                acc[1] + experts.row_times(x_row(block), su_ref[block, cols]))
+      return jax.lax.fori_loop(0, D // R, step, (zeros, zeros))
 
     g_F, u_F = jax.lax.cond(s < k, routed, shared)
   a_ref[...] = (jax.nn.silu(g_F) * u_F).astype(a_ref.dtype)
 
 
 def _down_kernel(idx_ref, wt_ref, a_ref, dn_ref, *shared_and_out, k, slots, block_d):
-  y_ref = shared_and_out[-1]
+  part_ref = shared_and_out[-1]
   F = a_ref.shape[1]
-  t, j = pl.program_id(0), pl.program_id(1)
+  t, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   cols = pl.ds(j * block_d, block_d)
+  R = rows(F, block_d)
 
-  def product(slot, weight_rows):
+  def product(weight_rows):
     def step(i, acc):
-      rows = pl.ds(pl.multiple_of(i * ROWS, ROWS), ROWS)
-      return acc + experts.row_times(a_ref[t * slots + slot, rows], weight_rows(rows))
-    return jax.lax.fori_loop(0, F // ROWS, step, jnp.zeros((block_d,), F32))
+      block = pl.ds(pl.multiple_of(i * R, R), R)
+      return acc + experts.row_times(a_ref[t * slots + s, block], weight_rows(block))
+    return jax.lax.fori_loop(0, F // R, step, jnp.zeros((block_d,), F32))
 
-  y = jnp.zeros((block_d,), F32)
-  for s in range(k):
-    e = idx_ref[t, s]
-    y = y + wt_ref[t, s] * product(s, lambda rows, e=e: dn_ref[e, rows, cols])
-  if len(shared_and_out) == 2:
+  def routed():
+    slot = jnp.minimum(s, k - 1)
+    e = idx_ref[t, slot]
+    return wt_ref[t, slot] * product(lambda block: dn_ref[e, block, cols])
+
+  if len(shared_and_out) == 1:
+    part_ref[...] = routed()
+  else:
     sd_ref = shared_and_out[0]
-    y = y + product(k, lambda rows: sd_ref[rows, cols])
-  y_ref[...] = y.astype(y_ref.dtype)
+    part_ref[...] = jax.lax.cond(s < k, routed,
+                                 lambda: product(lambda block: sd_ref[block, cols]))
 
 
 def moe_layer(x_NxD, idx_NxKP, w_NxKP, top_k: int, gate_up_ExDx2xF, down_ExFxD, shared=None,
@@ -178,8 +203,7 @@ def moe_layer(x_NxD, idx_NxKP, w_NxKP, top_k: int, gate_up_ExDx2xF, down_ExFxD, 
     interpret = jax.default_backend() != "gpu"
   slots = top_k + (shared is not None)
   dtype = x_NxD.dtype
-  block_f = experts.tiles(N * slots, D, F)[0]     # grids of N·slots and of N programs
-  block_d = experts.tiles(N, D, F)[1]
+  block_f, block_d = experts.tiles(N * slots, D, F)   # grids of N·slots programs a column tile
   params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
   whole = lambda x: pl.BlockSpec(x.shape, lambda a, j: (0,) * x.ndim)
   up_in = (idx_NxKP, x_NxD, gate_up_ExDx2xF) + (tuple(shared[:2]) if shared is not None else ())
@@ -191,10 +215,12 @@ def moe_layer(x_NxD, idx_NxKP, w_NxKP, top_k: int, gate_up_ExDx2xF, down_ExFxD, 
       interpret=interpret, name="decode_moe_up", compiler_params=params,
   )(*up_in)
   down_in = (idx_NxKP, w_NxKP, a_AxF, down_ExFxD) + ((shared[2],) if shared is not None else ())
-  return pl.pallas_call(
+  whole3 = lambda x: pl.BlockSpec(x.shape, lambda t, j, s: (0,) * x.ndim)
+  part_NxSxD = pl.pallas_call(
       functools.partial(_down_kernel, k=top_k, slots=slots, block_d=block_d),
-      grid=(N, D // block_d), in_specs=[whole(x) for x in down_in],
-      out_specs=pl.BlockSpec((None, block_d), lambda t, j: (t, j)),
-      out_shape=jax.ShapeDtypeStruct((N, D), dtype),
+      grid=(N, D // block_d, slots), in_specs=[whole3(x) for x in down_in],
+      out_specs=pl.BlockSpec((None, None, block_d), lambda t, j, s: (t, s, j)),
+      out_shape=jax.ShapeDtypeStruct((N, slots, D), F32),
       interpret=interpret, name="decode_moe_down", compiler_params=params,
   )(*down_in)
+  return jnp.sum(part_NxSxD, axis=1).astype(dtype)
