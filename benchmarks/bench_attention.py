@@ -48,8 +48,8 @@ DKV_CANDIDATES = [Tiles(64, 64), Tiles(128, 64), Tiles(128, 64, 8), Tiles(128, 3
                   Tiles(64, 32), Tiles(32, 64), Tiles(64, 128), Tiles(64, 64, 4, 2),
                   Tiles(128, 32, 8)]
 # Past 128 head dims the tiles above spill thousands of bytes a thread at 4 warps (at
-# 192 / 128 on sm_90a; benchmarks/attention.md), which is why the kernels ship WIDE_ tiles
-# there (64x32 w8); these spill little or none too. Swept with the others when D > 128.
+# 192 / 128 on sm_90a; benchmarks/attention.md), which is why the kernels ship narrower WIDE_
+# tiles there; these 8-warp ones spill little or none too. Swept with the others when D > 128.
 WIDE_CANDIDATES = {"fwd": [Tiles(128, 64, 8, 2), Tiles(64, 32, 8, 2), Tiles(128, 32, 8, 2)],
                    "dq": [Tiles(32, 64, 4, 2), Tiles(32, 64, 8, 2), Tiles(64, 32, 8, 2)],
                    "dkv": [Tiles(64, 32, 8, 2), Tiles(32, 64, 8, 2), Tiles(32, 32, 4, 2)]}

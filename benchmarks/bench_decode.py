@@ -128,7 +128,8 @@ def options(r) -> str:
 
 
 def _key(r):
-  return (r["variant"], r["context"], r["batch"], r.get("xla_flags", ""),
+  """A row replaces an earlier one of the same variant, context, batch, options and machine."""
+  return (r["variant"], r["context"], r["batch"], r.get("xla_flags", ""), r.get("machine"),
           *(r.get(k, v) for k, v in blc.DECODE_OPTIONS.items()))
 
 

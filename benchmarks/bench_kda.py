@@ -14,7 +14,7 @@ clock of fla's own benchmarks: set against our blocked rows, it would charge our
 and wake-up (about 0.3 ms a call) to us.
 Every row also records its wall time with compiles (row_s; fla's first_fwd_s: its first
 call, compiles and any autotuning), what a device call's plan needs. Unbounded gates'
-stage 1 is pallas_gpu.UNBOUNDED_STAGE1's; `--knobs=UNBOUNDED_STAGE1='pallas'` times the
+stage 1 is pallas_gpu.UNBOUNDED_STAGE1's; `--knobs=UNBOUNDED_STAGE1='xla'` times the
 other one in the same process.
 """
 

@@ -89,11 +89,11 @@ assert all(row[f"{m}_ms{c}"] > 0 for m in ("fwd", "fwd_bwd") for c in ("", "_blo
 # checked against it (o and every gradient).
 flags.FLAGS.unparse_flags()
 flags.FLAGS(["bench_kda", "--fla=false", "--gate=unbounded",
-             "--knobs=UNBOUNDED_STAGE1='pallas'"])
+             "--knobs=UNBOUNDED_STAGE1='xla'"])
 rows = bench_kda.bench_shape(1, 32, 1, ["pallas_gpu"], 1, io.StringIO(), dim=16)
-assert set(rows) == {"pallas_gpu", "pallas_gpu[UNBOUNDED_STAGE1='pallas']"}, rows
-assert rows["pallas_gpu[UNBOUNDED_STAGE1='pallas']"]["max_rel_err_vs_pallas_gpu"] < 2e-2, rows
-assert pallas_gpu.UNBOUNDED_STAGE1 == "xla"
+assert set(rows) == {"pallas_gpu", "pallas_gpu[UNBOUNDED_STAGE1='xla']"}, rows
+assert rows["pallas_gpu[UNBOUNDED_STAGE1='xla']"]["max_rel_err_vs_pallas_gpu"] < 2e-2, rows
+assert pallas_gpu.UNBOUNDED_STAGE1 == "pallas"
 print("ok")
 """
 

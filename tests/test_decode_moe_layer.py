@@ -13,7 +13,7 @@ import pytest
 from benchmarks.kernel_registers import dump_ttir, ptxas_report
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import inference_model, make_step, prefill
-from moe_jax.model import router
+from moe_jax.model import moe, router
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.moe import ops as moe_ops, pallas_gpu_decode_layer as layer
 from pallas_kernels.moe import reference
@@ -166,3 +166,11 @@ def test_gradients_through_a_decode_sized_batch_are_the_xla_paths():
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     assert np.isfinite(np.asarray(a)).all(), jax.tree_util.keystr(path)
     assert rel_err(a, b) < 1e-5, jax.tree_util.keystr(path)
+
+
+def test_auto_takes_the_layer_kernels_on_gpu_only():
+  """"auto" (the default) decodes an MoE layer with these kernels on a GPU (where they apply:
+  MoE._decode_layer_kernels checks the rest), XLA's paths elsewhere; "layer" asks anywhere."""
+  assert moe.decode_layer_wanted("auto", "gpu") and moe.decode_layer_wanted("layer", "cpu")
+  assert not moe.decode_layer_wanted("auto", "cpu") and not moe.decode_layer_wanted("auto", "tpu")
+  assert not any(moe.decode_layer_wanted(d, "gpu") for d in ("gather", "fused", "grouped"))

@@ -142,9 +142,14 @@ def test_segments_equal_separate_documents(impl):
   assert float(jnp.abs(o[:, sum(lengths):]).max()) == 0.0
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
-def test_extreme_gates_stay_finite_and_accurate(impl):
-  """Every gate at the lower bound over 300 steps; gates near 0; large unbounded gates."""
+@pytest.mark.parametrize("impl,unbounded_stage1", [("xla", None), ("pallas_gpu", "pallas"),
+                                                   ("pallas_gpu", "xla")])
+def test_extreme_gates_stay_finite_and_accurate(impl, unbounded_stage1, monkeypatch):
+  """Every gate at the lower bound over 300 steps; gates near 0; large unbounded gates (on
+  either stage 1 of unbounded gates, pallas_gpu.UNBOUNDED_STAGE1)."""
+  if unbounded_stage1:
+    from pallas_kernels.kda import pallas_gpu
+    monkeypatch.setattr(pallas_gpu, "UNBOUNDED_STAGE1", unbounded_stage1)
   (q, k, v, _, beta), S0 = _inputs(1, 300, 2, 32, 16, seed=5)
   cases = [(jnp.full(q.shape, LB), LB), (jnp.full(q.shape, -1e-6), LB),
            (-jnp.abs(q) * 1e3 - 10.0, None)]       # legacy gate far below -5: safe path
@@ -158,8 +163,8 @@ def test_extreme_gates_stay_finite_and_accurate(impl):
 
 @pytest.fixture
 def pallas_unbounded_stage1(monkeypatch):
-  """Unbounded gates through the Pallas tiles kernels (pallas_gpu.intra_unbounded) instead
-  of the XLA stage 1."""
+  """Unbounded gates through the Pallas tiles kernels (pallas_gpu.intra_unbounded, the
+  default), whatever the default becomes."""
   from pallas_kernels.kda import pallas_gpu
   monkeypatch.setattr(pallas_gpu, "UNBOUNDED_STAGE1", "pallas")
 

@@ -13,7 +13,10 @@ from tests.conftest import ROOT
 
 
 def _python(code: str, xla: str) -> subprocess.CompletedProcess:
-  env = {**os.environ, "XLA_FLAGS": xla, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+  # ROOT before the caller's path, which keeps where the packages are (a GPU machine's
+  # carried wheels sit on PYTHONPATH).
+  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+  env = {**os.environ, "XLA_FLAGS": xla, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                         cwd=ROOT, timeout=120)
 

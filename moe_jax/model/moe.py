@@ -8,10 +8,10 @@ Two single-device dispatch paths (model.moe.dispatch):
   assignment's expert weights are applied directly instead: no sort and no
   grouped-matmul kernel, but N·k copies of expert weights read (duplicates too).
   "gather" gathers them for one einsum; "fused" reads them inside two Pallas
-  kernels (pallas_kernels/moe/pallas_gpu_decode_experts.py); "auto" (default) is fused on GPU
-  from AUTO_FUSED_MIN assignments, else gather. "layer" runs the whole layer, router and
-  shared expert included, as three kernels (pallas_gpu_decode_layer.py) where they apply
-  (`MoE._decode_layer_kernels`), else as "auto".
+  kernels (pallas_kernels/moe/pallas_gpu_decode_experts.py); "layer" runs the whole layer,
+  router and shared expert included, as three kernels (pallas_gpu_decode_layer.py) where
+  they apply (`MoE._decode_layer_kernels`). "auto" (default) is "layer" on GPU where its
+  kernels apply, else fused on GPU from AUTO_FUSED_MIN assignments, else gather.
 * capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
   assignments (earlier tokens first); they are laid out [E, C, D] for batched
   dense matmuls. Assignments over capacity are dropped (counted in the stats):
@@ -65,6 +65,12 @@ def decode_path(decode_dispatch: str, assignments: int, backend: str | None = No
     return decode_dispatch
   backend = backend or platform.target()
   return "fused" if backend == "gpu" and assignments >= AUTO_FUSED_MIN else "gather"
+
+
+def decode_layer_wanted(decode_dispatch: str, backend: str | None = None) -> bool:
+  """Whether decode_dispatch asks for the decode layer kernels: "layer", or "auto" on GPU."""
+  backend = backend or platform.target()
+  return decode_dispatch == "layer" or (decode_dispatch == "auto" and backend == "gpu")
 
 
 def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, fused=False):
@@ -310,12 +316,15 @@ class MoE(nn.Module):
 
   def _decode_layer_kernels(self, N: int, W: int) -> bool:
     """Whether the layer runs pallas_gpu_decode_layer's three kernels here (decode_dispatch =
-    "layer"): decoding (N·k ≤ E), dropless, not on a TPU, on one expert shard, with no
-    latent, at most one shared expert, shapes the kernels tile, and no routing replay (the
-    XLA path runs a replayed routing). In apply only: init creates the parameters."""
+    "layer", or "auto" on a GPU): decoding (N·k ≤ E), dropless, not on a TPU, on one expert
+    shard, with no latent, at most one shared expert, shapes the kernels tile, and no
+    routing replay (the XLA path runs a replayed routing). In apply only: init creates the
+    parameters. "auto" takes them on GPU: long_context_1b's hybrid decode step at 1M on an
+    H100 took 2.227 against 2.493 ms at batch 1 and 7.681 against 7.872 at batch 8
+    (benchmarks/decode.md, 2026-12-06)."""
     mc = self.cfg.moe
     E, K, F = mc.num_experts, mc.top_k, mc.expert_hidden
-    return (mc.decode_dispatch == "layer" and mc.dispatch == "dropless" and N * K <= E
+    return (decode_layer_wanted(mc.decode_dispatch) and mc.dispatch == "dropless" and N * K <= E
             and platform.target() != "tpu"   # Triton kernels (interpreted off a GPU)
             and not mc.latent_dim and mc.num_shared <= 1 and axis_size("expert") == 1
             and moe_ops.decode_layer_fits(W, F, E)

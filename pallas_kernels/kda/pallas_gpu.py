@@ -719,10 +719,12 @@ def intra_with_vjp(fwd_call, bwd_call):
 intra = intra_with_vjp(intra_pallas, intra_bwd_pallas)
 intra_unbounded = intra_with_vjp(functools.partial(intra_pallas, bounded=False),
                                  functools.partial(intra_bwd_pallas, bounded=False))
-# Stage 1 of unbounded gates (Kimi's) in every implementation: "xla" (reference.chunk_intra
-# in fp32) or "pallas" (intra_unbounded: equal in interpret mode, tests/test_kda_unbounded.py;
-# the default once timed and checked natively on a GPU).
-UNBOUNDED_STAGE1 = "xla"
+# Stage 1 of unbounded gates (Kimi's) in every implementation: "pallas" (intra_unbounded) or
+# "xla" (reference.chunk_intra in fp32). At 1×8192×32, K = V = 128 on an H100, pallas_gpu on
+# the Pallas stage 1 took 3.56 / 12.49 ms forward / forward+backward, triton (its faster
+# stage 2) on XLA's 5.29 / 22.52 (benchmarks/kda.md, 2026-12-06); tests/test_kda.py checks
+# both against the fp64 spec.
+UNBOUNDED_STAGE1 = "pallas"
 
 
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
@@ -730,8 +732,8 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
                    interpret=None, stage1=None, stage2=None, prologue=None,
                    unbounded_stage1=None):
   """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take stage 1
-  `unbounded_stage1` (default UNBOUNDED_STAGE1): "xla", the safe XLA stage 1, or "pallas",
-  intra_unbounded. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
+  `unbounded_stage1` (default UNBOUNDED_STAGE1): "pallas", intra_unbounded, or "xla", the
+  XLA stage 1 in fp32. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
   dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there.
   stage1 / stage2 / prologue: another stage 1 (bounded gates) / stage 2 / prologue with
   this module's `intra` / `recurrence` / pallas_gpu_prologue.prologue contract (triton_gpu's)."""
