@@ -169,8 +169,14 @@ def test_gradients_through_a_decode_sized_batch_are_the_xla_paths():
 
 
 def test_auto_takes_the_layer_kernels_on_gpu_only():
-  """"auto" (the default) decodes an MoE layer with these kernels on a GPU (where they apply:
-  MoE._decode_layer_kernels checks the rest), XLA's paths elsewhere; "layer" asks anywhere."""
-  assert moe.decode_layer_wanted("auto", "gpu") and moe.decode_layer_wanted("layer", "cpu")
-  assert not moe.decode_layer_wanted("auto", "cpu") and not moe.decode_layer_wanted("auto", "tpu")
-  assert not any(moe.decode_layer_wanted(d, "gpu") for d in ("gather", "fused", "grouped"))
+  """"auto" (the default) decodes an MoE layer with these kernels on a GPU, where the router
+  is narrow enough for the route kernel's few loop steps (MoE._decode_layer_kernels checks
+  the rest), XLA's paths elsewhere; "layer" asks anywhere."""
+  lc1b, kimi = (1024, 32), (2304, 256)
+  assert layer.route_steps(*lc1b) == 4 and layer.route_steps(*kimi) == 72
+  assert moe.decode_layer_wanted("auto", *lc1b, "gpu")
+  assert moe.decode_layer_wanted("layer", *lc1b, "cpu") and moe.decode_layer_wanted("layer", *kimi, "gpu")
+  assert not moe.decode_layer_wanted("auto", *kimi, "gpu")
+  assert not moe.decode_layer_wanted("auto", *lc1b, "cpu")
+  assert not moe.decode_layer_wanted("auto", *lc1b, "tpu")
+  assert not any(moe.decode_layer_wanted(d, *lc1b, "gpu") for d in ("gather", "fused", "grouped"))

@@ -11,7 +11,8 @@ Two single-device dispatch paths (model.moe.dispatch):
   kernels (pallas_kernels/moe/pallas_gpu_decode_experts.py); "layer" runs the whole layer,
   router and shared expert included, as three kernels (pallas_gpu_decode_layer.py) where
   they apply (`MoE._decode_layer_kernels`). "auto" (default) is "layer" on GPU where its
-  kernels apply, else fused on GPU from AUTO_FUSED_MIN assignments, else gather.
+  kernels apply and the router is narrow (`decode_layer_wanted`), else fused on GPU from
+  AUTO_FUSED_MIN assignments, else gather.
 * capacity: each expert takes at most C = ceil(capacity_factor·N·k/E)
   assignments (earlier tokens first); they are laid out [E, C, D] for batched
   dense matmuls. Assignments over capacity are dropped (counted in the stats):
@@ -67,10 +68,20 @@ def decode_path(decode_dispatch: str, assignments: int, backend: str | None = No
   return "fused" if backend == "gpu" and assignments >= AUTO_FUSED_MIN else "gather"
 
 
-def decode_layer_wanted(decode_dispatch: str, backend: str | None = None) -> bool:
-  """Whether decode_dispatch asks for the decode layer kernels: "layer", or "auto" on GPU."""
+AUTO_LAYER_MAX_ROUTE_STEPS = 8   # "auto" takes the layer kernels up to this (see below)
+
+
+def decode_layer_wanted(decode_dispatch: str, W: int, E: int, backend: str | None = None) -> bool:
+  """Whether decode_dispatch asks for the decode layer kernels: "layer", or "auto" on GPU
+  with a router the route kernel reads in at most AUTO_LAYER_MAX_ROUTE_STEPS loop steps.
+  Timed: long_context_1b's 1024 × 32 router (4 steps), where the layer made the 1M hybrid
+  decode step faster at every batch (H100, benchmarks/decode.md); a wider router (Kimi
+  Linear's 2304 × 256, 72 steps in one program a token) keeps the fused or gather path
+  that its decode was measured with, until the layer is timed there."""
   backend = backend or platform.target()
-  return decode_dispatch == "layer" or (decode_dispatch == "auto" and backend == "gpu")
+  return decode_dispatch == "layer" or (
+      decode_dispatch == "auto" and backend == "gpu"
+      and moe_ops.decode_route_steps(W, E) <= AUTO_LAYER_MAX_ROUTE_STEPS)
 
 
 def gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, fused=False):
@@ -324,8 +335,8 @@ class MoE(nn.Module):
     (benchmarks/decode.md, 2026-12-06)."""
     mc = self.cfg.moe
     E, K, F = mc.num_experts, mc.top_k, mc.expert_hidden
-    return (decode_layer_wanted(mc.decode_dispatch) and mc.dispatch == "dropless" and N * K <= E
+    return (mc.dispatch == "dropless" and N * K <= E
             and platform.target() != "tpu"   # Triton kernels (interpreted off a GPU)
             and not mc.latent_dim and mc.num_shared <= 1 and axis_size("expert") == 1
-            and moe_ops.decode_layer_fits(W, F, E)
+            and moe_ops.decode_layer_fits(W, F, E) and decode_layer_wanted(mc.decode_dispatch, W, E)
             and not self.has_variable("replay", "topk") and not self.is_initializing())

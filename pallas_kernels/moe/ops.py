@@ -33,7 +33,8 @@ from pallas_kernels.moe import pallas_gpu_grouped_dw, mosaic_gpu_grouped
 from pallas_kernels.moe.pallas_gpu_decode_experts import (  # noqa: F401 — re-exported
     fits as decode_experts_fit, swiglu_experts as decode_experts)
 from pallas_kernels.moe.pallas_gpu_decode_layer import (  # noqa: F401 — re-exported
-    fits as decode_layer_fits, moe_layer as decode_layer, route as decode_route)
+    fits as decode_layer_fits, moe_layer as decode_layer, route as decode_route,
+    route_steps as decode_route_steps)
 
 GROUPED_MATMULS = ("xla", "tokamax", "mosaic")
 _HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None   # looked up, not imported
