@@ -8,9 +8,10 @@ kernel's tiles swept at one shape, side by side with a baseline copy of the modu
 
 Packed documents (segment ids; lengths exponential with mean --doc_len), bf16. The forward
 is timed alone; the backward (dq and dk/dv kernels, with delta in XLA as
-pallas_gpu_causal.py does) with one kernel's tiles swept while the other keeps its default. cuDNN
-(jax.nn.dot_product_attention, causal, no segment ids: it has no packed-document mask) is the
-speed reference. TFLOP/s counts causal attention's model FLOPs: forward 2·(D + Dv) per
+pallas_gpu_causal.py does) with one kernel's tiles swept while the other keeps its default.
+cuDNN on the same documents (its packed layout: pallas_kernels/attention/cudnn_packed.py,
+mla_implementation="cudnn") gets a row, and cuDNN over whole rows
+(jax.nn.dot_product_attention, causal, no segment ids) is the speed reference. TFLOP/s counts causal attention's model FLOPs: forward 2·(D + Dv) per
 visible score, backward 2·(3D + 2Dv) (the dq and dk/dv kernels recompute more than that).
 """
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from pallas_kernels.attention import pallas_gpu_ring_step as ring_step
+from pallas_kernels.attention import cudnn_packed, pallas_gpu_ring_step as ring_step
 from pallas_kernels.attention.pallas_gpu_ring_step import Tiles
 from benchmarks.timing import median_ms
 
@@ -161,6 +162,16 @@ def main(argv):
       record(f"dq {t}", *_fns(ring_step, bwd_tiles=(t, dkv0)), "dq")
     for t in candidates["dkv"]:
       record(f"dkv {t}", *_fns(ring_step, bwd_tiles=(dq0, t)), "dkv")
+
+  def packed_both(q, k, v, seg, do):   # cuDNN on the documents (cudnn_packed.py)
+    o, vjp = jax.vjp(lambda *a: cudnn_packed.causal_attention(*a, seg), q, k, v)
+    return o, vjp(do)
+
+  try:
+    record("cudnn packed (documents)", jax.jit(cudnn_packed.causal_attention),
+           jax.jit(packed_both), "all")
+  except Exception as e:  # noqa: BLE001 — a platform without cuDNN attention
+    print("cudnn packed:", str(e).splitlines()[0])
 
   causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation="cudnn")

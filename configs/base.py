@@ -42,7 +42,7 @@ def get_config(arg=None):
   m.attn_res = "none"            # residual: none | block | full | mix (model/attn_res.py)
   m.attn_res_block_size = 4       # sub-layers (mixer or FFN) per block (block, mix)
   m.attn_res_mix_coef = 0.2       # mix: weight of the block-start stream, in [0.1, 0.3]
-  m.mla_implementation = ""     # "" = by platform; or xla | gpu (Pallas: training, prefill, decode) | tpu (Mosaic flash: training)
+  m.mla_implementation = ""     # "" = by platform; or xla | gpu (Pallas: training, prefill, decode) | cudnn (gpu, with cuDNN for training) | tpu (Mosaic flash: training)
   m.mla_q_lora_rank = 384       # 0 = full-rank query projection
   m.mla_kv_lora_rank = 256      # the latent an inference cache stores
   m.mla_qk_head_dim = 64        # per-head query/key dims (Kimi Linear's qk_nope_head_dim)

@@ -77,8 +77,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("model.attn_res_block_size", m.attn_res_block_size, "a positive integer")
   if not 0.1 <= m.attn_res_mix_coef <= 0.3:
     _fail("model.attn_res_mix_coef", m.attn_res_mix_coef, "in [0.1, 0.3]")
-  if m.mla_implementation not in ("", "xla", "gpu", "tpu"):
-    _fail("model.mla_implementation", m.mla_implementation, "one of ('', 'xla', 'gpu', 'tpu')")
+  if m.mla_implementation not in ("", "xla", "gpu", "cudnn", "tpu"):
+    _fail("model.mla_implementation", m.mla_implementation,
+          "one of ('', 'xla', 'gpu', 'cudnn', 'tpu')")
   for f in ("remat", "scan_layers", "fused_projections"):
     if not isinstance(m.get(f), bool):
       _fail(f"model.{f}", m.get(f), "True or False")

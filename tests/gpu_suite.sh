@@ -43,7 +43,7 @@ KERNELS="test_kda.py test_kda_triton.py test_kda_tpu.py test_kda_triton_lowering
   test_model.py test_gpu_kernels.py test_cached_attention.py test_mla.py test_ring_step.py
   test_few_rows.py test_grouped_dw.py test_grouped_mgpu.py test_decode_experts.py test_xla_flags.py
   test_triton_precompile.py test_jax_triton_compat.py test_platform.py test_kda_decode.py
-  test_decode_moe_layer.py"
+  test_decode_moe_layer.py test_cudnn_packed.py"
 case "${HALF:-}" in
   "") ;;
   kernels) set -- $(for f in $KERNELS; do echo "tests/$f"; done) "$@" ;;

@@ -1,6 +1,7 @@
 """The attention ops and their dispatch: which kernel runs for an implementation ("gpu":
-the Pallas kernels in this folder, Triton lowering; "tpu": jax's Mosaic flash attention and
-the Mosaic TPU cache kernel; "xla": reference.py's attention and xla_cached.py's blocks).
+the Pallas kernels in this folder, Triton lowering; "cudnn": "gpu" with cuDNN's fused
+attention for training (cudnn_packed.py); "tpu": jax's Mosaic flash attention and the
+Mosaic TPU cache kernel; "xla": reference.py's attention and xla_cached.py's blocks).
 
 * causal_attention: training and full-sequence forwards on one device.
 * ring_step_implementation: which step kernels ring attention
@@ -12,16 +13,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import platform
-from pallas_kernels.attention import (pallas_gpu_cached, pallas_gpu_causal,
+from pallas_kernels.attention import (cudnn_packed, pallas_gpu_cached, pallas_gpu_causal,
                                       pallas_gpu_latent_decode, pallas_tpu_cached,
                                       pallas_tpu_flash, reference, xla_cached)
 
-IMPLEMENTATIONS = ("gpu", "tpu", "xla")
+IMPLEMENTATIONS = ("gpu", "cudnn", "tpu", "xla")
 DECODE_ROWS = 64          # (new tokens × heads) up to which "gpu" decode uses the split kernel
 
 
 def implementation(requested: str = "") -> str:
-  """`requested` ("gpu", "tpu" or "xla"), or with "" the target platform's ("xla" on CPU)."""
+  """`requested` (one of IMPLEMENTATIONS), or with "" the target platform's ("xla" on CPU)."""
   if requested and requested not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation must be '' or one of {IMPLEMENTATIONS}, got "
                      f"{requested!r}")
@@ -30,10 +31,14 @@ def implementation(requested: str = "") -> str:
 
 def causal_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT, *, implementation):
   """Causal attention within each segment on one device (reference.causal_attention's
-  contract): "gpu" the Pallas flash kernels (pallas_gpu_causal.py), "tpu" jax's Mosaic flash kernels
-  where T is whole 128-position tiles (pallas_tpu_flash.py), else XLA."""
+  contract): "gpu" the Pallas flash kernels (pallas_gpu_causal.py), "cudnn" cuDNN's fused
+  attention in its packed layout where it takes the dtype and head dims (cudnn_packed.py),
+  "tpu" jax's Mosaic flash kernels where T is whole 128-position tiles
+  (pallas_tpu_flash.py), else XLA."""
   args = (q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
-  if implementation == "gpu":
+  if implementation == "cudnn" and cudnn_packed.fits(q_BxTxHxDqk, v_BxTxHxDv):
+    return cudnn_packed.causal_attention(*args)
+  if implementation in ("gpu", "cudnn"):
     return pallas_gpu_causal.causal_attention(*args)
   if implementation == "tpu" and pallas_tpu_flash.fits(q_BxTxHxDqk.shape[1]):
     return pallas_tpu_flash.causal_attention(*args)
@@ -44,7 +49,7 @@ def ring_step_implementation(implementation: str, shard_len: int) -> str:
   """Ring attention's step kernels for an attention implementation: "pallas" on GPU
   (pallas_gpu_ring_step.py), "tpu" on TPU where the shard is whole 128-position tiles
   (pallas_tpu_ring_step.py), else "xla"."""
-  if implementation == "gpu":
+  if implementation in ("gpu", "cudnn"):
     return "pallas"
   return "tpu" if implementation == "tpu" and pallas_tpu_flash.fits(shard_len) else "xla"
 
@@ -61,7 +66,8 @@ def latent_cache_attention(q_BxTxHxDqk, ckv_BxSxR, w_kb_RxHxDqk, w_vb_RxHxDv, le
   T ≥ R) expand the filled latents to per-head K/V, which is cheaper then, and run a flash
   kernel ("gpu": pallas_gpu_cached.py, "tpu": pallas_tpu_cached.py) or the block loop; on
   "gpu" a cache longer than xla_cached.EXPAND_BLOCK goes window by window
-  (_gpu_windowed_prefill), so memory does not grow with the cache."""
+  (_gpu_windowed_prefill), so memory does not grow with the cache. "cudnn" is "gpu" here."""
+  implementation = "gpu" if implementation == "cudnn" else implementation
   B, T, H, _ = q_BxTxHxDqk.shape
   S, R = ckv_BxSxR.shape[1:]
   pos_BxT = length_B[:, None] + jnp.arange(T)
