@@ -33,6 +33,12 @@ def test_dispatch_and_config():
   assert cudnn_packed.fits(bf, bf[..., :128]) and not cudnn_packed.fits(f32, f32)
   assert not cudnn_packed.fits(jnp.zeros((1, 16, 2, 260), jnp.bfloat16), bf)
   assert ops.implementation("cudnn") == "cudnn"
+  # Off a GPU "cudnn" runs as "gpu" (the Pallas kernels, interpreted here).
+  seg = jnp.ones((1, 16), jnp.int32)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 16, 2, 16)), jnp.bfloat16)
+  got = ops.causal_attention(x, x, x, seg, implementation="cudnn")
+  want = reference.causal_attention(*(a.astype(jnp.float32) for a in (x, x, x)), seg)
+  assert rel_err(got, want) < 1e-2
   assert ops.ring_step_implementation("cudnn", 256) == "pallas"
   c = make_small_config()
   c.model.mla_implementation = "cudnn"

@@ -32,11 +32,13 @@ def implementation(requested: str = "") -> str:
 def causal_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT, *, implementation):
   """Causal attention within each segment on one device (reference.causal_attention's
   contract): "gpu" the Pallas flash kernels (pallas_gpu_causal.py), "cudnn" cuDNN's fused
-  attention in its packed layout where it takes the dtype and head dims (cudnn_packed.py),
+  attention in its packed layout on a GPU where it takes the dtype and head dims
+  (cudnn_packed.py; else as "gpu"),
   "tpu" jax's Mosaic flash kernels where T is whole 128-position tiles
   (pallas_tpu_flash.py), else XLA."""
   args = (q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT)
-  if implementation == "cudnn" and cudnn_packed.fits(q_BxTxHxDqk, v_BxTxHxDv):
+  if (implementation == "cudnn" and platform.target() == "gpu"
+      and cudnn_packed.fits(q_BxTxHxDqk, v_BxTxHxDv)):
     return cudnn_packed.causal_attention(*args)
   if implementation in ("gpu", "cudnn"):
     return pallas_gpu_causal.causal_attention(*args)
