@@ -25,17 +25,18 @@ def h200(monkeypatch):
 
 @pytest.mark.parametrize("K,V,T,with_segments,gate", [
     (128, 128, 256, False, "none"), (64, 32, 200, True, "bounded"),
-    (64, 32, 128, False, "unbounded"), (128, 128, 200, True, "unbounded_pallas")])
+    (64, 32, 128, False, "unbounded_xla"), (128, 128, 200, True, "unbounded")])
 def test_forward_and_backward_lower_to_triton(h200, K, V, T, with_segments, gate):
   """gate "none": g given; else the gate and the q/k L2 norm in the prologue kernel;
-  "unbounded_pallas": unbounded gates on the Pallas stage 1 (elementwise diagonal tiles)."""
+  "unbounded": unbounded gates on the Pallas stage 1 (elementwise diagonal tiles, the
+  default); "unbounded_xla": on the XLA stage 1."""
   B, H = 1, 2
   bf = lambda *s: jnp.zeros(s, jnp.bfloat16)
   seg = jnp.ones((B, T), jnp.int32) if with_segments else None
   kw = {} if gate == "none" else dict(qk_l2norm=True,
                                       lower_bound=-5.0 if gate == "bounded" else None)
-  if gate == "unbounded_pallas":
-    kw["unbounded_stage1"] = "pallas"
+  if gate == "unbounded_xla":
+    kw["unbounded_stage1"] = "xla"
 
   def fwd(q, k, v, g, beta, A_log, dt_bias):
     gate_params = {} if gate == "none" else dict(A_log=A_log, dt_bias=dt_bias)
@@ -54,7 +55,7 @@ def test_forward_and_backward_lower_to_triton(h200, K, V, T, with_segments, gate
     assert kernel in text
   for kernel in ("kda_intra_tiles", "kda_intra_solve", "kda_intra_wu", "kda_intra_wu_bwd",
                  "kda_intra_tiles_bwd"):
-    assert (kernel in text) == (gate != "unbounded")    # unbounded: stage 1's safe XLA form
+    assert (kernel in text) == (gate != "unbounded_xla")    # stage 1 in XLA
 
 
 def test_layers_with_equal_shapes_share_one_lowering(h200):
