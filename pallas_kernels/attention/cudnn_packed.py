@@ -74,8 +74,7 @@ def causal_attention(q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv, segment_ids_BxT, *,
   else by pallas_gpu_causal's kernels (one of the two runs a step, decided on the device)."""
   offsets, lengths, ok_B = runs(segment_ids_BxT, max_segments)
   args = (q_BxTxHxDqk, k_BxTxHxDqk, v_BxTxHxDv)
-  return jax.lax.cond(
-      jnp.all(ok_B),
-      lambda q, k, v: _cudnn(q, k, v, offsets, lengths).astype(v.dtype),
-      lambda q, k, v: pallas_gpu_causal.causal_attention(q, k, v, segment_ids_BxT),
-      *args)
+  by_cudnn = lambda q, k, v: _cudnn(q, k, v, offsets, lengths).astype(v.dtype)
+  by_pallas = lambda q, k, v: pallas_gpu_causal.causal_attention(
+      q, k, v, segment_ids_BxT).astype(v.dtype)
+  return jax.lax.cond(jnp.all(ok_B), by_cudnn, by_pallas, *args)
