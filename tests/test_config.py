@@ -48,8 +48,8 @@ def test_command_line_overrides(monkeypatch):
     ("model.decode_matmul", "cublas", r"model\.decode_matmul must be one of "),
     ("model.fused_projections", None, r"model\.fused_projections must be True or False, "
                                       r"got None"),
-    ("model.mla_implementation", "cudnn", r"model\.mla_implementation must be one of "
-                                          r"\('', 'xla', 'gpu', 'tpu'\), got 'cudnn'"),
+    ("model.mla_implementation", "flash", r"model\.mla_implementation must be one of "
+                                          r"\('', 'xla', 'gpu', 'cudnn', 'tpu'\), got 'flash'"),
     ("model.dtype", "float16", r"model\.dtype must be one of .*got 'float16'"),
     ("model.mla_rope_theta", -1.0, r"model\.mla_rope_theta must be 0 \(NoPE\) or a positive "
                                    r"RoPE base .*got -1\.0"),
