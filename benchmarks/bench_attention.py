@@ -5,6 +5,7 @@ kernel's tiles swept at one shape, side by side with a baseline copy of the modu
   python -m benchmarks.bench_attention [--shape=4,8192,16,64] [--baseline=old/ring_step.py] \
       [--out=$OUT]
   python -m benchmarks.bench_attention --shape=1,8192,32,192 --dv=128   # Kimi-48B's MLA
+  python -m benchmarks.bench_attention ... --sweep=false --rounds=3   # defaults, 3 rounds
 
 Packed documents (segment ids; lengths exponential with mean --doc_len), bf16. The forward
 is timed alone; the backward (dq and dk/dv kernels, with delta in XLA as
@@ -35,6 +36,9 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Timed runs (median).")
 _BASELINE = flags.DEFINE_string("baseline", "",
                                  "Another pallas_gpu_ring_step.py to time (default tiles).")
 _SWEEP = flags.DEFINE_bool("sweep", True, "Sweep each kernel's tiles (else defaults only).")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds over all rows, interleaved; each row "
+                               "reports its median round (one row's runs spread by up to 15% "
+                               "between rounds at Kimi's dims, attention.md).")
 _OUT = flags.DEFINE_string("out", None, "Folder for attention.json.")
 
 F32 = jnp.float32
@@ -135,17 +139,10 @@ def main(argv):
   candidates = {kern: base + (WIDE_CANDIDATES[kern] if wide else [])
                 for kern, base in (("fwd", FWD_CANDIDATES), ("dq", DQ_CANDIDATES),
                                    ("dkv", DKV_CANDIDATES))}
-  rows = []
+  rows, entries = [], []
 
-  def record(name, fwd, both, kernel):
-    ms_f = median_ms(fwd, (q, k, v, seg), _ITERS.value)
-    ms_b = median_ms(both, (q, k, v, seg, do), _ITERS.value)
-    row = {"variant": name, "kernel": kernel, "fwd_ms": ms_f, "fwd_bwd_ms": ms_b,
-           "fwd_tflops": f_fwd / ms_f / 1e9, "fwd_bwd_tflops": (f_fwd + f_bwd) / ms_b / 1e9,
-           "error": _error(both, q, k, v, seg, do)}
-    rows.append(row)
-    print(f"{name:<40} fwd {ms_f:7.3f} ms  fwd+bwd {ms_b:7.3f} ms  "
-          f"{row['fwd_bwd_tflops']:6.1f} TFLOP/s  err {row['error']:.2e}", flush=True)
+  def record(name, fwd, both, kernel):   # timed below, in --rounds interleaved rounds
+    entries.append((name, fwd, both, kernel))
 
   if _BASELINE.value:
     spec = importlib.util.spec_from_file_location("baseline_ring_step", _BASELINE.value)
@@ -167,11 +164,30 @@ def main(argv):
     o, vjp = jax.vjp(lambda *a: cudnn_packed.causal_attention(*a, seg), q, k, v)
     return o, vjp(do)
 
-  try:
-    record("cudnn packed (documents)", jax.jit(cudnn_packed.causal_attention),
-           jax.jit(packed_both), "all")
-  except Exception as e:  # noqa: BLE001 — a platform without cuDNN attention
-    print("cudnn packed:", str(e).splitlines()[0])
+  record("cudnn packed (documents)", jax.jit(cudnn_packed.causal_attention),
+         jax.jit(packed_both), "all")
+
+  runs = {e[0]: ([], []) for e in entries}
+  for r in range(_ROUNDS.value):
+    for name, fwd, both, kernel in list(entries):
+      try:
+        runs[name][0].append(median_ms(fwd, (q, k, v, seg), _ITERS.value))
+        runs[name][1].append(median_ms(both, (q, k, v, seg, do), _ITERS.value))
+      except Exception as e:  # noqa: BLE001 — e.g. a platform without cuDNN attention
+        print(f"{name}: {str(e).splitlines()[0]}")
+        entries.remove((name, fwd, both, kernel))
+        continue
+      print(f"{name:<40} fwd {runs[name][0][-1]:7.3f} ms  fwd+bwd {runs[name][1][-1]:7.3f} ms"
+            f"  (round {r + 1})", flush=True)
+  for name, fwd, both, kernel in entries:
+    ms_f, ms_b = (float(np.median(x)) for x in runs[name])
+    rows.append({"variant": name, "kernel": kernel, "fwd_ms": ms_f, "fwd_bwd_ms": ms_b,
+                 "fwd_ms_rounds": runs[name][0], "fwd_bwd_ms_rounds": runs[name][1],
+                 "fwd_tflops": f_fwd / ms_f / 1e9,
+                 "fwd_bwd_tflops": (f_fwd + f_bwd) / ms_b / 1e9,
+                 "error": _error(both, q, k, v, seg, do)})
+    print(f"{name:<40} fwd {ms_f:7.3f} ms  fwd+bwd {ms_b:7.3f} ms  "
+          f"{rows[-1]['fwd_bwd_tflops']:6.1f} TFLOP/s  err {rows[-1]['error']:.2e}", flush=True)
 
   causal = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                         implementation="cudnn")

@@ -9,14 +9,13 @@ import sys
 import pytest
 
 from moe_jax.train import xla_flags
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 
 def _python(code: str, xla: str) -> subprocess.CompletedProcess:
-  # ROOT before the caller's path, which keeps where the packages are (a GPU machine's
-  # carried wheels sit on PYTHONPATH).
-  path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-  env = {**os.environ, "XLA_FLAGS": xla, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
+  # subprocess_env keeps the caller's PYTHONPATH after ROOT: a GPU machine's carried wheels
+  # sit there.
+  env = subprocess_env(XLA_FLAGS=xla, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                         cwd=ROOT, timeout=120)
 
