@@ -5,8 +5,8 @@ lengths), so only the causal pairs within a document are computed, forward and b
 Why: cuDNN's flash attention is faster than the Triton kernels of pallas_gpu_causal.py on
 whole rows (benchmarks/attention.md), and `jax.nn.dot_product_attention` takes no segment
 ids; the packed layout gives it documents. It is jax's private cuDNN entry point
-(`jax._src.cudnn.fused_attention_stablehlo`, the one MaxText and axlearn call), pinned with
-jax in setup.py.
+(`jax._src.cudnn.fused_attention_stablehlo`, which axlearn's GPU attention also calls),
+pinned with jax in setup.py.
 
 The contract is reference.causal_attention's (a key is visible to a query at or after it
 with the same segment id, padding id 0 included), met where each id is one contiguous run
