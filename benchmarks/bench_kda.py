@@ -15,7 +15,8 @@ and wake-up (about 0.3 ms a call) to us.
 Every row also records its wall time with compiles (row_s; fla's first_fwd_s: its first
 call, compiles and any autotuning), what a device call's plan needs. Unbounded gates'
 stage 1 is pallas_gpu.UNBOUNDED_STAGE1's; `--knobs=UNBOUNDED_STAGE1='xla'` times the
-other one in the same process.
+other one in the same process (a pallas_gpu row; `triton:UNBOUNDED_STAGE1='xla'` a triton
+row).
 """
 
 import ast
@@ -122,13 +123,16 @@ def knob_impl(spec):
 
 def set_knobs(spec):
   """Applies 'NAME=VALUE,...' (NAME.key for a dict entry) to pallas_gpu, or with a
-  'triton:' prefix to triton_gpu; returns an undo."""
+  'triton:' prefix to triton_gpu, or to pallas_gpu where triton_gpu has no such knob (the
+  triton implementation runs pallas_gpu's op with its own stages, so pallas_gpu's
+  UNBOUNDED_STAGE1 applies to it too); returns an undo."""
   saved = []
   _, module, spec = knob_impl(spec)
   for item in (x for x in spec.split(",") if x):
     name, value = item.split("=")
     name, _, key = name.partition(".")
-    holder = getattr(module, name) if key else module.__dict__
+    owner = module if hasattr(module, name) or not hasattr(pallas_gpu, name) else pallas_gpu
+    holder = getattr(owner, name) if key else owner.__dict__
     key = key or name
     if key not in holder:
       raise ValueError(f"--knobs: {module.__name__} has no {item.split('=')[0]!r}")

@@ -94,6 +94,11 @@ rows = bench_kda.bench_shape(1, 32, 1, ["pallas_gpu"], 1, io.StringIO(), dim=16)
 assert set(rows) == {"pallas_gpu", "pallas_gpu[UNBOUNDED_STAGE1='xla']"}, rows
 assert rows["pallas_gpu[UNBOUNDED_STAGE1='xla']"]["max_rel_err_vs_pallas_gpu"] < 2e-2, rows
 assert pallas_gpu.UNBOUNDED_STAGE1 == "pallas"
+# A triton row takes pallas_gpu's knobs that triton_gpu lacks (its op is pallas_gpu's).
+undo = bench_kda.set_knobs("triton:UNBOUNDED_STAGE1='xla',WU_BLOCK=32")
+assert pallas_gpu.UNBOUNDED_STAGE1 == "xla" and triton_gpu.WU_BLOCK == 32
+undo()
+assert pallas_gpu.UNBOUNDED_STAGE1 == "pallas" and triton_gpu.WU_BLOCK == 64
 print("ok")
 """
 
