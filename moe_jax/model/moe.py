@@ -330,9 +330,7 @@ class MoE(nn.Module):
     "layer", or "auto" on a GPU): decoding (N·k ≤ E), dropless, not on a TPU, on one expert
     shard, with no latent, at most one shared expert, shapes the kernels tile, and no
     routing replay (the XLA path runs a replayed routing). In apply only: init creates the
-    parameters. "auto" takes them on GPU: long_context_1b's hybrid decode step at 1M on an
-    H100 took 2.227 against 2.493 ms at batch 1 and 7.681 against 7.872 at batch 8
-    (benchmarks/decode.md, 2026-12-06)."""
+    parameters. Which dispatch values ask for them: `decode_layer_wanted`."""
     mc = self.cfg.moe
     E, K, F = mc.num_experts, mc.top_k, mc.expert_hidden
     return (mc.dispatch == "dropless" and N * K <= E

@@ -137,17 +137,14 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   Tp = pl.cdiv(T, BQ) * BQ
   Sp = max(S, BLOCK_K)  # a block must fit in the cache; padded keys are past kv_len
   # Zero head-dim columns change no score; the extra output columns are sliced off. A head
-  # dim of two tiles (head_split) is two arrays instead, nothing padded.
-  pad = lambda x, rows, d: jnp.pad(x, ((0, 0), (0, rows), (0, 0), (0, d - x.shape[-1])))
-  split = head_split(D)
-  if split:
-    D1 = split[0]
-    qk = [pad(q_BxTxHxD[..., :D1], Tp - T, D1), pad(q_BxTxHxD[..., D1:], Tp - T, D - D1),
-          pad(k_BxSxHxD[..., :D1], Sp - S, D1), pad(k_BxSxHxD[..., D1:], Sp - S, D - D1)]
-  else:
-    qk = [pad(q_BxTxHxD, Tp - T, tile_dim(D)), pad(k_BxSxHxD, Sp - S, tile_dim(D))]
-  Dvp = tile_dim(Dv)
-  v_BxSxHxDv = pad(v_BxSxHxDv, Sp - S, Dvp)
+  # dim of two tiles (head_split) is two arrays instead, each a whole tile.
+  pad = lambda x, rows: jnp.pad(x, ((0, 0), (0, rows), (0, 0),
+                                    (0, tile_dim(x.shape[-1]) - x.shape[-1])))
+  parts = head_parts(D, SPLIT_HEAD_DIM)
+  qk = ([pad(q_BxTxHxD[..., a:a + w], Tp - T) for a, w in parts]
+        + [pad(k_BxSxHxD[..., a:a + w], Sp - S) for a, w in parts])
+  v_BxSxHxDv = pad(v_BxSxHxDv, Sp - S)
+  Dvp = v_BxSxHxDv.shape[-1]
   S = Sp
   row = pl.BlockSpec((1,), lambda b, h, i: (b,))
   params = None if interpret else pltriton.CompilerParams(num_warps=num_warps(D),
@@ -155,10 +152,10 @@ def cached_attention(q_BxTxHxD, k_BxSxHxD, v_BxSxHxDv, q_start_B, kv_len_B, *, s
   lse_spec = pl.BlockSpec((None, None, BQ), lambda b, h, i: (b, h, i))
   q_spec = lambda d: pl.BlockSpec((None, BQ, None, d), lambda b, h, i: (b, i, h, 0))
   k_spec = lambda d: pl.BlockSpec((None, S, None, d), lambda b, h, i: (b, 0, h, 0))
-  qk_specs = ([q_spec(x.shape[-1]) for x in qk[:len(qk) // 2]]
-              + [k_spec(x.shape[-1]) for x in qk[len(qk) // 2:]])
+  qk_specs = ([q_spec(x.shape[-1]) for x in qk[:len(parts)]]
+              + [k_spec(x.shape[-1]) for x in qk[len(parts):]])
   out = pl.pallas_call(
-      functools.partial(_kernel, scale=scale, block_k=BLOCK_K, split=split is not None),
+      functools.partial(_kernel, scale=scale, block_k=BLOCK_K, split=len(parts) == 2),
       grid=(B, H, Tp // BQ),
       in_specs=[row, row, *qk_specs,
                 pl.BlockSpec((None, S, None, Dvp), lambda b, h, i: (b, 0, h, 0))],
