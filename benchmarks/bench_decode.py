@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from benchmarks import bench_long_context as blc, decode_floors, provenance  # noqa: E402
+from benchmarks import bench_long_context as blc, decode_floors, provenance, xprof_tables  # noqa: E402
 from benchmarks.batch_search import is_oom, search_batches  # noqa: E402
 from benchmarks.random_variables import random_variables  # noqa: E402
 from moe_jax.infer.generate import decode, inference_model, make_step  # noqa: E402
@@ -50,6 +50,10 @@ _START_BATCH = flags.DEFINE_integer("start_batch", 1, "The search doubles from h
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed decodes per batch (median).")
 _RESOLUTION = flags.DEFINE_integer("resolution", 1, "The bisection stops when the batch that "
                                    "did not fit is at most this far above the one that did.")
+_TRACE = flags.DEFINE_string("trace_dir", None, "Also trace one more decode of each batch with "
+                             "the JAX profiler here and print its kernel launches and device "
+                             "time per token beside the wall time (needs xprof): where the "
+                             "step's time goes that its kernels do not take.")
 
 GIB = 1 << 30
 
@@ -80,6 +84,18 @@ def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:
   ms = 1e3 * statistics.median(times) / n
   print(f"{variant} {L} × {batch}: {ms:.3f} ms/token, {batch * 1e3 / ms:,.0f} tokens/s",
         flush=True)
+  if _TRACE.value:
+    trace_dir = os.path.join(_TRACE.value, f"{variant}_{L}_{batch}")
+    with jax.profiler.trace(trace_dir):
+      t = time.perf_counter()
+      out, _, cache = compiled(variables, cache, logits)
+      jax.block_until_ready(out)
+      traced_ms = 1e3 * (time.perf_counter() - t) / n
+    print(xprof_tables.hlo_op_table(trace_dir, f"{variant} {L} × {batch}, {n} tokens", top=40))
+    launches, device_us = xprof_tables.kernel_totals(trace_dir)
+    print(f"{variant} {L} × {batch}, traced: {traced_ms:.3f} ms/token wall, "
+          f"{launches / n:.0f} kernel launches and {device_us / n / 1e3:.3f} ms of kernel time "
+          f"per token", flush=True)
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   return {"ms_per_token": ms, "tokens_per_s": batch * 1e3 / ms, "peak_gib": peak,
           "memory_limit_gib": limit / GIB if limit else None,

@@ -40,6 +40,14 @@ def hlo_op_table(trace_dir: str, title: str, top: int = 25) -> str:
   return "\n".join(lines)
 
 
+def kernel_totals(trace_dir: str) -> tuple[int, float]:
+  """(kernel launches, µs of kernel time) in the trace under `trace_dir`."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  rows = tool_rows(paths, "kernel_stats")
+  return (sum(int(r.get("occurrences") or 0) for r in rows),
+          sum(float(r.get("total_duration_us") or 0) for r in rows))
+
+
 def _rows(data) -> list[dict]:
   """An xprof tool's JSON table as one dict per row, keyed by column id."""
   table = json.loads(data)
