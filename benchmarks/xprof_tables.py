@@ -48,6 +48,26 @@ def kernel_totals(trace_dir: str) -> tuple[int, float]:
           sum(float(r.get("total_duration_us") or 0) for r in rows))
 
 
+def kernels_by_scope(trace_dir: str, hlo_text: str, per: int, top: int = 40) -> str:
+  """Markdown: the trace's kernels grouped by the named scope of the HLO op each runs (its
+  op_name without the primitive, the jit/while wrappers and the layer index; Pallas
+  kernels by their own name), launches and µs divided by `per` (e.g. decoded tokens):
+  which module's kernels take a step's time."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  ops = hlo_ops(hlo_text)
+  groups = {}
+  for r in tool_rows(paths, "kernel_stats"):
+    op = op_of(str(r["kernel_name"]), ops)
+    scope = re.sub(r"^.*?/while/body/", "", op).rsplit("/", 1)[0] if op else str(r["kernel_name"])
+    scope = re.sub(r"layer_\d+", "layer_*", re.sub(r"jit\([^)]*\)/", "", scope))
+    n, us = groups.get(scope, (0, 0.0))
+    groups[scope] = (n + int(r.get("occurrences") or 0), us + float(r.get("total_duration_us") or 0))
+  lines = [f"| scope | launches per {per} | µs |", "|---|---|---|"]
+  for scope, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+    lines.append(f"| {scope[-110:]} | {n / per:.1f} | {us / per:.1f} |")
+  return "\n".join(lines)
+
+
 def _rows(data) -> list[dict]:
   """An xprof tool's JSON table as one dict per row, keyed by column id."""
   table = json.loads(data)

@@ -108,11 +108,11 @@ def test_greedy_batch_decode_equals_each_row_alone_and_the_full_forward(hybrid, 
   """Greedy decoding of 3 prompts (13, 5, 9 tokens) together gives each row the tokens it
   gets decoded alone (batch 1), and every generated token is the argmax of the full
   forward over the prompt and the tokens before it. kernels: the decode step's KDA layers
-  and MoE layers as their Pallas kernels (model.kda_decode, moe.decode_dispatch="layer")."""
+  and MoE layers as their Pallas kernels (model.kda_decode, moe.decode_dispatch="layer"),
+  else their XLA forms (decode_dispatch "gather": "auto" takes the layer kernels on GPU)."""
   model, variables, tokens, _ = hybrid
-  if kernels:
-    moe = {**model.cfg.moe.to_dict(), "decode_dispatch": "layer"}
-    model = _with_model_fields(model, kda_decode="kernel", moe=moe)
+  moe = {**model.cfg.moe.to_dict(), "decode_dispatch": "layer" if kernels else "gather"}
+  model = _with_model_fields(model, kda_decode="kernel" if kernels else "xla", moe=moe)
   calls = (count_calls(monkeypatch, kda_module, "decode_step"),
            count_calls(monkeypatch, moe_ops, "decode_layer"))
   step, prompt, n = make_step(model), np.array([13, 5, 9]), 10

@@ -55,16 +55,24 @@ def runs(segment_ids_BxT, max_segments: int):
 
 def fits(q_BxTxHxDqk, v_BxTxHxDv) -> bool:
   """cuDNN's fused attention takes bf16/fp16 and head dims that are multiples of 8 up to 256
-  (Hopper); query/key and value dims may differ (MLA)."""
+  (Hopper). Query/key and value dims may differ (MLA): `_cudnn` pads them to one width."""
   dims_ok = all(d % 8 == 0 and d <= 256 for d in (q_BxTxHxDqk.shape[-1], v_BxTxHxDv.shape[-1]))
   return q_BxTxHxDqk.dtype in (jnp.bfloat16, jnp.float16) and dims_ok
 
 
 def _cudnn(q, k, v, offsets, lengths):
+  """The entry point takes one head dim for q, k and v: with MLA's 192/128 unpadded its
+  output was NaN (H100). So the narrower side is padded with zeros, which changes no score
+  and no output column, and the output cut back to v's width."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
-  return cudnn.dot_product_attention(
-      q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
-      scale=q.shape[-1] ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+  Dqk, Dv = q.shape[-1], v.shape[-1]
+  D = max(Dqk, Dv)
+  pad = lambda x: jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, D - x.shape[-1]),))
+  o = cudnn.dot_product_attention(
+      pad(q), pad(k), pad(v), q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+      kv_offsets=offsets, scale=Dqk ** -0.5, mask_type=cudnn.MaskType.PADDING_CAUSAL,
+      qkv_layout="BTNH")
+  return o[..., :Dv]
 
 
 @functools.partial(jax.jit, static_argnames=("max_segments",))

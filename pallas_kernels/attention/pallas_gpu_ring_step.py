@@ -65,7 +65,8 @@ WIDE_DIM, WIDE_STAGES = 128, 2
 # 3,048 padded to 256). Narrower tiles at 4 warps spill little: 0, 88 and 12 bytes at the
 # tiles below. Swept at [1, 8192, 32, 192], dv 128, on an H100 (benchmarks/attention.md,
 # 2026-12-06), each kernel's best against the 64x32 8-warp tiles that spill none (fwd
-# 1.87 → 1.05 ms; the op's fwd+bwd with dq's 7.66 → 6.17, with dk/dv's 7.72 → 6.86).
+# 1.87 → 1.05 ms; the op's fwd+bwd with dq's 7.66 → 6.17, with dk/dv's 7.72 → 6.86); the
+# three together: fwd+bwd 7.86 → 4.25 ms.
 WIDE_FWD, WIDE_DQ, WIDE_DKV = Tiles(64, 64, 4, 2), Tiles(64, 32, 4, 2), Tiles(32, 64, 4, 2)
 # A query/key head dim of two tiles (Kimi's 192 = 128 + 64) as two arrays whose score
 # products are summed, instead of one padded to 256 (pallas_gpu_tiles.head_parts); False
