@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from configs import long_context_1b
+from configs import base, long_context_1b
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import decode, inference_model, make_step
 from moe_jax.train.state import frozen_model_config
@@ -52,16 +52,18 @@ _FUSED = flags.DEFINE_bool("fused_projections", None, "model.fused_projections f
                            "KDA layer's six input projections as one matmul); unset keeps "
                            "the config's.")
 _KDA_DECODE = flags.DEFINE_string(
-    "kda_decode", "", "model.kda_decode for this run: xla | kernel (a KDA layer's decode step "
-    "as one Pallas kernel); '' keeps the config's.")
+    "kda_decode", "", "model.kda_decode for this run: auto | xla | kernel (a KDA layer's decode "
+    "step as one Pallas kernel); '' keeps the config's.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the full context); "
                               "decode ms/token is per step, i.e. per token of every row.")
 
 
 # The model's decode-path options, recorded in each decode row (rows made with other values
-# are kept apart); their defaults are configs/base.py's.
-DECODE_OPTIONS = {"kda_decode": "xla", "fused_projections": False, "decode_dispatch": "auto",
-                  "decode_matmul": "xla"}
+# are kept apart), with configs/base.py's values as their defaults.
+_BASE = base.get_config().model
+DECODE_OPTIONS = {"kda_decode": _BASE.kda_decode, "fused_projections": _BASE.fused_projections,
+                  "decode_dispatch": _BASE.moe.decode_dispatch,
+                  "decode_matmul": _BASE.decode_matmul}
 
 
 def decode_options(model_cfg) -> dict:

@@ -25,10 +25,10 @@ from benchmarks.xprof_tables import hlo_op_table
 _LAYERS = flags.DEFINE_integer("layers", 4, "Layers per probe model.")
 _FILLED = flags.DEFINE_integer("filled", 8192, "Cache length the decode step continues from.")
 _BATCH = flags.DEFINE_integer("batch", 1, "Rows decoded per step.")
-_MATMUL = flags.DEFINE_string("decode_matmul", "xla", "model.decode_matmul: xla | pallas.")
+_MATMUL = flags.DEFINE_string("decode_matmul", "pallas", "model.decode_matmul: xla | pallas.")
 _DISPATCH = flags.DEFINE_string(
     "decode_dispatch", "auto", "model.moe.decode_dispatch: auto | gather | fused | grouped | layer.")
-_KDA_DECODE = flags.DEFINE_string("kda_decode", "xla", "model.kda_decode: xla | kernel.")
+_KDA_DECODE = flags.DEFINE_string("kda_decode", "auto", "model.kda_decode: auto | xla | kernel.")
 _FUSED = flags.DEFINE_bool("fused_projections", False, "model.fused_projections.")
 _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only and MLA-only steps "
                              "with the JAX profiler here (subfolders K, A) and print xprof's "

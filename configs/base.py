@@ -56,14 +56,16 @@ def get_config(arg=None):
   m.mla_latent_norm_eps = 0.0   # RMSNorm epsilon of the q / kv latents; 0 = norm_eps
                                 # (Kimi Linear, DeepSeek: 1e-6 beside a norm_eps of 1e-5)
   # Projections of ≤ 16 rows (decoding) on GPU: xla (two kernels each, see
-  # pallas_kernels/matmul/pallas_gpu_few_rows.py) | pallas (one kernel reading the weight once).
-  m.decode_matmul = "xla"
+  # pallas_kernels/matmul/pallas_gpu_few_rows.py) | pallas (one kernel reading the weight
+  # once; more rows, and other platforms, run lax.dot_general either way).
+  m.decode_matmul = "pallas"
   # One matmul for all six projections a KDA layer makes of its input (q, k, v, f_a, b_proj,
   # g_a) instead of six: fewer kernels a decode step. Its own parameter layout (`in_proj`).
   m.fused_projections = False
   # A KDA layer's decode step (T = 1) from its input projections to o_proj: xla (some twenty
-  # small kernels) | kernel (one Pallas kernel: pallas_kernels/kda/pallas_gpu_decode.py).
-  m.kda_decode = "xla"
+  # small kernels) | kernel (one Pallas kernel: pallas_kernels/kda/pallas_gpu_decode.py) |
+  # auto (the kernel on GPU where it fits, xla elsewhere: model/kda.py decode_by_kernel).
+  m.kda_decode = "auto"
   # FFN: dense SwiGLU in the first `moe.first_dense` layers (and everywhere if moe.num_experts == 0).
   m.ffn_hidden = 2816
   # Images in the token stream (model/vision.py, data/images.py); patch_size 0 = text only.

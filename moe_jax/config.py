@@ -87,8 +87,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _fail("model.remat_policy", m.remat_policy, f"one of {REMAT_POLICIES}")
   if m.decode_matmul not in ("xla", "pallas"):
     _fail("model.decode_matmul", m.decode_matmul, "one of ('xla', 'pallas')")
-  if m.get("kda_decode", "xla") not in ("xla", "kernel"):
-    _fail("model.kda_decode", m.kda_decode, "one of ('xla', 'kernel')")
+  if m.get("kda_decode", "auto") not in ("auto", "xla", "kernel"):
+    _fail("model.kda_decode", m.kda_decode, "one of ('auto', 'xla', 'kernel')")
   if m.get("kda_decode") == "kernel":
     K = m.kda_head_dim
     if K < 16 or K & (K - 1):

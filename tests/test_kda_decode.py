@@ -130,7 +130,8 @@ def test_the_kernel_writes_nothing_in_place():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("kda_decode", "pallas", r"model\.kda_decode must be one of \('xla', 'kernel'\), got 'pallas'"),
+    ("kda_decode", "pallas",
+     r"model\.kda_decode must be one of \('auto', 'xla', 'kernel'\), got 'pallas'"),
     ("kda_head_dim", 24, r"model\.kda_head_dim must be a power of two >= 16 with "
                          r"model\.kda_decode='kernel', got 24"),
     ("kda_conv_size", 1, r"model\.kda_conv_size must be >= 2 with model\.kda_decode='kernel', "

@@ -66,6 +66,20 @@ def fuse_projection_params(mixer_params: dict) -> dict:
   return out
 
 
+def decode_by_kernel(cfg) -> bool:
+  """Whether a one-token step runs pallas_gpu_decode's kernel (model.kda_decode): "kernel"
+  anywhere but a TPU (interpreted off a GPU, as in the tests), "auto" on GPU where its
+  shapes fit (K = V a power of two ≥ 16, a conv of width ≥ 2), else the XLA step. On the
+  H100 at 1M context the kernel took the hybrid's batch-1 step 2.204 → 2.134 ms
+  (benchmarks/decode.md)."""
+  choice = cfg.get("kda_decode", "auto")
+  if choice == "kernel":
+    return platform.target() != "tpu"
+  K = cfg.kda_head_dim
+  return (choice == "auto" and platform.target() == "gpu" and K >= 16 and not K & (K - 1)
+          and cfg.kda_conv_size >= 2)
+
+
 def kda_heads(cfg) -> int:
   """KDA's head count: model.kda_n_heads, or with 0 the model's n_heads (MLA's)."""
   return cfg.get("kda_n_heads", 0) or cfg.n_heads
@@ -85,8 +99,8 @@ class KDAMixer(nn.Module):
 
     arrays, where = _input_projections(cfg, x_BxTxD, H, K)
     # The kernel is Triton's (interpreted off a GPU, as in the tests); a TPU takes XLA's step.
-    if (cache is not None and T == 1 and cfg.get("kda_decode", "xla") == "kernel"
-        and platform.target() != "tpu" and single_device() and not self.is_initializing()):
+    if (cache is not None and T == 1 and decode_by_kernel(cfg) and single_device()
+        and not self.is_initializing()):
       return self._decode_kernel(arrays, where, segment_ids_BxT[:, 0], cache)
     proj = _by_name(arrays, where, H, K)
 

@@ -12,17 +12,21 @@ pallas_gpu_decode_experts.py (each assignment's tiles loaded directly, full band
          softmax), top-k of scores + bias (lowest index on ties, as lax.top_k), combine
          weights = the chosen scores renormalised × route_scale; idx and w [N, KP] (KP = k
          rounded up to a power of two; padding slots have weight 0)
-  up:    grid (N·(k + S), F / block_f): slot s < k of token t runs expert idx[t, s], slot k
-         (S = 1 with one shared expert) the shared one: a = silu(x · Wg) ⊙ (x · Wu)
-  down:  grid (N, D / block_d, k + S), one slot a program:
-         part[t, s] = w[t, s] · a[t, s] · Wd[idx[t, s]] (the shared slot: weight 1), fp32;
-         y[t] = Σ_s part[t, s] (an XLA sum, fused with its consumer)
+  up:    grid (N·(k + S), F / cols, P): slot s < k of token t runs expert idx[t, s], slot k
+         (S = 1 with one shared expert) the shared one; program p sums x · Wg and x · Wu
+         over its part of D (`up_tiles`) into fp32 partials g, u [N·(k + S), P, F]
+  down:  grid (N, D / cols, (k + S) · F / rows), one slot and one block of F rows a
+         program: a = silu(Σ_p g) ⊙ Σ_p u for those rows (rounded to x's dtype), then
+         part = w[t, s] · a · Wd[idx[t, s]][rows] (the shared slot: weight 1), fp32;
+         y[t] = Σ part over slots and row blocks (an XLA sum, fused with its consumer)
 
-Each program's loop is short and its loads wide: at batch 1 a program is latency-bound, so
-the time is the number of dependent loop steps. The rows a step reads (`rows`) are the
-widest power of two that divides the contracted dim within a register budget, and the down
-product is split by slot (the five slots of long_context_1b's top-4 plus shared expert ran
-55 steps a program summed in the kernel; split, 11).
+At batch 1 a program is latency-bound: its time is its dependent loop steps, and the
+kernel's is how many bytes its programs have in flight. So each program reads one or a
+few wide tiles and the sums over the contracted dims are split across programs and
+finished by the next kernel: long_context_1b's 1024 × 704 experts take 880 up programs of
+one step and 440 down programs of one step, where programs that looped over the whole
+contracted dim took 4 and 11 steps and ran at 0.97 and 0.57 TB/s (H100,
+benchmarks/decode.md).
 """
 
 import functools
@@ -38,6 +42,7 @@ F32 = jnp.float32
 MAX_ROWS = 256      # rows of a weight read a loop step, at most (the contracted dim's block)
 TILE_BUDGET = 8192  # fp32 elements a program holds of a step's weight tiles (64 registers a
                     # thread at 4 warps)
+MAX_SPLITS = 16     # parts of D the up kernel's programs sum separately, at most
 NUM_WARPS = 4
 
 
@@ -130,65 +135,82 @@ def route(x_NxW, kernel_WxE, bias_E, top_k: int, score: str, route_scale: float,
   )(x_NxW, kernel_WxE, bias_E)
 
 
-def _up_kernel(idx_ref, x_ref, gu_ref, *shared_and_out, k, slots, block_f):
-  a_ref = shared_and_out[-1]
-  D = x_ref.shape[1]
-  a, j = pl.program_id(0), pl.program_id(1)
+def up_tiles(D: int, F: int) -> tuple[int, int, int]:
+  """(rows, columns, splits) of the up kernel: a program reads `rows` × `columns` of gate
+  and of up (within TILE_BUDGET), `D / rows / splits` loop steps of them, and writes partial
+  sums for one of `splits` parts of D (the largest power of two ≤ MAX_SPLITS dividing the
+  row blocks: the down kernel reads the parts as one [splits, rows] tile)."""
+  cols = 64 if F % 64 == 0 else 32
+  r = TILE_BUDGET // (2 * cols)
+  while D % r:
+    r //= 2
+  blocks, splits = D // r, 1
+  while splits < MAX_SPLITS and blocks % (2 * splits) == 0:
+    splits *= 2
+  return r, cols, splits
+
+
+def down_tiles(D: int, F: int) -> tuple[int, int]:
+  """(rows, columns) a down program reads in one step: the widest columns of 256, 128, 64
+  dividing D, and as many rows of F as TILE_BUDGET allows (F is a multiple of 64)."""
+  cols = next(c for c in (256, 128, 64) if D % c == 0)
+  r = TILE_BUDGET // cols
+  while F % r:
+    r //= 2
+  return r, cols
+
+
+def _up_kernel(idx_ref, x_ref, gu_ref, *shared_and_out, k, slots, rows, cols, steps):
+  g_ref, u_ref = shared_and_out[-2:]
+  a, j, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   t, s = a // slots, a % slots
-  cols = pl.ds(j * block_f, block_f)
-  zeros = jnp.zeros((block_f,), F32)
-  x_row = lambda block: x_ref[t, block]
-  R = rows(D, block_f, tiles=2)
+  cs = pl.ds(j * cols, cols)
+  zeros = jnp.zeros((cols,), F32)
+
+  def product(gate_rows, up_rows):
+    def step(i, acc):
+      block = pl.ds(pl.multiple_of((p * steps + i) * rows, rows), rows)
+      x_R = x_ref[t, block]
+      return (acc[0] + experts.row_times(x_R, gate_rows(block)),
+              acc[1] + experts.row_times(x_R, up_rows(block)))
+    return jax.lax.fori_loop(0, steps, step, (zeros, zeros))
 
   def routed():
     e = idx_ref[t, jnp.minimum(s, k - 1)]
+    return product(lambda b: gu_ref[e, b, 0, cs], lambda b: gu_ref[e, b, 1, cs])
 
-    def step(i, acc):
-      block = pl.ds(pl.multiple_of(i * R, R), R)
-      return (acc[0] + experts.row_times(x_row(block), gu_ref[e, block, 0, cols]),
-              acc[1] + experts.row_times(x_row(block), gu_ref[e, block, 1, cols]))
-    return jax.lax.fori_loop(0, D // R, step, (zeros, zeros))
-
-  if len(shared_and_out) == 1:
-    g_F, u_F = routed()
+  if len(shared_and_out) == 2:
+    g_C, u_C = routed()
   else:
     sg_ref, su_ref = shared_and_out[:2]
-
-    def shared():
-      def step(i, acc):
-        block = pl.ds(pl.multiple_of(i * R, R), R)
-        return (acc[0] + experts.row_times(x_row(block), sg_ref[block, cols]),
-                acc[1] + experts.row_times(x_row(block), su_ref[block, cols]))
-      return jax.lax.fori_loop(0, D // R, step, (zeros, zeros))
-
-    g_F, u_F = jax.lax.cond(s < k, routed, shared)
-  a_ref[...] = (jax.nn.silu(g_F) * u_F).astype(a_ref.dtype)
+    g_C, u_C = jax.lax.cond(s < k, routed,
+                            lambda: product(lambda b: sg_ref[b, cs], lambda b: su_ref[b, cs]))
+  g_ref[...] = g_C
+  u_ref[...] = u_C
 
 
-def _down_kernel(idx_ref, wt_ref, a_ref, dn_ref, *shared_and_out, k, slots, block_d):
+def _down_kernel(idx_ref, wt_ref, g_ref, u_ref, dn_ref, *shared_and_out, k, slots, parts,
+                 rows, cols, dtype):
   part_ref = shared_and_out[-1]
-  F = a_ref.shape[1]
-  t, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  cols = pl.ds(j * block_d, block_d)
-  R = rows(F, block_d)
-
-  def product(weight_rows):
-    def step(i, acc):
-      block = pl.ds(pl.multiple_of(i * R, R), R)
-      return acc + experts.row_times(a_ref[t * slots + s, block], weight_rows(block))
-    return jax.lax.fori_loop(0, F // R, step, jnp.zeros((block_d,), F32))
+  t, j, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  s, f = q // parts, q % parts
+  block, cs = pl.ds(f * rows, rows), pl.ds(j * cols, cols)
+  # The up kernel's partial sums over D for these rows of F, summed; SwiGLU rounded to the
+  # model's dtype, as the XLA path's activations are.
+  g_R = jnp.sum(g_ref[t * slots + s, :, block], axis=0)
+  u_R = jnp.sum(u_ref[t * slots + s, :, block], axis=0)
+  a_R = (jax.nn.silu(g_R) * u_R).astype(dtype)
 
   def routed():
     slot = jnp.minimum(s, k - 1)
-    e = idx_ref[t, slot]
-    return wt_ref[t, slot] * product(lambda block: dn_ref[e, block, cols])
+    return wt_ref[t, slot] * experts.row_times(a_R, dn_ref[idx_ref[t, slot], block, cs])
 
   if len(shared_and_out) == 1:
     part_ref[...] = routed()
   else:
     sd_ref = shared_and_out[0]
     part_ref[...] = jax.lax.cond(s < k, routed,
-                                 lambda: product(lambda block: sd_ref[block, cols]))
+                                 lambda: experts.row_times(a_R, sd_ref[block, cs]))
 
 
 def moe_layer(x_NxD, idx_NxKP, w_NxKP, top_k: int, gate_up_ExDx2xF, down_ExFxD, shared=None,
@@ -210,24 +232,30 @@ def moe_layer(x_NxD, idx_NxKP, w_NxKP, top_k: int, gate_up_ExDx2xF, down_ExFxD, 
     interpret = jax.default_backend() != "gpu"
   slots = top_k + (shared is not None)
   dtype = x_NxD.dtype
-  block_f, block_d = experts.tiles(N * slots, D, F)   # grids of N·slots programs a column tile
+  A = N * slots
+  rows_u, cols_u, splits = up_tiles(D, F)
+  rows_d, cols_d = down_tiles(D, F)
+  parts = F // rows_d
   params = None if interpret else pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2)
-  whole = lambda x: pl.BlockSpec(x.shape, lambda a, j: (0,) * x.ndim)
+  whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
   up_in = (idx_NxKP, x_NxD, gate_up_ExDx2xF) + (tuple(shared[:2]) if shared is not None else ())
-  a_AxF = pl.pallas_call(
-      functools.partial(_up_kernel, k=top_k, slots=slots, block_f=block_f),
-      grid=(N * slots, F // block_f), in_specs=[whole(x) for x in up_in],
-      out_specs=pl.BlockSpec((None, block_f), lambda a, j: (a, j)),
-      out_shape=jax.ShapeDtypeStruct((N * slots, F), dtype),
+  partial = pl.BlockSpec((None, None, cols_u), lambda a, j, p: (a, p, j))
+  g_AxPxF, u_AxPxF = pl.pallas_call(
+      functools.partial(_up_kernel, k=top_k, slots=slots, rows=rows_u, cols=cols_u,
+                        steps=D // rows_u // splits),
+      grid=(A, F // cols_u, splits), in_specs=[whole(x) for x in up_in],
+      out_specs=[partial, partial],
+      out_shape=[jax.ShapeDtypeStruct((A, splits, F), F32)] * 2,
       interpret=interpret, name="decode_moe_up", compiler_params=params,
   )(*up_in)
-  down_in = (idx_NxKP, w_NxKP, a_AxF, down_ExFxD) + ((shared[2],) if shared is not None else ())
-  whole3 = lambda x: pl.BlockSpec(x.shape, lambda t, j, s: (0,) * x.ndim)
-  part_NxSxD = pl.pallas_call(
-      functools.partial(_down_kernel, k=top_k, slots=slots, block_d=block_d),
-      grid=(N, D // block_d, slots), in_specs=[whole3(x) for x in down_in],
-      out_specs=pl.BlockSpec((None, None, block_d), lambda t, j, s: (t, s, j)),
-      out_shape=jax.ShapeDtypeStruct((N, slots, D), F32),
+  down_in = ((idx_NxKP, w_NxKP, g_AxPxF, u_AxPxF, down_ExFxD)
+             + ((shared[2],) if shared is not None else ()))
+  part_NxQxD = pl.pallas_call(
+      functools.partial(_down_kernel, k=top_k, slots=slots, parts=parts, rows=rows_d,
+                        cols=cols_d, dtype=dtype),
+      grid=(N, D // cols_d, slots * parts), in_specs=[whole(x) for x in down_in],
+      out_specs=pl.BlockSpec((None, None, cols_d), lambda t, j, q: (t, q, j)),
+      out_shape=jax.ShapeDtypeStruct((N, slots * parts, D), F32),
       interpret=interpret, name="decode_moe_down", compiler_params=params,
   )(*down_in)
-  return jnp.sum(part_NxSxD, axis=1).astype(dtype)
+  return jnp.sum(part_NxQxD, axis=1).astype(dtype)
