@@ -13,7 +13,8 @@ than 32 (one program per 32 columns left most of the H200's 132 SMs idle: 12.8 �
 
 `dot_general` is the same contraction as `lax.dot_general` for flax's DenseGeneral: it
 uses the kernel for ≤ ROWS rows on GPU when the shapes fit, and lax.dot_general otherwise.
-Forward only (inference): the kernel has no VJP, so differentiating through it raises.
+The backward is XLA's (dx = dy · wᵀ, dw = xᵀ · dy): a gradient through a batch that small
+(a test, a tiny GRPO step) still works, now that decoding takes the kernel by default.
 """
 
 import functools
@@ -54,9 +55,29 @@ def k_splits(K: int, N: int) -> int:
              key=lambda s: abs(math.log(s * blocks / PROGRAMS)))
 
 
-def matmul(x_MxK, w_KxN, *, interpret: bool = False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x_MxK, w_KxN, interpret: bool = False):
   """x @ w with fp32 accumulation, output in x's dtype; M ≤ ROWS, K % BLOCK_K == 0,
   N % BLOCK_N == 0 (`fits`)."""
+  return _matmul(x_MxK, w_KxN, interpret)
+
+
+def _matmul_fwd(x_MxK, w_KxN, interpret):
+  return _matmul(x_MxK, w_KxN, interpret), (x_MxK, w_KxN)
+
+
+def _matmul_bwd(interpret, res, dy_MxN):
+  del interpret
+  x_MxK, w_KxN = res
+  dy = dy_MxN.astype(F32)
+  return ((dy @ w_KxN.astype(F32).T).astype(x_MxK.dtype),
+          (x_MxK.astype(F32).T @ dy).astype(w_KxN.dtype))
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _matmul(x_MxK, w_KxN, interpret):
   M, K = x_MxK.shape
   N = w_KxN.shape[1]
   if w_KxN.shape[0] != K or not fits(M, K, N):
@@ -93,7 +114,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     K = math.prod(lhs.shape[lhs.ndim - nc:])
     N = math.prod(rhs.shape[nc:])
     if fits(M, K, N) and lhs.dtype == rhs.dtype:
-      y_MxN = matmul(lhs.reshape(M, K), rhs.reshape(K, N), interpret=interpret)
+      y_MxN = matmul(lhs.reshape(M, K), rhs.reshape(K, N), interpret)
       return y_MxN.reshape(lhs.shape[:lhs.ndim - nc] + rhs.shape[nc:])
   return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                              preferred_element_type=preferred_element_type)
