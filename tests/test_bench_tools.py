@@ -103,6 +103,8 @@ print("ok")
 """
 
 
+# 27 s on 2 cores (a subprocess importing bench_kda): make test-all runs it.
+@pytest.mark.slow
 def test_bench_kda_knobs_set_either_module_and_undo():
   """bench_kda's --knobs rows: 'triton:' sets triton_gpu's knobs for a triton row, anything
   else pallas_gpu's; the undo restores them; an unknown knob is a ValueError naming it. A
