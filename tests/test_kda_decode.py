@@ -2,7 +2,8 @@
 (pallas_kernels/kda/pallas_gpu_decode.py), in interpret mode on CPU. It must give the XLA
 step's logits and cache (state, conv tails, their segment ids) token by token, padding rows
 included, for both gates and both projection layouts; reproduce the full forward; and
-compile for the H200 without spills at the benchmark and Kimi shapes."""
+compile for the H200 without spills at the benchmark and Kimi shapes. "auto", the default,
+takes it on GPU only, where its shapes fit."""
 
 import flax.linen as nn
 import jax
@@ -225,3 +226,16 @@ def test_a_tpu_takes_the_xla_step(monkeypatch):
   got, _ = _decode(c, "kernel", tokens, 4, lengths)
   assert not any(calls)
   assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("choice,backend,K,conv,want", [
+    ("auto", "gpu", 64, 4, True), ("auto", "cpu", 64, 4, False), ("auto", "tpu", 64, 4, False),
+    ("auto", "gpu", 24, 4, False), ("auto", "gpu", 64, 1, False),
+    ("kernel", "cpu", 64, 4, True), ("kernel", "tpu", 64, 4, False), ("xla", "gpu", 64, 4, False)])
+def test_auto_takes_the_kernel_on_gpu_where_it_fits(monkeypatch, choice, backend, K, conv, want):
+  """model.kda_decode: "auto" (the default) is the kernel on GPU for K a power of two ≥ 16
+  and a conv of width ≥ 2, the XLA step elsewhere; "kernel" is it anywhere but a TPU."""
+  monkeypatch.setattr(kda_module.platform, "target", lambda: backend)
+  c = make_small_config().model
+  c.update({"kda_decode": choice, "kda_head_dim": K, "kda_conv_size": conv})
+  assert kda_module.decode_by_kernel(c) is want
