@@ -69,6 +69,16 @@ def test_layer_equals_gathered_experts_plus_shared(dtype, bound, shared):
   assert rel_err(got, want) < bound
 
 
+def test_tiles_split_the_contracted_dims_into_one_step_programs():
+  """long_context_1b's experts (D 1024, F 704): the up kernel's programs read one 64 × 64
+  tile of gate and of up (16 parts of D), the down kernel's one 32 × 256 tile (22 row
+  blocks of F); Kimi Linear's (2304, 1024): 4 parts of D (the down kernel reads them as one
+  power-of-two tile), 9 steps each."""
+  assert layer.up_tiles(1024, 704) == (64, 64, 16) and layer.down_tiles(1024, 704) == (32, 256)
+  assert layer.up_tiles(2304, 1024) == (64, 64, 4) and layer.down_tiles(2304, 1024) == (32, 256)
+  assert layer.up_tiles(128, 192) == (64, 64, 2) and layer.down_tiles(128, 192) == (64, 128)
+
+
 def test_layer_rejects_shapes_it_cannot_tile():
   with pytest.raises(ValueError, match=r"E a power of two; got D=128, F=128, E=6"):
     layer.moe_layer(jnp.ones((1, 128)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), 2,

@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.moe import pallas_gpu_decode_experts as experts
 
 F32 = jnp.float32
-MAX_ROWS = 256      # rows of a weight read a loop step, at most (the contracted dim's block)
+MAX_ROWS = 256      # router rows the route kernel reads a loop step, at most
 TILE_BUDGET = 8192  # fp32 elements a program holds of a step's weight tiles (64 registers a
                     # thread at 4 warps)
 MAX_SPLITS = 16     # parts of D the up kernel's programs sum separately, at most
@@ -56,12 +56,12 @@ def _pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def rows(n: int, cols: int, tiles: int = 1) -> int:
-  """Rows a loop step reads of a weight whose contracted dim is n: the largest power of two
-  ≤ MAX_ROWS dividing n with `tiles` [rows, cols] fp32 tiles within TILE_BUDGET (at least 16,
-  Triton's smallest tile side; n is a multiple of 64, as `fits` asks)."""
+def rows(n: int, cols: int) -> int:
+  """Rows a route-kernel step reads of a router whose contracted dim is n: the largest power
+  of two ≤ MAX_ROWS dividing n with a [rows, cols] fp32 tile within TILE_BUDGET (at least
+  16, Triton's smallest tile side; n is a multiple of 64, as `fits` asks)."""
   r = MAX_ROWS
-  while r > 16 and (n % r or r * cols * tiles > TILE_BUDGET):
+  while r > 16 and (n % r or r * cols > TILE_BUDGET):
     r //= 2
   return r
 
@@ -139,8 +139,9 @@ def up_tiles(D: int, F: int) -> tuple[int, int, int]:
   """(rows, columns, splits) of the up kernel: a program reads `rows` × `columns` of gate
   and of up (within TILE_BUDGET), `D / rows / splits` loop steps of them, and writes partial
   sums for one of `splits` parts of D (the largest power of two ≤ MAX_SPLITS dividing the
-  row blocks: the down kernel reads the parts as one [splits, rows] tile)."""
-  cols = 64 if F % 64 == 0 else 32
+  row blocks: the down kernel reads the parts as one [splits, rows] tile). F is a
+  multiple of 64 (`fits`): 64 columns, 128 bytes of bf16 a row."""
+  cols = 64
   r = TILE_BUDGET // (2 * cols)
   while D % r:
     r //= 2
