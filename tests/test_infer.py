@@ -293,8 +293,9 @@ def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch, rope_dim):
 
 
 def test_inference_variables_hold_the_experts_in_the_model_dtype():
-  """The MoE experts come out in the model's dtype (so no decode step converts them), every
-  other parameter as stored, and the model computes the same logits from either."""
+  """The MoE experts, routed and shared, come out in the model's dtype (so no decode step
+  converts them or reads fp32), every other parameter as stored, and the model computes the
+  same logits from either."""
   c = make_small_config()
   c.model.update({"dtype": "bfloat16", "n_layers": 2, "layer_pattern": "KA"})
   model = inference_model(frozen_model_config(c))
@@ -304,6 +305,7 @@ def test_inference_variables_hold_the_experts_in_the_model_dtype():
   cast = inference_variables(model.cfg, variables)
   moe, dense = cast["params"]["layer_1"]["ffn"], cast["params"]["layer_0"]["ffn"]
   assert moe["gate_up"].dtype == moe["down"].dtype == jnp.bfloat16
+  assert {x.dtype for x in jax.tree.leaves(moe["shared"])} == {jnp.dtype(jnp.bfloat16)}
   assert moe["router_kernel"].dtype == jnp.float32
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(dense))
   apply = jax.jit(model.apply)

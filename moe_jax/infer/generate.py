@@ -60,12 +60,17 @@ def inference_variables(model_cfg, variables: dict) -> dict:
 
 def _experts_cast(layer, dtype):
   """A layer's params with its MoE expert weights (ffn/gate_up, ffn/down: arrays, where a
-  dense FFN holds dicts) in `dtype`."""
+  dense FFN holds dicts) and its shared experts' kernels in `dtype`. The shared expert is a
+  SwiGLU of model-dtype Dense layers, and the decode layer kernels round its weights to the
+  model's dtype, so the values are the same; read as stored (fp32), each decode step read
+  twice its bytes."""
   ffn = layer.get("ffn") if isinstance(layer, dict) else None
   if not isinstance(ffn, dict) or not hasattr(ffn.get("gate_up"), "dtype"):
     return layer
-  return {**layer, "ffn": {**ffn, "gate_up": ffn["gate_up"].astype(dtype),
-                           "down": ffn["down"].astype(dtype)}}
+  out = {**ffn, "gate_up": ffn["gate_up"].astype(dtype), "down": ffn["down"].astype(dtype)}
+  if "shared" in ffn:
+    out["shared"] = jax.tree.map(lambda w: w.astype(dtype), ffn["shared"])
+  return {**layer, "ffn": out}
 
 
 def forward_logits(config, variables: dict, tokens_BxT, segment_ids_BxT=None):
