@@ -292,10 +292,11 @@ def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch, rope_dim):
   assert len(errs) == (lengths - prompt).sum() and np.isfinite(errs).all() and max(errs) < 1e-4
 
 
-def test_inference_variables_hold_the_experts_in_the_model_dtype():
-  """The MoE experts, routed and shared, come out in the model's dtype (so no decode step
-  converts them or reads fp32), every other parameter as stored, and the model computes the
-  same logits from either."""
+def test_inference_variables_hold_the_matrices_in_the_model_dtype():
+  """The MoE experts, routed and shared, and every layer's `kernel` come out in the model's
+  dtype (so no decode step converts them or reads them in fp32); norm scales, gate
+  parameters, embeddings and the router as stored; and the model computes bit-equal logits
+  from either (bf16, a KDA and an MLA layer, a dense FFN and an MoE one)."""
   c = make_small_config()
   c.model.update({"dtype": "bfloat16", "n_layers": 2, "layer_pattern": "KA"})
   model = inference_model(frozen_model_config(c))
@@ -303,11 +304,25 @@ def test_inference_variables_hold_the_experts_in_the_model_dtype():
   batch = {"tokens": tokens, "segment_ids": np.ones((2, 8), np.int32)}
   variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
   cast = inference_variables(model.cfg, variables)
-  moe, dense = cast["params"]["layer_1"]["ffn"], cast["params"]["layer_0"]["ffn"]
+  moe = cast["params"]["layer_1"]["ffn"]
   assert moe["gate_up"].dtype == moe["down"].dtype == jnp.bfloat16
-  assert {x.dtype for x in jax.tree.leaves(moe["shared"])} == {jnp.dtype(jnp.bfloat16)}
   assert moe["router_kernel"].dtype == jnp.float32
-  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(dense))
+  leaves = jax.tree_util.tree_leaves_with_path(cast["params"])
+  kernels = {jax.tree_util.keystr(k) for k, _ in leaves if jax.tree_util.keystr(k).endswith("['kernel']")}
+  assert any("shared" in k for k in kernels) and any("q_proj" in k for k in kernels)
+  assert any("dense_ffn" in k or "layer_0']['ffn" in k for k in kernels)
+  for k, w in leaves:
+    name = jax.tree_util.keystr(k)
+    want = jnp.bfloat16 if name in kernels or name.endswith(("['gate_up']", "['down']")) else jnp.float32
+    assert w.dtype == want, name
   apply = jax.jit(model.apply)
   np.testing.assert_array_equal(np.asarray(apply(cast, batch)[0]),
                                 np.asarray(apply(variables, batch)[0]))
+  # And a decode step after a prefill (T = 1: the cached paths, MLA's absorbed k_b / v_b).
+  step = jax.jit(make_step(model))
+
+  def next_logits(v):
+    cache = init_cache(model.cfg, 2, 16)
+    _, cache = step(v, tokens[:, :7], np.ones((2, 7), bool), cache)
+    return np.asarray(step(v, tokens[:, 7:], np.ones((2, 1), bool), cache)[0])
+  np.testing.assert_array_equal(next_logits(cast), next_logits(variables))

@@ -43,34 +43,38 @@ def inference_model(model_cfg) -> HybridMoE:
 
 def inference_variables(model_cfg, variables: dict) -> dict:
   """Training variables (params, router; scanned layers stacked or not) in the per-layer
-  layout the inference model reads, with each MoE layer's expert weights already in the
-  model's dtype. Call once, outside the decode loop.
+  layout the inference model reads, with every matrix it uses in the model's dtype: each
+  MoE layer's expert weights and every layer's `kernel`. Call once, outside the decode loop.
 
-  Why the cast: the MoE layer casts its experts to the model's dtype before use. Where a
-  kernel (a Pallas or grouped-matmul custom call) reads them, XLA cannot fuse that cast
-  into it, so every decode step would write a converted copy of every expert (184 MB of
-  fp32 in, 92 MB out per layer of long_context_1b). The values the model computes with are
-  the same."""
+  Why: every consumer rounds these weights to the model's dtype before use (Dense layers in
+  the model dtype, the MoE and KDA decode kernels, MLA's absorbed k_b / v_b), so the values
+  the model computes with are the same. But a step reads them as stored: where a kernel (a
+  Pallas or grouped-matmul custom call) reads the experts, XLA cannot fuse the cast into
+  it, so every decode step wrote a converted copy of every expert (184 MB of fp32 in, 92 MB
+  out per layer of long_context_1b), and the projections' fp32 weights were read at twice
+  their bytes. Norm scales, gate parameters (A_log, dt_bias), biases, embeddings and the
+  router stay as stored: some enter fp32 arithmetic, the rest are small."""
   out = {k: layer_stack.unstack(model_cfg, v) for k, v in variables.items()}
   if "params" in out:
     dtype = dtype_of(model_cfg)
-    out["params"] = {name: _experts_cast(layer, dtype) for name, layer in out["params"].items()}
+    params = {name: _experts_cast(layer, dtype) for name, layer in out["params"].items()}
+    out["params"] = jax.tree_util.tree_map_with_path(
+        lambda path, w: w.astype(dtype) if _key(path[-1]) == "kernel" else w, params)
   return out
+
+
+def _key(entry) -> str:
+  return str(getattr(entry, "key", entry))
 
 
 def _experts_cast(layer, dtype):
   """A layer's params with its MoE expert weights (ffn/gate_up, ffn/down: arrays, where a
-  dense FFN holds dicts) and its shared experts' kernels in `dtype`. The shared expert is a
-  SwiGLU of model-dtype Dense layers, and the decode layer kernels round its weights to the
-  model's dtype, so the values are the same; read as stored (fp32), each decode step read
-  twice its bytes."""
+  dense FFN holds dicts) in `dtype`."""
   ffn = layer.get("ffn") if isinstance(layer, dict) else None
   if not isinstance(ffn, dict) or not hasattr(ffn.get("gate_up"), "dtype"):
     return layer
-  out = {**ffn, "gate_up": ffn["gate_up"].astype(dtype), "down": ffn["down"].astype(dtype)}
-  if "shared" in ffn:
-    out["shared"] = jax.tree.map(lambda w: w.astype(dtype), ffn["shared"])
-  return {**layer, "ffn": out}
+  return {**layer, "ffn": {**ffn, "gate_up": ffn["gate_up"].astype(dtype),
+                           "down": ffn["down"].astype(dtype)}}
 
 
 def forward_logits(config, variables: dict, tokens_BxT, segment_ids_BxT=None):
