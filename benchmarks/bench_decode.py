@@ -92,9 +92,9 @@ def measure_decode(variant: str, model, variables, L: int, batch: int) -> dict:
       jax.block_until_ready(out)
       traced_ms = 1e3 * (time.perf_counter() - t) / n
     print(xprof_tables.hlo_op_table(trace_dir, f"{variant} {L} × {batch}, {n} tokens", top=40))
-    print(f"\nkernels by scope, {variant} {L} × {batch}, per decoded token:")
-    print(xprof_tables.kernels_by_scope(trace_dir, compiled.as_text(), n, top=60))
-    launches, device_us = xprof_tables.kernel_totals(trace_dir)
+    table, launches, device_us = xprof_tables.kernels_by_scope(trace_dir, compiled.as_text(), n,
+                                                               top=60)
+    print(f"\nkernels by scope, {variant} {L} × {batch}, per decoded token:\n{table}")
     print(f"{variant} {L} × {batch}, traced: {traced_ms:.3f} ms/token wall, "
           f"{launches / n:.0f} kernel launches and {device_us / n / 1e3:.3f} ms of kernel time "
           f"per token", flush=True)

@@ -40,32 +40,32 @@ def hlo_op_table(trace_dir: str, title: str, top: int = 25) -> str:
   return "\n".join(lines)
 
 
-def kernel_totals(trace_dir: str) -> tuple[int, float]:
-  """(kernel launches, µs of kernel time) in the trace under `trace_dir`."""
+def kernels_by_scope(trace_dir: str, hlo_text: str, per: int, top: int = 40) -> tuple[str, int, float]:
+  """(markdown, kernel launches, kernel µs) of the trace under `trace_dir`: its kernels
+  grouped by the named scope of the HLO op each runs (`scope_groups`), launches and µs
+  divided by `per` (e.g. decoded tokens): which module's kernels take a step's time."""
   paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  rows = tool_rows(paths, "kernel_stats")
-  return (sum(int(r.get("occurrences") or 0) for r in rows),
-          sum(float(r.get("total_duration_us") or 0) for r in rows))
+  groups = scope_groups(tool_rows(paths, "kernel_stats"), hlo_ops(hlo_text))
+  lines = [f"| scope | launches per {per} | µs |", "|---|---|---|"]
+  for scope, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
+    lines.append(f"| {scope[-110:]} | {n / per:.1f} | {us / per:.1f} |")
+  return ("\n".join(lines), sum(n for n, _ in groups.values()),
+          sum(us for _, us in groups.values()))
 
 
-def kernels_by_scope(trace_dir: str, hlo_text: str, per: int, top: int = 40) -> str:
-  """Markdown: the trace's kernels grouped by the named scope of the HLO op each runs (its
-  op_name without the primitive, the jit/while wrappers and the layer index; Pallas
-  kernels by their own name), launches and µs divided by `per` (e.g. decoded tokens):
-  which module's kernels take a step's time."""
-  paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-  ops = hlo_ops(hlo_text)
+def scope_groups(kernel_rows: list[dict], ops: dict[str, str]) -> dict[str, tuple[int, float]]:
+  """scope → (launches, µs) over kernel_stats rows: a kernel's scope is its HLO op's op_name
+  without the primitive, the jit/while wrappers and the layer index (`layer_*`), so one
+  module's kernels in every layer add up (a jit the op sits in, e.g. take_along_axis's,
+  stays part of the scope); a kernel with no op (a Pallas kernel) by its own name."""
   groups = {}
-  for r in tool_rows(paths, "kernel_stats"):
+  for r in kernel_rows:
     op = op_of(str(r["kernel_name"]), ops)
     scope = re.sub(r"^.*?/while/body/", "", op).rsplit("/", 1)[0] if op else str(r["kernel_name"])
     scope = re.sub(r"layer_\d+", "layer_*", re.sub(r"jit\([^)]*\)/", "", scope))
     n, us = groups.get(scope, (0, 0.0))
     groups[scope] = (n + int(r.get("occurrences") or 0), us + float(r.get("total_duration_us") or 0))
-  lines = [f"| scope | launches per {per} | µs |", "|---|---|---|"]
-  for scope, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]:
-    lines.append(f"| {scope[-110:]} | {n / per:.1f} | {us / per:.1f} |")
-  return "\n".join(lines)
+  return groups
 
 
 def _rows(data) -> list[dict]:

@@ -132,6 +132,23 @@ def _trace(kernels, streams=("Stream #13(Compute)", "Stream #14(MemcpyD2D)")):
   return {"traceEvents": ev}
 
 
+def test_scope_groups_add_one_module_over_layers():
+  """Kernels group by their HLO op's scope without the primitive, the jit/while wrappers
+  and the layer index (a jit the op sits in stays its scope); a kernel with no op (Pallas)
+  by its own name; a fusion's numbered kernel by its instruction's op."""
+  ops = {"fusion_1": "jit(f)/jit(decode_turn)/while/body/HybridMoE/layer_0/kda/mixer/q_proj/dot_general",
+         "fusion_2": "jit(f)/while/body/HybridMoE/layer_4/kda/mixer/q_proj/mul",
+         "fusion_3": "jit(f)/while/body/HybridMoE/layer_1/moe/ffn/jit(take)/gather"}
+  rows = [{"kernel_name": "fusion_1", "occurrences": 2, "total_duration_us": 3.0},
+          {"kernel_name": "fusion_2_7", "occurrences": 1, "total_duration_us": 1.5},
+          {"kernel_name": "fusion_3", "occurrences": 4, "total_duration_us": 8.0},
+          {"kernel_name": "latent_decode", "occurrences": 4, "total_duration_us": 40.0}]
+  assert xprof_tables.scope_groups(rows, ops) == {
+      "HybridMoE/layer_*/kda/mixer/q_proj": (3, 4.5),
+      "HybridMoE/layer_*/moe/ffn/jit(take)": (4, 8.0),
+      "latent_decode": (4, 40.0)}
+
+
 def test_device_gaps_count_the_union_of_streams_and_group_the_waits():
   # stream 0: a 0-10, b 30-40, c 100-130; stream 1 overlaps b (35-50), then d 200-210.
   # union: [0,10] [30,50] [100,130] [200,210] = 70 µs busy; gaps 20, 50, 70 µs.

@@ -12,7 +12,7 @@ from moe_jax.model.layers import ShortConv, dense, dtype_of, lp, out_scale, rms_
 from moe_jax.parallel.kda_sequence import kda_sequence_parallel
 from moe_jax.parallel.mesh import axis_size, per_device, single_device
 from pallas_kernels import platform
-from pallas_kernels.kda import decode_step, kda, kda_gate
+from pallas_kernels.kda import decode_step, kda, kda_gate, ops as kda_ops
 from pallas_kernels.kda.reference import l2_normalize
 
 
@@ -76,8 +76,8 @@ def decode_by_kernel(cfg) -> bool:
   if choice == "kernel":
     return platform.target() != "tpu"
   K = cfg.kda_head_dim
-  return (choice == "auto" and platform.target() == "gpu" and K >= 16 and not K & (K - 1)
-          and cfg.kda_conv_size >= 2)
+  return (choice == "auto" and platform.target() == "gpu"
+          and kda_ops.decode_step_fits(K, K, cfg.kda_conv_size))
 
 
 def kda_heads(cfg) -> int:

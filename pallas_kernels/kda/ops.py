@@ -10,7 +10,8 @@ from pallas_kernels import platform
 from pallas_kernels.kda import pallas_gpu, pallas_tpu, pallas_gpu_prologue, reference
 from pallas_kernels.kda.gate import check_lower_bound, kda_gate
 # A KDA layer's whole decode step (T = 1) as one kernel: Triton on GPU, interpret elsewhere.
-from pallas_kernels.kda.pallas_gpu_decode import decode_step  # noqa: F401 — re-exported
+from pallas_kernels.kda.pallas_gpu_decode import (  # noqa: F401 — re-exported
+    decode_step, fits as decode_step_fits)
 
 IMPLEMENTATIONS = ("xla", "recurrent", "pallas_gpu", "triton", "pallas_tpu")
 GPU_KERNELS = ("pallas_gpu", "triton")   # prologue, gate and L2 norm inside the op

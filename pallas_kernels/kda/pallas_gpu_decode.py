@@ -116,6 +116,11 @@ def _kernel(*refs, n_src, where, W, K, lower_bound, eps, dtype, has_bias):
   o_ref[...] = (normed_V * rnd(jax.nn.sigmoid(gate_V))).astype(o_ref.dtype)
 
 
+def fits(K: int, V: int, W: int) -> bool:
+  """The kernel's shapes: K == V a power of two ≥ 16 (Triton tiles), a conv of width ≥ 2."""
+  return K == V and K >= 16 and not K & (K - 1) and W >= 2
+
+
 def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lower_bound,
                 eps, dtype, interpret=None):
   """One token of a KDA layer, from its input projections to what o_proj reads.
@@ -128,10 +133,10 @@ def decode_step(srcs, where, segment_ids_B, conv, params, state_BxHxKxV, *, lowe
   """
   B, H, K, V = state_BxHxKxV.shape
   W = conv["q"][1].shape[0]
-  if K != V or K < 16 or K & (K - 1):
+  if not fits(K, V, 2):
     raise ValueError(f"the fused KDA decode step needs K == V, a power of two >= 16; got "
                      f"K={K}, V={V}")
-  if W < 2:
+  if not fits(K, V, W):
     raise ValueError(f"the fused KDA decode step needs a conv of width >= 2, got {W}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
