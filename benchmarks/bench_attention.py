@@ -12,8 +12,9 @@ is timed alone; the backward (dq and dk/dv kernels, with delta in XLA as
 pallas_gpu_causal.py does) with one kernel's tiles swept while the other keeps its default.
 cuDNN on the same documents (its packed layout: pallas_kernels/attention/cudnn_packed.py,
 mla_implementation="cudnn") gets a row, and cuDNN over whole rows
-(jax.nn.dot_product_attention, causal, no segment ids) is the speed reference. TFLOP/s counts causal attention's model FLOPs: forward 2·(D + Dv) per
-visible score, backward 2·(3D + 2Dv) (the dq and dk/dv kernels recompute more than that).
+(jax.nn.dot_product_attention, causal, no segment ids) is the speed reference. TFLOP/s
+counts causal attention's model FLOPs: forward 2·(D + Dv) per visible score, backward
+2·(3D + 2Dv) (the dq and dk/dv kernels recompute more than that).
 """
 
 import importlib.util
