@@ -19,7 +19,7 @@ benchmarks/decode_floors.py, the bytes it must read at 4.8 TB/s), peak_gib (the 
 decode's arguments, outputs and temporaries, without the buffers it donates and gets
 back), memory_limit_gib (what the allocator may use: XLA_PYTHON_CLIENT_MEM_FRACTION, 0.95
 here unless set), oom, the decode options the model ran with (kda_decode,
-fused_projections, moe.decode_dispatch, decode_matmul), xla_flags (the XLA_FLAGS of the run:
+moe.decode_dispatch, decode_matmul), xla_flags (the XLA_FLAGS of the run:
 rows with flags are kept apart from the defaults' and out of the max-batch ratio), date,
 commit.
 """

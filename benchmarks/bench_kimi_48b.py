@@ -7,8 +7,8 @@ then decode; tokens/s, ms per token and peak memory.
 configs/kimi_linear_48b.py in bf16 with random weights (benchmarks/random_variables.py:
 49.1 B parameters, 98 GB) and random tokens; the prefill and decode loops of
 benchmarks/bench_long_context.py (its flags: --prefill_chunk, --decode_tokens, --batch,
---max_seconds, --small, and the decode options --kda_decode, --decode_dispatch,
---fused_projections, which each row records). Before running, the memory plan: weights,
+--max_seconds, --small, and the decode options --kda_decode and --decode_dispatch, which
+each row records). Before running, the memory plan: weights,
 the MLA latent cache at each context (7 layers × (512 + 64) numbers a token) and the KDA
 states. A context that does not fit is a row with its error and the plan's numbers.
 --memory_only compiles the prefill step and the decode loop for the longest context from
@@ -82,8 +82,6 @@ def model_config():
     c.model.kda_decode = blc._KDA_DECODE.value
   if blc._DECODE_DISPATCH.value:
     c.model.moe.decode_dispatch = blc._DECODE_DISPATCH.value
-  if blc._FUSED.value is not None:
-    c.model.fused_projections = blc._FUSED.value
   return c
 
 

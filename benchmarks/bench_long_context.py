@@ -48,9 +48,6 @@ _DECODE_DISPATCH = flags.DEFINE_string(
 _DECODE_MATMUL = flags.DEFINE_string(
     "decode_matmul", "", "model.decode_matmul for this run: xla | pallas (few-rows kernel for "
     "the projections); '' keeps the config's.")
-_FUSED = flags.DEFINE_bool("fused_projections", None, "model.fused_projections for this run (a "
-                           "KDA layer's six input projections as one matmul); unset keeps "
-                           "the config's.")
 _KDA_DECODE = flags.DEFINE_string(
     "kda_decode", "", "model.kda_decode for this run: auto | xla | kernel (a KDA layer's decode "
     "step as one Pallas kernel); '' keeps the config's.")
@@ -59,10 +56,10 @@ _BATCH = flags.DEFINE_integer("batch", 1, "Prompts decoded together (each of the
 
 
 # The model's decode-path options, recorded in each decode row (rows made with other values
-# are kept apart), with configs/base.py's values as their defaults.
+# are kept apart), with configs/base.py's values as their defaults. (KDA's input projections
+# are always fused at inference: infer/generate.py inference_variables.)
 _BASE = base.get_config().model
-DECODE_OPTIONS = {"kda_decode": _BASE.kda_decode, "fused_projections": _BASE.fused_projections,
-                  "decode_dispatch": _BASE.moe.decode_dispatch,
+DECODE_OPTIONS = {"kda_decode": _BASE.kda_decode, "decode_dispatch": _BASE.moe.decode_dispatch,
                   "decode_matmul": _BASE.decode_matmul}
 
 
@@ -78,8 +75,6 @@ def model_config(variant):
     c.model.moe.decode_dispatch = _DECODE_DISPATCH.value
   if _DECODE_MATMUL.value:
     c.model.decode_matmul = _DECODE_MATMUL.value
-  if _FUSED.value is not None:
-    c.model.fused_projections = _FUSED.value
   if _KDA_DECODE.value:
     c.model.kda_decode = _KDA_DECODE.value
   if _SMALL.value:

@@ -3,7 +3,7 @@ layers, and the KDA op alone, on the long_context_1b shapes.
 
   python -m benchmarks.profile_decode [--layers=4] [--filled=8192] [--batch=8]
       [--decode_matmul=pallas] [--decode_dispatch=fused] [--kda_decode=kernel]
-      [--fused_projections] [--trace_dir=DIR]
+      [--trace_dir=DIR]
 """
 
 import os
@@ -29,7 +29,6 @@ _MATMUL = flags.DEFINE_string("decode_matmul", "pallas", "model.decode_matmul: x
 _DISPATCH = flags.DEFINE_string(
     "decode_dispatch", "auto", "model.moe.decode_dispatch: auto | gather | fused | grouped | layer.")
 _KDA_DECODE = flags.DEFINE_string("kda_decode", "auto", "model.kda_decode: auto | xla | kernel.")
-_FUSED = flags.DEFINE_bool("fused_projections", False, "model.fused_projections.")
 _TRACE = flags.DEFINE_string("trace_dir", None, "Also trace the KDA-only and MLA-only steps "
                              "with the JAX profiler here (subfolders K, A) and print xprof's "
                              "per-op tables and the launches and device time per 5 steps.")
@@ -39,7 +38,7 @@ def step_ms(pattern, moe=True, trace=False, **model):
   c = long_context_1b.get_config()
   c.model.update({"dtype": "bfloat16", "n_layers": _LAYERS.value, "layer_pattern": pattern,
                   "decode_matmul": _MATMUL.value, "kda_decode": _KDA_DECODE.value,
-                  "fused_projections": _FUSED.value, **model})
+                  **model})
   c.model.moe.decode_dispatch = _DISPATCH.value
   if not moe:
     c.model.moe.num_experts = 0
@@ -85,7 +84,7 @@ def main(argv):
           (f"{_LAYERS.value} MLA layers, dense FFN", step_ms("A", moe=False))]
   print(f"\n{jax.devices()[0]}; decode step at filled {_FILLED.value}, batch {_BATCH.value}, "
         f"bf16, projections {_MATMUL.value}, experts {_DISPATCH.value}, "
-        f"kda_decode {_KDA_DECODE.value}, fused_projections {_FUSED.value}")
+        f"kda_decode {_KDA_DECODE.value}")
   print("| probe | ms |\n|---|---|")
   for name, ms in rows:
     print(f"| {name} | {ms:.3f} |")

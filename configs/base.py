@@ -60,7 +60,8 @@ def get_config(arg=None):
   # once; more rows, and other platforms, run lax.dot_general either way).
   m.decode_matmul = "pallas"
   # One matmul for all six projections a KDA layer makes of its input (q, k, v, f_a, b_proj,
-  # g_a) instead of six: fewer kernels a decode step. Its own parameter layout (`in_proj`).
+  # g_a) instead of six, in training: its own parameter layout (`in_proj`). Inference reads
+  # them fused either way (infer/generate.py inference_variables).
   m.fused_projections = False
   # A KDA layer's decode step (T = 1) from its input projections to o_proj: xla (some twenty
   # small kernels) | kernel (one Pallas kernel: pallas_kernels/kda/pallas_gpu_decode.py) |

@@ -18,6 +18,7 @@ from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import (decode, inference_model, inference_variables, make_step,
                                     prefill)
 from moe_jax.model import kda as kda_module
+from moe_jax.model.transformer import HybridMoE
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.attention import pallas_gpu_latent_decode as latent_decode, xla_cached
@@ -216,15 +217,16 @@ def test_generate_script_on_a_trained_checkpoint(tmp_path):
   assert "=== 'def f(x):'" in proc.stdout and "=== 'import'" in proc.stdout
 
 
-def _prefill_then_decode_errors(c, lengths, prompt, cache_len, seed):
-  """An inference model of config c with random weights: prefill each row's prompt (one
-  chunk), then decode its true tokens one at a time up to its length. (the model's
-  variables, relative errors of the decoded logits against the full forward's)."""
+def _prefill_then_decode_errors(c, lengths, prompt, cache_len, seed, init_model=None):
+  """An inference model of config c with random weights (init_model's, default its own):
+  prefill each row's prompt (one chunk), then decode its true tokens one at a time up to
+  its length. (the model's variables, relative errors of the decoded logits against the
+  full forward's)."""
   model = inference_model(frozen_model_config(c))
   T = int(lengths.max())
   tokens = np.random.default_rng(seed).integers(0, 256, (len(lengths), T)).astype(np.int32)
   batch = {"tokens": tokens, "segment_ids": (np.arange(T)[None] < lengths[:, None]).astype(np.int32)}
-  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  variables = nn.meta.unbox(jax.jit((init_model or model).init)(jax.random.key(0), batch))
   full, _ = jax.jit(model.apply)(variables, batch)
   P = int(prompt.max())
   cache = init_cache(model.cfg, len(lengths), cache_len)
@@ -234,16 +236,20 @@ def _prefill_then_decode_errors(c, lengths, prompt, cache_len, seed):
   return variables, errs
 
 
-def test_fused_projections_decode_reproduces_full_forward():
-  """model.fused_projections (a KDA layer's six input projections as one matmul) through
-  prefill and the recurrent decode step gives the full forward's logits."""
+@pytest.mark.parametrize("layout", ["fused", "six"])
+def test_either_projection_layout_decodes_to_the_full_forward(layout):
+  """The inference model reads KDA's input projections in the layout its params hold:
+  fused (one `in_proj`, what it initialises and inference_variables gives) or six (training
+  variables of model.fused_projections = False, passed as they are). Either way prefill and
+  the recurrent decode step give the full forward's logits."""
   c = make_small_config()
-  c.model.update({"dtype": "float32", "n_layers": 2, "layer_pattern": "KA",
-                  "fused_projections": True})
+  c.model.update({"dtype": "float32", "n_layers": 2, "layer_pattern": "KA"})
   lengths, prompt = np.array([12, 9]), np.array([4, 3])
-  variables, errs = _prefill_then_decode_errors(c, lengths, prompt, cache_len=16, seed=4)
+  train = HybridMoE(frozen_model_config(c)) if layout == "six" else None
+  variables, errs = _prefill_then_decode_errors(c, lengths, prompt, cache_len=16, seed=4,
+                                                init_model=train)
   mixer = variables["params"]["layer_0"]["mixer"]
-  assert "in_proj" in mixer and "q_proj" not in mixer
+  assert ("in_proj" in mixer) == (layout == "fused") and ("q_proj" in mixer) == (layout == "six")
   assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
 
 
@@ -292,32 +298,39 @@ def test_gpu_kimi_mla_decode_reproduces_full_forward(monkeypatch, rope_dim):
   assert len(errs) == (lengths - prompt).sum() and np.isfinite(errs).all() and max(errs) < 1e-4
 
 
-def test_inference_variables_hold_the_matrices_in_the_model_dtype():
-  """The MoE experts, routed and shared, and every layer's `kernel` come out in the model's
-  dtype (so no decode step converts them or reads them in fp32); norm scales, gate
-  parameters, embeddings and the router as stored; and the model computes bit-equal logits
-  from either (bf16, a KDA and an MLA layer, a dense FFN and an MoE one)."""
+def test_inference_variables_fuse_kda_and_hold_the_matrices_in_the_model_dtype():
+  """From training variables (six KDA projections, fp32 params): each KDA mixer's six
+  input projections come out as one `in_proj`; the MoE experts, routed and shared, and
+  every layer's `kernel` in the model's dtype (so no decode step converts them or reads
+  them in fp32); norm scales, gate parameters, embeddings and the router as stored. The
+  model computes bit-equal logits from the cast and the uncast fused params, and the six's
+  within bf16 rounding (bf16, a KDA and an MLA layer, a dense FFN and an MoE one)."""
   c = make_small_config()
   c.model.update({"dtype": "bfloat16", "n_layers": 2, "layer_pattern": "KA"})
   model = inference_model(frozen_model_config(c))
   tokens = np.random.default_rng(0).integers(0, 256, (2, 8)).astype(np.int32)
   batch = {"tokens": tokens, "segment_ids": np.ones((2, 8), np.int32)}
-  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  train = HybridMoE(frozen_model_config(c))
+  variables = nn.meta.unbox(jax.jit(train.init)(jax.random.key(0), batch))
   cast = inference_variables(model.cfg, variables)
+  mixer = cast["params"]["layer_0"]["mixer"]
+  assert "in_proj" in mixer and not set(kda_module.FUSED_PROJECTIONS) & set(mixer)
   moe = cast["params"]["layer_1"]["ffn"]
   assert moe["gate_up"].dtype == moe["down"].dtype == jnp.bfloat16
   assert moe["router_kernel"].dtype == jnp.float32
   leaves = jax.tree_util.tree_leaves_with_path(cast["params"])
   kernels = {jax.tree_util.keystr(k) for k, _ in leaves if jax.tree_util.keystr(k).endswith("['kernel']")}
-  assert any("shared" in k for k in kernels) and any("q_proj" in k for k in kernels)
+  assert any("shared" in k for k in kernels) and any("in_proj" in k for k in kernels)
   assert any("dense_ffn" in k or "layer_0']['ffn" in k for k in kernels)
   for k, w in leaves:
     name = jax.tree_util.keystr(k)
     want = jnp.bfloat16 if name in kernels or name.endswith(("['gate_up']", "['down']")) else jnp.float32
     assert w.dtype == want, name
   apply = jax.jit(model.apply)
-  np.testing.assert_array_equal(np.asarray(apply(cast, batch)[0]),
-                                np.asarray(apply(variables, batch)[0]))
+  fused = {**variables, "params": kda_module.fuse_projections(variables["params"])}
+  got = np.asarray(apply(cast, batch)[0], np.float32)
+  np.testing.assert_array_equal(got, np.asarray(apply(fused, batch)[0], np.float32))
+  assert rel_err(got, apply(variables, batch)[0]) < 1e-2
   # And a decode step after a prefill (T = 1: the cached paths, MLA's absorbed k_b / v_b).
   step = jax.jit(make_step(model))
 
@@ -325,4 +338,4 @@ def test_inference_variables_hold_the_matrices_in_the_model_dtype():
     cache = init_cache(model.cfg, 2, 16)
     _, cache = step(v, tokens[:, :7], np.ones((2, 7), bool), cache)
     return np.asarray(step(v, tokens[:, 7:], np.ones((2, 1), bool), cache)[0])
-  np.testing.assert_array_equal(next_logits(cast), next_logits(variables))
+  np.testing.assert_array_equal(next_logits(cast), next_logits(fused))

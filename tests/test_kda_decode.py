@@ -16,6 +16,7 @@ from moe_jax.config import validate
 from moe_jax.infer.cache import init_cache
 from moe_jax.infer.generate import inference_model, make_step, prefill
 from moe_jax.model import kda as kda_module
+from moe_jax.model.transformer import HybridMoE
 from moe_jax.train.state import frozen_model_config
 from pallas_kernels.kda import pallas_gpu_decode
 from tests.conftest import count_calls, make_small_config, rel_err
@@ -24,13 +25,16 @@ from tests.test_infer import _prefill_then_decode_errors
 
 def _decode(c, kda_decode, tokens, prompt, lengths):
   """Prefill `prompt` tokens of each row, then feed the rest one at a time (a row past its
-  length is padding): (logits [steps, B, V] float32, final cache)."""
+  length is padding): (logits [steps, B, V] float32, final cache). The weights are the
+  training model's, in the projection layout of c.model.fused_projections, which the
+  inference model reads as they are."""
   c = c.copy_and_resolve_references()
   c.model.kda_decode = kda_decode
   model = inference_model(frozen_model_config(c))
   B, T = tokens.shape
   batch = {"tokens": tokens, "segment_ids": np.ones((B, T), np.int32)}
-  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+  train = HybridMoE(frozen_model_config(c))
+  variables = nn.meta.unbox(jax.jit(train.init)(jax.random.key(0), batch))
   cache = init_cache(model.cfg, B, T + 4)
   _, cache = prefill(make_step(model), variables, cache, tokens[:, :prompt],
                      np.full(B, prompt), chunk=prompt)

@@ -52,13 +52,6 @@ def test_shapes_and_logical_axes(small_config, tie):
     assert abs(float(stats["load"].sum()) - 1.0) < 1e-6
 
 
-def _fuse_kda(tree):
-  """Every KDA mixer's parameters in model.fused_projections' layout (stacked or not)."""
-  if isinstance(tree, dict) and "q_proj" in tree and "f_a" in tree:
-    return kda.fuse_projection_params(tree)
-  return {k: _fuse_kda(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
 # scan=False: 14 s on 2 cores, in make test-all; make test keeps the scanned layout.
 @pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_fused_projections_equal_the_six_and_train_the_same(small_config, scan):
@@ -72,7 +65,7 @@ def test_fused_projections_equal_the_six_and_train_the_same(small_config, scan):
   fused = _model(small_config, layer_pattern="KKA", dtype="float32", scan_layers=scan,
                  fused_projections=True)
   variables = nn.meta.unbox(plain.init(jax.random.key(1), batch))
-  fused_variables = {**variables, "params": _fuse_kda(variables["params"])}
+  fused_variables = {**variables, "params": kda.fuse_projections(variables["params"])}
   want = jax.tree.map(jnp.shape, nn.meta.unbox(jax.eval_shape(fused.init, jax.random.key(1),
                                                               batch)))
   assert jax.tree.map(jnp.shape, fused_variables) == want
@@ -86,7 +79,7 @@ def test_fused_projections_equal_the_six_and_train_the_same(small_config, scan):
   (l_fused, logits_fused), g_fused = jax.jit(jax.value_and_grad(
       lambda p: loss(fused, p, fused_variables), has_aux=True))(fused_variables["params"])
   assert rel_err(logits_fused, logits_plain) < 1e-6 and abs(float(l_fused - l_plain)) < 1e-6
-  g_want = _fuse_kda(g_plain)   # the fused kernel's gradient is the six's side by side
+  g_want = kda.fuse_projections(g_plain)   # the fused kernel's gradient is the six's side by side
   for a, b in zip(jax.tree.leaves(g_fused), jax.tree.leaves(g_want)):
     assert rel_err(a, b) < 1e-4   # 1.2e-5 measured: dx sums the fused width in one product
 

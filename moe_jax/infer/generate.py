@@ -26,25 +26,34 @@ from moe_jax.data import images as images_lib, tokenizer, tokenizers
 from moe_jax.fields import is_moe
 from moe_jax.infer import sampling
 from moe_jax.infer.cache import init_cache
-from moe_jax.model import layer_stack
+from moe_jax.model import kda, layer_stack
 from moe_jax.model.layers import dtype_of
 from moe_jax.model.transformer import HybridMoE
 
 
 def inference_model(model_cfg) -> HybridMoE:
-  """The same model with dropless MoE dispatch: no token is ever dropped at inference."""
+  """The same model with dropless MoE dispatch (no token is ever dropped at inference),
+  layers unscanned and KDA's input projections fused: the layout inference_variables
+  gives."""
   c = ml_collections.ConfigDict(model_cfg.to_dict())
   if is_moe(c):
     c.moe.dispatch = "dropless"
   c.remat = False
   c.scan_layers = False   # each layer's weights and cache read in place (model/layer_stack.py)
+  c.fused_projections = True   # what the model initialises; applied, it reads either layout
   return HybridMoE(ml_collections.FrozenConfigDict(c))
 
 
 def inference_variables(model_cfg, variables: dict) -> dict:
   """Training variables (params, router; scanned layers stacked or not) in the per-layer
-  layout the inference model reads, with every matrix it uses in the model's dtype: each
-  MoE layer's expert weights and every layer's `kernel`. Call once, outside the decode loop.
+  layout the inference model reads, each KDA mixer's six input projections fused into one
+  `in_proj`, and every matrix it uses in the model's dtype: each MoE layer's expert weights
+  and every layer's `kernel`. Call once, outside the decode loop.
+
+  Why fused: at decode every matmul is its own kernels, and the six are narrow (f_a, g_a
+  [D, K], b_proj [D, H]); one read of the concatenated kernel took the 1M-token batch-1
+  step of long_context_1b 1.878 → 1.712 ms on the H100 (benchmarks/decode.md). The values
+  are the same: each output column is the same dot product.
 
   Why: every consumer rounds these weights to the model's dtype before use (Dense layers in
   the model dtype, the MoE and KDA decode kernels, MLA's absorbed k_b / v_b), so the values
@@ -57,7 +66,8 @@ def inference_variables(model_cfg, variables: dict) -> dict:
   out = {k: layer_stack.unstack(model_cfg, v) for k, v in variables.items()}
   if "params" in out:
     dtype = dtype_of(model_cfg)
-    params = {name: _experts_cast(layer, dtype) for name, layer in out["params"].items()}
+    params = {name: _experts_cast(layer, dtype)
+              for name, layer in kda.fuse_projections(out["params"]).items()}
     out["params"] = jax.tree_util.tree_map_with_path(
         lambda path, w: w.astype(dtype) if _key(path[-1]) == "kernel" else w, params)
   return out

@@ -35,13 +35,13 @@ def _widths(H: int, K: int) -> dict:
   return dict(zip(FUSED_PROJECTIONS, (H * K, H * K, H * K, K, H, K)))
 
 
-def _input_projections(cfg, x_BxTxD, H: int, K: int) -> tuple[tuple, dict]:
+def _input_projections(cfg, x_BxTxD, H: int, K: int, fused: bool) -> tuple[tuple, dict]:
   """(arrays, where): the six projections of x, q, k, v [.., H·K], f_a [.., K], b_proj
   [.., H] and g_a [.., K], with where[name] = (index into arrays, first column). Six
-  matmuls, or with model.fused_projections one (`in_proj`, kernel [D, 3·H·K + 2·K + H]):
-  at decode each matmul is its own kernels."""
+  matmuls, or fused, one (`in_proj`, kernel [D, 3·H·K + 2·K + H]): at decode each matmul is
+  its own kernels."""
   widths = _widths(H, K)
-  if not cfg.get("fused_projections"):
+  if not fused:
     axes = dict(q_proj=("embed", "kda_channels"), k_proj=("embed", "kda_channels"),
                 v_proj=("embed", "kda_channels"), f_a=("embed", "kda_rank"),
                 b_proj=("embed", "heads"), g_a=("embed", "kda_rank"))
@@ -64,6 +64,16 @@ def fuse_projection_params(mixer_params: dict) -> dict:
   kernels = [mixer_params[name]["kernel"] for name in FUSED_PROJECTIONS]
   out["in_proj"] = {"kernel": jnp.concatenate(kernels, axis=-1)}
   return out
+
+
+def fuse_projections(params):
+  """A params tree (scanned layers stacked or not) with every KDA mixer's six input
+  projections fused (fuse_projection_params); other leaves as they were."""
+  if not isinstance(params, dict):
+    return params
+  if all(name in params for name in FUSED_PROJECTIONS):
+    return fuse_projection_params(params)
+  return {k: fuse_projections(v) for k, v in params.items()}
 
 
 def decode_by_kernel(cfg) -> bool:
@@ -97,7 +107,12 @@ class KDAMixer(nn.Module):
     H, K = kda_heads(cfg), cfg.kda_head_dim
     new_cache = {}
 
-    arrays, where = _input_projections(cfg, x_BxTxD, H, K)
+    # The layout is model.fused_projections' when initialising, else the one the params
+    # hold: inference_variables fuses the six (the inference model's layout), and training
+    # variables, six or fused, apply to either model as they are.
+    fused = (cfg.get("fused_projections", False) if self.is_initializing()
+             else self.has_variable("params", "in_proj"))
+    arrays, where = _input_projections(cfg, x_BxTxD, H, K, fused)
     # The kernel is Triton's (interpreted off a GPU, as in the tests); a TPU takes XLA's step.
     if (cache is not None and T == 1 and decode_by_kernel(cfg) and single_device()
         and not self.is_initializing()):

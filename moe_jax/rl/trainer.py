@@ -210,7 +210,8 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
     cfg, variables, _ = workdir_lib.load(init_dir)
     model_cfg, b = policy_model_config(cfg.model), budget(rl)
     check = {"step": stop, "trained": w.data.tasks,
-             **pass_at_1(rollout_lib.sampler(model_cfg, False), variables, tasks,
+             **pass_at_1(rollout_lib.sampler(model_cfg, False),
+                         inference_variables(model_cfg, variables), tasks,
                          rl, b, training_length(model_cfg, b), problems)}
     log["checks"].append(check)
     passes = [check[f"pass@1/{t.name}"] for t in tasks]
