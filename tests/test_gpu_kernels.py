@@ -68,16 +68,19 @@ def test_kda_bf16_matches_fp64_spec(seed, B, T, H, K, V):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kda_extreme_gates_with_gradients(gates, dtype):
   """Every gate at -5 (the bound), gates near 0, and unbounded legacy gates far below -5
-  (lower_bound=None, the safe stage 1), with gradients. With the unbounded gates the decay
-  over a chunk reaches e^-1000: fp32 flushes the products below e^-87 that the float64
-  spec keeps, so the gate's gradient is held to 2e-2 there (measured 9e-3 in fp32 on CPU)."""
+  (lower_bound=None), with gradients. With the unbounded gates the decay over a chunk
+  reaches e^-1000 and the gate's gradient is tiny (norm 5.5e-5 here): the elements where
+  the fp64 spec's is about 0 come out as ±2^-24, the rounding residue of the O(1) terms its
+  reverse cumulative sum cancels, so that gradient is held to 3e-2. Measured 2.34e-2 on the
+  H100 and 2.33e-2 in interpret mode on CPU with the Pallas stage 1 of unbounded gates (the
+  default), 9.4e-3 with the XLA one; every other output and gradient within 3e-7."""
   (q, k, v, _, beta), S0 = _inputs(2, 500, 4, 64, 64, seed=7)
   g, lb = {"at_bound": (jnp.full(q.shape, LB), LB), "near_zero": (jnp.full(q.shape, -1e-6), LB),
            "unbounded": (-jnp.abs(q) * 1e3 - 10.0, None)}[gates]
   dt = jnp.dtype(dtype)
   args = (q.astype(dt), k.astype(dt), v.astype(dt), g.astype(jnp.float32), beta.astype(dt))
   _check_kda(args, S0.astype(jnp.float32), lb, 1e-4 if dtype == "float32" else 1e-2, 3,
-             g_bound=2e-2 if gates == "unbounded" else None)
+             g_bound=3e-2 if gates == "unbounded" else None)
 
 
 @pytest.mark.usefixtures("x64")

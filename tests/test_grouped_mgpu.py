@@ -1,7 +1,8 @@
 """The Mosaic GPU grouped-matmul kernels (pallas_kernels/moe/mosaic_gpu_grouped.py) in
 Pallas's Mosaic GPU interpreter here (natively in the GPU suite): y, dx (w transposed in place) and dw
 against an fp64 per-group reference, with empty groups, a group of one row, groups over
-several row blocks, a group on a block boundary and NaN in the padding rows past the groups;
+several row blocks, a group on a block boundary, NaN in the padding rows past the groups
+and a row count off TMA's 8-row tile;
 the model's custom VJP against jax.lax.ragged_dot; the lowering of long_context_1b's six
 products to Mosaic GPU for CUDA; and the `mosaic` route's dx choice (tokamax's kernel where
 only 64-wide tiles fit)."""
@@ -63,6 +64,24 @@ def test_ragged_dot_matches_per_group_products(transpose_rhs):
   assert _rel(got, ref) < 4e-3      # bf16 output rounding
 
 
+def test_row_counts_off_the_tma_tile():
+  """M = 28 rows (not a multiple of 8): y, dx and dw of the rows used, through the padded
+  operands, and y of M rows."""
+  sizes = [9, 0, 12, 3]                 # 24 rows used of 28
+  x, dy, w = _operands(28, 64, 64, sizes, seed=2)
+  used = sum(sizes)
+  for transpose_rhs, lhs in ((False, x), (True, dy)):
+    got = gm.ragged_dot(lhs, w, jnp.asarray(sizes), config=SMALL, transpose_rhs=transpose_rhs,
+                        interpret=INTERPRET)
+    assert got.shape == (28, 64)
+    ref = np.concatenate(_per_group(sizes, lambda g, r: _f64(lhs)[r] @ (
+        _f64(w)[g].T if transpose_rhs else _f64(w)[g])))
+    assert _rel(_f64(got)[:used], ref) < 4e-3
+  got = _f64(gm.ragged_dw(x, dy, jnp.asarray(sizes), config=SMALL, interpret=INTERPRET))
+  ref = np.stack(_per_group(sizes, lambda g, r: _f64(x)[r].T @ _f64(dy)[r]))
+  assert np.isfinite(got).all() and _rel(got, ref) < 4e-3
+
+
 def test_ragged_dw_matches_per_group_products_and_ignores_padding():
   M, K, N = 320, 128, 192
   x, dy, _ = _operands(M, K, N, SIZES, seed=1)
@@ -106,11 +125,13 @@ def test_bad_shapes_are_named():
     gm.ragged_dw(jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.array([64]), interpret=True)
 
 
+@pytest.mark.parametrize("M", [4096, 28])   # 28: a prefill of 7 tokens of 2 rows at top-2
 @pytest.mark.parametrize("K,N", [(1024, 1408), (704, 1024)])   # long_context_1b's experts
-def test_long_context_1b_products_lower_to_mosaic_gpu(K, N):
+def test_long_context_1b_products_lower_to_mosaic_gpu(K, N, M):
   """Each product at the 1B's shapes, with its tuned (or default) tile, lowers for CUDA: the
-  Mosaic GPU layout inference and lowering run here, PTX compilation only on the GPU."""
-  M, G = 4096, 32
+  Mosaic GPU layout inference and lowering run here, PTX compilation only on the GPU. Row
+  counts that are not a multiple of TMA's 8-row tile too."""
+  G = 32
   sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((G,), jnp.int32)
   native = dict(interpret=False)

@@ -89,6 +89,18 @@ def _check(name, x, w, sizes):
     raise ValueError(f"{name}: group sizes must be integers, got {sizes.dtype}")
 
 
+# TMA reads a [M, K] operand in tiles of 8 rows: M must be a multiple of 8 (or the kernel
+# fails to lower: "dimension 0 must have size smaller or a multiple of its tiling 8").
+ROW_TILE = 8
+
+
+def _pad_rows(a_MxK):
+  """a with zero rows appended up to a multiple of ROW_TILE: rows past sum(sizes), which no
+  product reads into a group's sum (a prefill of 7 tokens of 2 rows at top-2 has M = 28)."""
+  extra = -a_MxK.shape[0] % ROW_TILE
+  return jnp.pad(a_MxK, ((0, extra), (0, 0))) if extra else a_MxK
+
+
 def _interpret(interpret) -> bool:
   """None: the kernels where the target platform is a GPU, else Pallas's Mosaic GPU
   interpreter (CPU tests)."""
@@ -134,6 +146,8 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
   transpose_rhs, w then [G, N, K]). Rows past sum(sizes) are left unwritten."""
   _check("ragged_dot", x_MxK, w_GxKxN, sizes_G)
   interpret = _interpret(interpret)
+  M_out = x_MxK.shape[0]
+  x_MxK = _pad_rows(x_MxK)
   M, K = x_MxK.shape
   G = w_GxKxN.shape[0]
   N = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
@@ -198,7 +212,7 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
       grid_names=("sm",), interpret=_interpret_params(interpret),
       kernel_name=f"grouped_mgpu_{'dx' if transpose_rhs else 'y'}_{K}x{N}",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(sizes_G.astype(jnp.int32), x_MxK, w_GxKxN)
+  )(sizes_G.astype(jnp.int32), x_MxK, w_GxKxN)[:M_out]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -208,12 +222,13 @@ def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
   past sum(sizes) never reach a sum, whatever they hold; an empty group gets zeros."""
   _check("ragged_dw", x_MxK, dy_MxN, sizes_G)
   interpret = _interpret(interpret)
+  if dy_MxN.shape[0] != x_MxK.shape[0]:
+    raise ValueError(f"ragged_dw: x {x_MxK.shape} and dy {dy_MxN.shape} differ in rows")
+  x_MxK, dy_MxN = _pad_rows(x_MxK), _pad_rows(dy_MxN)
   M, K = x_MxK.shape
   N = dy_MxN.shape[1]
   G = sizes_G.shape[0]
   c = config or default_config("dw", K, N)
-  if dy_MxN.shape[0] != M:
-    raise ValueError(f"ragged_dw: x {x_MxK.shape} and dy {dy_MxN.shape} differ in rows")
   if c.stages < 2:
     raise ValueError(f"ragged_dw: stages must be >= 2 (the pipeline releases a block one "
                      f"step late), got {c.stages}")
