@@ -146,9 +146,11 @@ def options(r) -> str:
 
 
 def _key(r):
-  """A row replaces an earlier one of the same variant, context, batch, options and machine."""
+  """A row replaces an earlier one of the same variant, context, batch, options and machine.
+  Rows from before inference always fused KDA's input projections say which layout they
+  read (`fused_projections`, False: six matmuls); later rows read the fused one."""
   return (r["variant"], r["context"], r["batch"], r.get("xla_flags", ""), r.get("machine"),
-          *(r.get(k, v) for k, v in blc.DECODE_OPTIONS.items()))
+          r.get("fused_projections", True), *(r.get(k, v) for k, v in blc.DECODE_OPTIONS.items()))
 
 
 def main(argv):
