@@ -27,6 +27,7 @@ from moe_jax.infer.generate import decode, forward_logits, inference_model, infe
 from moe_jax.infer import workdir as workdir_lib
 from moe_jax.infer.generate import make_step, prefill
 from moe_jax.interop import kimi_config, kimi_hf
+from moe_jax.model import kda
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.train.loop import train_and_evaluate
 from tests.conftest import ROOT, rel_err, subprocess_env
@@ -153,13 +154,28 @@ def test_bf16_shards_and_naming_change(tmp_path, reference):
 def test_export_refuses_what_kimi_linear_cannot_express(tmp_path):
   config, variables = kimi_hf.load(os.path.join(FIXTURE, "released"))
   for field, value in (("kda_lower_bound", -5.0), ("mla_output_gate", True),
-                       ("attn_res", "block"), ("kda_output_gate_bias", True),
-                       ("fused_projections", True)):
+                       ("attn_res", "block"), ("kda_output_gate_bias", True)):
     bad = config.copy_and_resolve_references()
     bad.model[field] = value
     with pytest.raises(ValueError, match=f"model.{field}"):
       kimi_hf.save(bad, variables, str(tmp_path / field))
     assert not os.path.exists(tmp_path / field / "config.json")
+
+
+def test_a_fused_projection_layout_exports_as_the_six(tmp_path):
+  """model.fused_projections is a parameter layout, not other maths: a model trained with
+  KDA's input projections fused (one `in_proj`) exports the same tensors as with six."""
+  config, variables = kimi_hf.load(os.path.join(FIXTURE, "released"))
+  fused = config.copy_and_resolve_references()
+  fused.model.fused_projections = True
+  kimi_hf.save(fused, {**variables, "params": kda.fuse_projections(variables["params"])},
+               str(tmp_path / "fused"))
+  kimi_hf.save(config, variables, str(tmp_path / "six"))
+  _, got = kimi_hf.load(str(tmp_path / "fused"))
+  _, want = kimi_hf.load(str(tmp_path / "six"))
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.mark.parametrize("field,value,match", [

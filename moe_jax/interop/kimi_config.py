@@ -157,7 +157,6 @@ def refuse_unmapped(m):
       ("model.mla_rope_theta", m.get("mla_rope_theta", 0.0), 0.0),
       ("model.vision.patch_size", m.vision.patch_size, 0),
       ("model.moe.latent_dim", m.moe.latent_dim, 0),
-      ("model.fused_projections", m.get("fused_projections", False), False),
       ("model.moe.score", m.moe.score, "sigmoid"),
       ("model.mla_latent_norm_eps", m.get("mla_latent_norm_eps", 0.0) or m.norm_eps,
        LATENT_NORM_EPS),

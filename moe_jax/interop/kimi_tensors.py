@@ -15,7 +15,7 @@ w[i]; moe_jax's ShortConv kernel [W, C] multiplies x[t-j] by w[j]: the taps are 
 import numpy as np
 
 from moe_jax.fields import is_moe
-from moe_jax.model.kda import kda_heads
+from moe_jax.model.kda import kda_heads, split_projection_params
 from moe_jax.model.transformer import mixer_kind
 
 NAMINGS = ("released", "native")
@@ -86,6 +86,7 @@ def _kda_to_ours(m, r: Reader, p: str) -> dict:
 
 def _kda_to_hf(m, w: dict, p: str, naming: str) -> dict:
   H = kda_heads(m)
+  w = split_projection_params(w, H, m.kda_head_dim)   # model.fused_projections' layout
   out = {f"{p}{x}_proj.weight": _t(w[f"{x}_proj"]["kernel"]) for x in "qkv"}
   convs = [_conv_to_hf(w[f"{x}_conv"]["kernel"]) for x in "qkv"]
   gp = p if naming == "released" else f"{p}forget_gate."

@@ -66,6 +66,19 @@ def fuse_projection_params(mixer_params: dict) -> dict:
   return out
 
 
+def split_projection_params(mixer_params: dict, H: int, K: int) -> dict:
+  """fuse_projection_params' inverse: a fused `in_proj` back into the six kernels (as
+  stored, no copy of the other parameters); parameters without one as they are."""
+  if "in_proj" not in mixer_params:
+    return mixer_params
+  out = {k: v for k, v in mixer_params.items() if k != "in_proj"}
+  kernel, first = mixer_params["in_proj"]["kernel"], 0
+  for name, width in _widths(H, K).items():
+    out[name] = {"kernel": kernel[..., first:first + width]}
+    first += width
+  return out
+
+
 def fuse_projections(params):
   """A params tree (scanned layers stacked or not) with every KDA mixer's six input
   projections fused (fuse_projection_params); other leaves as they were."""
