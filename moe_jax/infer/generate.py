@@ -52,10 +52,10 @@ def inference_variables(model_cfg, variables: dict) -> dict:
 
   Why fused: at decode every matmul is its own kernels, and the six are narrow (f_a, g_a
   [D, K], b_proj [D, H]); one read of the concatenated kernel took the 1M-token batch-1
-  step of long_context_1b 1.878 → 1.712 ms on the H100 (benchmarks/decode.md). The values
+  step of long_context_1b 1.859 → 1.717 ms on the H100 (benchmarks/decode.md). The values
   are the same: each output column is the same dot product.
 
-  Why: every consumer rounds these weights to the model's dtype before use (Dense layers in
+  Why the dtype: every consumer rounds these weights to the model's dtype before use (Dense layers in
   the model dtype, the MoE and KDA decode kernels, MLA's absorbed k_b / v_b), so the values
   the model computes with are the same. But a step reads them as stored: where a kernel (a
   Pallas or grouped-matmul custom call) reads the experts, XLA cannot fuse the cast into
