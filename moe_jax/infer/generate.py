@@ -55,8 +55,8 @@ def inference_variables(model_cfg, variables: dict) -> dict:
   step of long_context_1b 1.859 → 1.717 ms on the H100 (benchmarks/decode.md). The values
   are the same: each output column is the same dot product.
 
-  Why the dtype: every consumer rounds these weights to the model's dtype before use (Dense layers in
-  the model dtype, the MoE and KDA decode kernels, MLA's absorbed k_b / v_b), so the values
+  Why the dtype: every consumer rounds these weights to the model's dtype before use (Dense
+  layers in the model dtype, the MoE and KDA decode kernels, MLA's absorbed k_b / v_b), so the values
   the model computes with are the same. But a step reads them as stored: where a kernel (a
   Pallas or grouped-matmul custom call) reads the experts, XLA cannot fuse the cast into
   it, so every decode step wrote a converted copy of every expert (184 MB of fp32 in, 92 MB
@@ -66,25 +66,17 @@ def inference_variables(model_cfg, variables: dict) -> dict:
   out = {k: layer_stack.unstack(model_cfg, v) for k, v in variables.items()}
   if "params" in out:
     dtype = dtype_of(model_cfg)
-    params = {name: _experts_cast(layer, dtype)
-              for name, layer in kda.fuse_projections(out["params"]).items()}
     out["params"] = jax.tree_util.tree_map_with_path(
-        lambda path, w: w.astype(dtype) if _key(path[-1]) == "kernel" else w, params)
+        lambda path, w: w.astype(dtype) if _is_matrix(path) else w,
+        kda.fuse_projections(out["params"]))
   return out
 
 
-def _key(entry) -> str:
-  return str(getattr(entry, "key", entry))
-
-
-def _experts_cast(layer, dtype):
-  """A layer's params with its MoE expert weights (ffn/gate_up, ffn/down: arrays, where a
-  dense FFN holds dicts) in `dtype`."""
-  ffn = layer.get("ffn") if isinstance(layer, dict) else None
-  if not isinstance(ffn, dict) or not hasattr(ffn.get("gate_up"), "dtype"):
-    return layer
-  return {**layer, "ffn": {**ffn, "gate_up": ffn["gate_up"].astype(dtype),
-                           "down": ffn["down"].astype(dtype)}}
+def _is_matrix(path) -> bool:
+  """A layer's `kernel`, or an MoE layer's stacked experts (ffn/gate_up, ffn/down: arrays,
+  where a dense FFN's are Dense modules holding a `kernel`)."""
+  keys = [str(getattr(entry, "key", entry)) for entry in path]
+  return keys[-1] == "kernel" or keys[-2:] in (["ffn", "gate_up"], ["ffn", "down"])
 
 
 def forward_logits(config, variables: dict, tokens_BxT, segment_ids_BxT=None):
