@@ -81,6 +81,11 @@ def get_config(arg="cpu"):
     run = _retrieval_mix(long_context_1b.get_config(), 0.8, 200)
     run.model.n_layers = 12
     run.model.mla_qk_rope_dim = 32
+    # One checkpoint per stage: each is 10 GB (fp32 params and Adam moments of 0.85 B), and
+    # three stages, the control and orbax's next save fit a 64 GB disk only at one each.
+    run.checkpoint.max_to_keep = 1
+    # 64K tokens a step at 2K and 32K: XLA plans the step for more than JAX's default 75%.
+    run.train.memory_fraction = 0.95
     # Each longer stage sees enough passkey rows at its own length to keep retrieval there
     # (the tiny model in the same proportions: 72 rows at its last length gave 0.56, 216
     # gave 1.00; context_extension.md): 576 at 8K, 192 at 32K. 60 M tokens a run (33 M at
