@@ -8,7 +8,8 @@ A workdir's staged run is `staged` (NoPE) or `rope` (model.mla_rope_theta > 0); 
 control run, trained straight at the final length on the same tokens, is `direct` (or
 `rope_direct`). The seed is the run config's `seed`. Rows: run, seed, trained_len,
 eval_len, passkey_acc (all answer digits right, random key depth), passkey_acc_by_depth,
-mqar_acc, bits_per_byte, with date, commit and machine. Rows of other (run, seed) pairs
+mqar_acc, bits_per_byte, bits_by_bucket, windows (windows_joined: the held-out documents
+joined, no one of them that long), retrieval_rows, with date, commit and machine. Rows of other (run, seed) pairs
 already in --out's JSON are kept.
 """
 
@@ -23,11 +24,14 @@ FLAGS = flags.FLAGS
 
 
 def _last_stage_config(workdir: str) -> dict:
+  """The config of the longest stage, or of the control run where it ran alone (--nostaged):
+  both train at the final length with the run's seed and model."""
   names = [n for n in os.listdir(workdir) if os.path.isdir(os.path.join(workdir, n))
-           and n != "control" and os.path.exists(os.path.join(workdir, n, "config.json"))]
-  configs = [json.load(open(os.path.join(workdir, n, "config.json"))) for n in names]
+           and os.path.exists(os.path.join(workdir, n, "config.json"))]
+  configs = [json.load(open(os.path.join(workdir, n, "config.json")))
+             for n in (sorted(set(names) - {"control"}) or names)]
   if not configs:
-    raise ValueError(f"--workdirs: {workdir!r} has no stage with a config.json")
+    raise ValueError(f"--workdirs: {workdir!r} has no stage or control run with a config.json")
   return max(configs, key=lambda c: c["data"]["seq_len"])
 
 
@@ -40,6 +44,9 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
   rope = bool(c["model"].get("mla_rope_theta", 0.0))
   names = {"staged": "rope" if rope else "staged", "control": "rope_direct" if rope else "direct"}
   trained = c["data"]["seq_len"]
+  settings = os.path.join(workdir, "stages.json")
+  rows_per_task = (json.load(open(settings))["eval"]["retrieval_rows"]
+                   if os.path.exists(settings) else None)
   out = []
   for run, results in json.load(open(path)).items():
     for r in results:
@@ -49,14 +56,23 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
                   "eval_len": r["length"], "passkey_acc": r.get("passkey/row_acc"),
                   "passkey_acc_by_depth": depths, "mqar_acc": r.get("mqar/row_acc"),
                   "bits_per_byte": r.get("bits_per_byte"),
-                  "bits_by_bucket": r.get("bits_by_bucket"), **stamp})
+                  "bits_by_bucket": r.get("bits_by_bucket"), "retrieval_rows": rows_per_task,
+                  "windows": r.get("windows"), "windows_joined": r.get("windows_joined"),
+                  **stamp})
   return out
+
+
+def _windows(r: dict) -> str:
+  if r.get("windows") is None:
+    return "—"
+  return f"{r['windows']}" + (" joined" if r.get("windows_joined") else "")
 
 
 def markdown(rows: list[dict]) -> str:
   depths = sorted({d for r in rows for d in r["passkey_acc_by_depth"]}, key=float)
   head = (["run", "seed", "trained", "eval length", "× trained", "passkey"]
-          + [f"passkey @ {d}" for d in depths] + ["MQAR", "bits/byte"])
+          + [f"passkey @ {d}" for d in depths]
+          + ["MQAR", "bits/byte", "text windows", "rows per task", "date, commit, machine"])
   fmt = lambda v: "—" if v is None else f"{v:.3f}"
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in sorted(rows, key=lambda r: (r["run"], r["seed"], r["eval_len"])):
@@ -64,7 +80,9 @@ def markdown(rows: list[dict]) -> str:
         [r["run"], str(r["seed"]), str(r["trained_len"]), str(r["eval_len"]),
          f"{r['eval_len'] / r['trained_len']:g}", fmt(r["passkey_acc"])]
         + [fmt(r["passkey_acc_by_depth"].get(d)) for d in depths]
-        + [fmt(r["mqar_acc"]), fmt(r["bits_per_byte"])]) + " |")
+        + [fmt(r["mqar_acc"]), fmt(r["bits_per_byte"]), _windows(r),
+           str(r.get("retrieval_rows") or "—"),
+           f"{r['date']}, {r['commit']}, {r['machine']}"]) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -102,11 +120,13 @@ def main(argv):
   new = [row for w in FLAGS.workdirs for row in rows_of(w, stamp)]
   rows = provenance.merge_rows(os.path.join(FLAGS.out, "context_gpu.json"), new,
                                lambda r: (r["run"], r["seed"]))
-  md = (f"# Staged context extension on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, "
-        f"{stamp['machine']}; `configs/stages.py:h200`, gathered by "
-        "`python -m benchmarks.context_gpu`. "
-        "passkey: every answer digit right, key at a random depth; passkey @ d: the key at "
-        "depth d of the filler (0 = a whole context away from the question).\n\n"
+  md = ("# Staged context extension on one GPU\n\n`configs/stages.py:h200` runs "
+        "(`scripts/extend_context.py`), gathered by `python -m benchmarks.context_gpu`; each "
+        "row names its date, commit and machine. passkey: every answer digit right, key at a "
+        "random depth; passkey @ d: the key at depth d of the filler (0 = a whole context "
+        "away from the question); MQAR: every answer right; each over `rows per task` rows. "
+        "bits/byte: held-out text in `text windows` windows of the eval length, inside one "
+        "document or, where none is that long, the held-out documents joined.\n\n"
         + markdown(rows) + "\n![curves](context_gpu.png)\n")
   with open(os.path.join(FLAGS.out, "context_gpu.md"), "w") as f:
     f.write(md)

@@ -6,9 +6,12 @@
   :h200 a 0.18 B-active hybrid MoE (configs/long_context_1b.py cut to 12 layers, with 32
         shared key dims in MLA so that its RoPE control has the same parameters), pretrained
         at 2K on stdlib documents with 80% passkey and MQAR rows, then 8K and 32K, at 64K
-        tokens a step on one H200; evals at 1×, 2×, 4× and 8× of 32K with passkey at five
-        depths. A run (stages, its direct control, evals) takes one to two ten-minute jobs;
-        rerun, it resumes where it stopped. The controls:
+        tokens a step on one GPU; evals at 1×, 2×, 4× and 8× of 32K with passkey at five
+        depths. On an H100 the stages take about 10 minutes, the direct control about 11
+        (94K tokens/s at 32K) and a run's evals 9 (benchmarks/context_extension.md). The
+        checkpoints (10 GB) stay on the machine's disk, so a run's jobs go back to back on
+        one machine; rerun, it resumes where it stopped. --nocontrol trains the stages
+        alone, --nostaged the direct control alone. The controls:
           --config.run.model.mla_rope_theta=10000.0   RoPE on those dims (run `rope`)
           --config.run.seed=1 --config.run.data.shuffle_seed=1   the second seed
         and `python -m benchmarks.context_gpu` gathers the runs' results into
@@ -22,7 +25,7 @@
 Each stage: seq_len, steps, tokens_per_step (the batch is tokens_per_step / seq_len, so
 it shrinks as the length grows), its own schedule (re-warmup, then cosine decay to
 final_lr_fraction) and optional overrides: kda_chunk_size and mesh_sequence (0 = keep),
-remat (None = keep).
+remat (None = keep), remat_policy ("" = keep).
 """
 
 import ml_collections
@@ -31,12 +34,13 @@ from configs import long_context_1b, tiny
 
 
 def _stage(seq_len, steps, tokens_per_step, learning_rate, warmup_steps, *,
-           final_lr_fraction=0.1, kda_chunk_size=0, mesh_sequence=0, remat=None):
+           final_lr_fraction=0.1, kda_chunk_size=0, mesh_sequence=0, remat=None,
+           remat_policy=""):
   return ml_collections.ConfigDict({
       "seq_len": seq_len, "steps": steps, "tokens_per_step": tokens_per_step,
       "learning_rate": learning_rate, "warmup_steps": warmup_steps,
       "final_lr_fraction": final_lr_fraction, "kda_chunk_size": kda_chunk_size,
-      "mesh_sequence": mesh_sequence,
+      "mesh_sequence": mesh_sequence, "remat_policy": remat_policy,
       "remat": ml_collections.FieldReference(remat, field_type=bool)})
 
 
@@ -92,13 +96,19 @@ def get_config(arg="cpu"):
     # 2K, 12 M at 8K, 16 M at 32K) and as many in its direct control: one to two
     # ten-minute jobs on one H200, back to back on one machine (checkpoints, 10 GB with the
     # Adam moments, live on its disk).
+    # From 8K on, the scanned layers keep only their inputs ("full"): with the default
+    # policy the 8K step asked for a 47 GiB buffer and ran out of an H100's 80 GB
+    # (benchmarks/context_extension.md); the maths is the same.
     sc.stages.s2k = _stage(2048, 500, 65536, 6e-4, 40)
-    sc.stages.s8k = _stage(8192, 180, 65536, 3e-4, 18)
-    sc.stages.s32k = _stage(32768, 240, 65536, 2e-4, 24)
+    sc.stages.s8k = _stage(8192, 180, 65536, 3e-4, 18, remat_policy="full")
+    sc.stages.s32k = _stage(32768, 240, 65536, 2e-4, 24, remat_policy="full")
     sc.stage_names = "s2k,s8k,s32k"
     ev.multipliers = "1,2,4,8"
     ev.max_windows = 4
-    ev.retrieval_rows = 32
+    # 16 rows per task and depth: the evals of one run took 546 s on an H100 (55, 52, 114
+    # and 328 s at 32K to 256K; the 8× length is attention-bound), so 32 would not fit a
+    # ten-minute job.
+    ev.retrieval_rows = 16
     ev.chunk = 8192
     ev.passkey_depths = "0,0.25,0.5,0.75,1"
   elif arg == "1b":

@@ -3,8 +3,11 @@ run straight at the final length with the same tokens, then the extrapolation ev
 
   python scripts/extend_context.py --config=configs/stages.py:cpu --workdir=workdir/stages
 
+  python scripts/extend_context.py ... --nostaged     # only the control run and its evals
+
 Resumable: run it again after a kill and it continues the unfinished stage (or the control
 run) from its last checkpoint and skips what is complete. Writes, in --workdir:
+  stages.json               this config (the last invocation's)
   <stage>/, control/        each a normal training workdir (metrics tagged by stage)
   extrapolation.json        one row per (run, eval length)
   extrapolation.md          the tables, also printed at the end
@@ -27,6 +30,8 @@ from moe_jax.train.loop import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/stages.py:cpu", "Stages config.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Stage workdirs and results go here.")
+_STAGED = flags.DEFINE_bool("staged", True, "Train the stages (--nostaged: only the control "
+                            "run, e.g. in a job or on a machine of its own).")
 _CONTROL = flags.DEFINE_bool("control", True, "Also train the control run (final length only).")
 _EVAL = flags.DEFINE_bool("eval", True, "Run the extrapolation evals at the end.")
 
@@ -57,7 +62,8 @@ def _table(results: dict, trained: int) -> str:
   for run, rows in results.items():
     for r in rows:
       ent = [v for k, v in r.items() if k.endswith("/entropy_normalised")]
-      cells = [run, str(r["length"]), f"{r['length'] / trained:g}", str(r["windows"]),
+      windows = f"{r['windows']}" + (" (joined)" if r.get("windows_joined") else "")
+      cells = [run, str(r["length"]), f"{r['length'] / trained:g}", windows,
                f"{r['bits_per_byte']:.3f}" if "bits_per_byte" in r else "—"]
       cells += [f"{r[t + '/token_acc']:.2f} / {r[t + '/row_acc']:.2f}" for t in tasks]
       cells.append(f"{sum(ent) / len(ent):.3f}" if ent else "—")
@@ -110,14 +116,21 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
+  if not (_STAGED.value or _CONTROL.value):
+    raise app.UsageError("--nostaged --nocontrol leaves nothing to train or evaluate")
   sc, workdir = _CONFIG.value, _WORKDIR.value
   xla_flags.apply_config(sc.run.train, "run.train")   # before jax starts
   compile_cache.enable(sc.run.train.compile_cache_dir)
   names = stages.stage_names(sc)
-  out = stages.run_stages(sc, workdir)
-  if len(out) < len(names) or out[names[-1]]["step"] < sc.stages[names[-1]].steps:
-    return  # stopped (SIGTERM): run again to resume
-  runs = {"staged": os.path.join(workdir, names[-1])}
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "stages.json"), "w") as f:   # the gatherers read the evals'
+    f.write(sc.to_json(indent=1))                              # settings from it
+  runs = {}
+  if _STAGED.value:
+    out = stages.run_stages(sc, workdir)
+    if len(out) < len(names) or out[names[-1]]["step"] < sc.stages[names[-1]].steps:
+      return  # stopped (SIGTERM): run again to resume
+    runs["staged"] = os.path.join(workdir, names[-1])
   if _CONTROL.value:
     c = stages.control_config(sc)
     control_dir = os.path.join(workdir, "control")
@@ -150,17 +163,18 @@ def report(sc, workdir: str, results: dict) -> str:
   """Writes extrapolation.md and extrapolation.png for finished runs; returns the table."""
   names = stages.stage_names(sc)
   trained = sc.stages[names[-1]].seq_len
-  curves = {name: _curve(os.path.join(workdir, name)) for name in names}
+  curves = {}
+  if "staged" in results:
+    # The staged curve continues across stages: offset each stage by the tokens before it.
+    offset, staged = 0, ([], [])
+    for name in names:
+      tok, loss = _curve(os.path.join(workdir, name))
+      staged[0].extend(t + offset for t in tok)
+      staged[1].extend(loss)
+      offset += sc.stages[name].steps * sc.stages[name].tokens_per_step
+    curves["staged"] = staged
   if "control" in results:
     curves["control"] = _curve(os.path.join(workdir, "control"))
-  # The staged curve continues across stages: offset each stage by the tokens before it.
-  offset, staged = 0, ([], [])
-  for name in names:
-    tok, loss = curves.pop(name)
-    staged[0].extend(t + offset for t in tok)
-    staged[1].extend(loss)
-    offset += sc.stages[name].steps * sc.stages[name].tokens_per_step
-  curves = {"staged": staged, **curves}
   _plot(results, curves, trained, os.path.join(workdir, "extrapolation.png"))
   table = _table(results, trained)
   with open(os.path.join(workdir, "extrapolation.md"), "w") as f:

@@ -140,6 +140,14 @@ def test_extrapolation_evals():
   assert ent0["layer_1/entropy_normalised"] == pytest.approx(1.0, abs=1e-5)
   wins = extrapolation.document_windows([b"x" * 500, b"y" * 100], 128, 8)
   assert wins.shape == (3, 128) and (wins[:, 1:] == ord("x")).all()
+  wins, joined = extrapolation.eval_windows([b"x" * 500, b"y" * 100], 128, 8)
+  assert wins.shape == (3, 128) and not joined
+  # No document is 512 long: the two joined (502 + 102 ids with BOS/EOS) make one window,
+  # the longer first.
+  wins, joined = extrapolation.eval_windows([b"y" * 100, b"x" * 500], 512, 8)
+  assert joined and wins.shape == (1, 512)
+  assert (wins[0, 1:501] == ord("x")).all() and (wins[0, 504:512] == ord("y")).all()
+  assert extrapolation.eval_windows([b"x" * 10], 512, 8)[0].shape == (0, 512)
 
 
 def test_attention_entropy_reads_the_shared_key_dims():
@@ -194,8 +202,10 @@ def test_context_record_rows_from_extend_context_workdirs(tmp_path):
       (w / stage).mkdir(parents=True)
       (w / stage / "config.json").write_text(json.dumps(
           {"seed": seed, "data": {"seq_len": L}, "model": {"mla_rope_theta": theta}}))
-    runs = {"staged": [result(8192, 0.9), result(65536, 0.5)], "control": [result(8192, 0.7)]}
+    runs = {"staged": [result(8192, 0.9), dict(result(65536, 0.5), windows_joined=True)],
+            "control": [result(8192, 0.7)]}
     (w / "extrapolation.json").write_text(json.dumps(runs))
+  (tmp_path / "nope" / "stages.json").write_text(json.dumps({"eval": {"retrieval_rows": 16}}))
   stamp = {"date": "d", "commit": "c", "machine": "m"}
   rows = context_gpu.rows_of(str(tmp_path / "nope"), stamp) + context_gpu.rows_of(
       str(tmp_path / "rope"), stamp)
@@ -205,10 +215,20 @@ def test_context_record_rows_from_extend_context_workdirs(tmp_path):
   r = got[("staged", 1, 65536)]
   assert (r["trained_len"], r["passkey_acc"], r["mqar_acc"]) == (8192, 0.5, 0.25)
   assert r["passkey_acc_by_depth"] == {"0": 0.25, "0.5": 0.5} and r["machine"] == "m"
+  assert (r["windows"], r["windows_joined"], r["retrieval_rows"]) == (2, True, 16)
+  assert got[("rope", 0, 8192)]["retrieval_rows"] is None     # a workdir without stages.json
   md = context_gpu.markdown(rows)
   assert "passkey @ 0 | passkey @ 0.5" in md and "| staged | 1 | 8192 | 65536 | 8 | 0.500 |" in md
+  assert "| 0.250 | 8.554 | 2 joined | 16 | d, c, m |" in md
   with pytest.raises(ValueError, match="has no extrapolation.json"):
     context_gpu.rows_of(str(tmp_path / "nope" / "s2k"), stamp)
+  alone = tmp_path / "alone"   # extend_context.py --nostaged: the control run only
+  (alone / "control").mkdir(parents=True)
+  (alone / "control" / "config.json").write_text(json.dumps(
+      {"seed": 2, "data": {"seq_len": 8192}, "model": {}}))
+  (alone / "extrapolation.json").write_text(json.dumps({"control": [result(8192, 0.7)]}))
+  assert [(r["run"], r["seed"], r["trained_len"]) for r in
+          context_gpu.rows_of(str(alone), stamp)] == [("direct", 2, 8192)]
   out = tmp_path / "out"   # the command line, as a device call runs it
   run = subprocess.run([sys.executable, "-m", "benchmarks.context_gpu",
                         f"--workdirs={tmp_path / 'nope'},{tmp_path / 'rope'}", f"--out={out}",
@@ -251,3 +271,46 @@ def test_h200_stages_validate_and_the_rope_control_has_the_same_parameters():
   sc.run.model.mla_rope_theta = 10000.0
   rope = params.count(config_lib.validate(stages.stage_config(sc, "s2k")))
   assert rope == nope
+
+
+@pytest.mark.slow   # a minute on 2 cores: three stages, the control run and the evals
+def test_extend_context_command_end_to_end(tmp_path):
+  """scripts/extend_context.py, as a device job runs it: every stage, the control, the evals
+  of both, its settings in stages.json; benchmarks/context_gpu gathers the workdir."""
+  w = tmp_path / "w"
+  steps = [f"--config.stages.{s}.{k}={v}" for s in ("s128", "s512", "s1k")
+           for k, v in (("steps", 2), ("warmup_steps", 1))]
+  run = subprocess.run(
+      [sys.executable, "scripts/extend_context.py", "--config=configs/stages.py:cpu",
+       f"--workdir={w}", *steps, "--config.eval.multipliers=1,2",
+       "--config.eval.retrieval_rows=2", "--config.eval.max_windows=1",
+       "--config.eval.passkey_depths=0.5", "--config.eval.entropy_queries=16"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600, env=subprocess_env())
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert json.load(open(w / "stages.json"))["eval"]["retrieval_rows"] == 2
+  results = json.load(open(w / "extrapolation.json"))
+  assert set(results) == {"staged", "control"}
+  for rows in results.values():
+    assert [r["length"] for r in rows] == [1024, 2048]
+    assert [(r["windows"], r["windows_joined"]) for r in rows] == [(1, False), (1, False)]
+    assert all(np.isfinite(r["bits_per_byte"]) and 0 <= r["passkey@0.5/row_acc"] <= 1
+               for r in rows)
+  out = tmp_path / "out"
+  run = subprocess.run([sys.executable, "-m", "benchmarks.context_gpu", f"--workdirs={w}",
+                        f"--out={out}", "--machine=cpu"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env=subprocess_env())
+  assert run.returncode == 0, run.stderr[-2000:]
+  rows = json.load(open(out / "context_gpu.json"))
+  assert {(r["run"], r["eval_len"]) for r in rows} == {
+      ("staged", 1024), ("staged", 2048), ("direct", 1024), ("direct", 2048)}
+  assert all(r["retrieval_rows"] == 2 for r in rows)
+  # --nostaged: the control run alone (complete here, so only its evals run again).
+  shutil.rmtree(w / "s128")
+  run = subprocess.run(
+      [sys.executable, "scripts/extend_context.py", "--config=configs/stages.py:cpu",
+       f"--workdir={w}", *steps, "--config.eval.multipliers=1", "--nostaged",
+       "--config.eval.retrieval_rows=2", "--config.eval.max_windows=1"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600, env=subprocess_env())
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert list(json.load(open(w / "extrapolation.json"))) == ["control"]
+  assert "moe_jax: stage" not in run.stdout

@@ -1,6 +1,7 @@
 """Length-extrapolation evals of a trained model, at lengths beyond the trained one:
 
-* loss by position bucket on held-out long documents (bits per byte),
+* loss by position bucket on held-out long documents (bits per byte; the documents joined
+  end to end at lengths no one of them reaches),
 * passkey and MQAR retrieval accuracy,
 * entropy of each MLA layer's attention over the last positions.
 
@@ -120,6 +121,23 @@ def document_windows(docs: list[bytes], length: int, max_windows: int) -> np.nda
   return np.stack(windows) if windows else np.zeros((0, length), np.int32)
 
 
+def joined_windows(docs: list[bytes], length: int, max_windows: int) -> np.ndarray:
+  """Up to max_windows windows [W, length] of the documents joined end to end (longest
+  first, each framed by BOS/EOS as in training rows): held-out text at lengths no one
+  document reaches, so that every eval length has its bits/byte by position."""
+  ids = np.concatenate([tokenizer.encode(d) for d in sorted(docs, key=len, reverse=True)]
+                       or [np.zeros(0, np.int32)])
+  n = min(len(ids) // length, max_windows)
+  return ids[:n * length].reshape(n, length)
+
+
+def eval_windows(docs: list[bytes], length: int, max_windows: int) -> tuple[np.ndarray, bool]:
+  """(windows, joined): `document_windows`, or where no document is `length` long,
+  `joined_windows` (joined = True)."""
+  win = document_windows(docs, length, max_windows)
+  return (win, False) if len(win) else (joined_windows(docs, length, max_windows), True)
+
+
 def retrieval_accuracy(model, variables, task: str, length: int, rows: int, chunk: int,
                        cfg_data, depth: float = -1.0) -> dict[str, float]:
   """Greedy (teacher-forced) accuracy on the answer tokens: per token, and rows with every
@@ -152,7 +170,7 @@ def evaluate_lengths(model_cfg, variables, docs: list[bytes], lengths: list[int]
   for L in tqdm(lengths, unit="length", desc="extrapolation evals"):
     ch = min(chunk, L)
     row = {"length": L}
-    win = document_windows(docs, L, max_windows)
+    win, row["windows_joined"] = eval_windows(docs, L, max_windows)
     row["windows"] = len(win)
     if len(win):
       logp, _, inter, cache = run_chunks(model, variables, win, ch, capture_last=True)

@@ -58,6 +58,8 @@ def stage_config(sc: ml_collections.ConfigDict, name: str) -> ml_collections.Con
     c.mesh.sequence = st.mesh_sequence
   if st.remat is not None:
     c.model.remat = st.remat
+  if st.get("remat_policy"):
+    c.model.remat_policy = st.remat_policy
   c.eval.every_steps = min(c.eval.every_steps, st.steps)
   c.checkpoint.every_steps = min(c.checkpoint.every_steps, st.steps)
   c.log.stage = name
