@@ -342,9 +342,10 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
                 "accuracy": correct_R.mean(), "response_tokens": ep.generated.mean(),
                 "tool_calls": ep.tool_calls.mean(), "rollout_s": t_roll,
                 "tokens_per_sec": float(ep.segment_ids.sum()) / dt})
-      for t in tasks:
+      for t in tasks:   # a task with no prompt in this step has no entry (JSON has no NaN)
         rows = [i for i, p in enumerate(group) if p.state["task"] == t.name]
-        m[f"accuracy/{t.name}"] = correct_R[rows].mean() if rows else float("nan")
+        if rows:
+          m[f"accuracy/{t.name}"] = correct_R[rows].mean()
       train_log.write(step, m)
       last = {k: float(v) for k, v in m.items()}
       bar.update(1)
