@@ -93,9 +93,7 @@ def get_config(arg="cpu"):
     # Each longer stage sees enough passkey rows at its own length to keep retrieval there
     # (the tiny model in the same proportions: 72 rows at its last length gave 0.56, 216
     # gave 1.00; context_extension.md): 576 at 8K, 192 at 32K. 60 M tokens a run (33 M at
-    # 2K, 12 M at 8K, 16 M at 32K) and as many in its direct control: one to two
-    # ten-minute jobs on one H200, back to back on one machine (checkpoints, 10 GB with the
-    # Adam moments, live on its disk).
+    # 2K, 12 M at 8K, 16 M at 32K) and as many in its direct control.
     # From 8K on, the scanned layers keep only their inputs ("full"): with the default
     # policy the 8K step asked for a 47 GiB buffer and ran out of an H100's 80 GB
     # (benchmarks/context_extension.md); the maths is the same.
