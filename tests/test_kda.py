@@ -254,8 +254,10 @@ def check_gate_inside_the_op(impl, B, T, H, K, V, lower_bound, dtype, bound, see
     assert float(jnp.abs(grads[3][0, pad:]).max()) == 0.0          # no gradient into padding
 
 
+# Unbounded gates (not Kimi's): 12-16 s each on 2 cores, in make test-all; make test keeps
+# the bounded gate, and the unbounded Pallas stage 1 against the fp64 spec.
 @pytest.mark.parametrize("impl", ["xla", "pallas_gpu"])
-@pytest.mark.parametrize("lower_bound", [LB, None])
+@pytest.mark.parametrize("lower_bound", [LB, pytest.param(None, marks=pytest.mark.slow)])
 def test_gate_and_l2_norm_inside_the_op_match_the_composition(impl, lower_bound):
   check_gate_inside_the_op(impl, 2, 70, 2, 32, 16, lower_bound, jnp.float32, 1e-4, 7, 32)
 

@@ -340,6 +340,7 @@ def _random_kimi_model(q_lora_rank: int):
                   "router": jax.tree_util.tree_map_with_path(shift, variables["router"])}
 
 
+@pytest.mark.slow   # 20 s on 2 cores; Kimi Linear's MLA has full-rank queries (q_lora 0)
 def test_low_rank_queries_round_trip(tmp_path, reference):
   """moe_jax → HF → moe_jax with q_a / q_a_norm / q_b (MLA's low-rank queries): the same
   arrays, the same logits."""

@@ -150,6 +150,7 @@ def test_extrapolation_evals():
   assert extrapolation.eval_windows([b"x" * 10], 512, 8)[0].shape == (0, 512)
 
 
+@pytest.mark.slow   # 21 s on 2 cores; test_extrapolation_evals checks the entropy eval
 def test_attention_entropy_reads_the_shared_key_dims():
   """With shared (RoPE-turned) key dims (mla_qk_rope_dim), the entropy eval's keys are the
   cache's latents through k_b plus those dims: with k_b zeroed only they score, so
