@@ -32,11 +32,13 @@ def _jitted_step(model):
   """One chunk through the model with the cache; one jitted function per model, so calls
   at the same shapes reuse its compilation."""
   @jax.jit
-  def step(variables, tokens_BxC, cache):
+  def step(variables, tokens_BxC, next_BxC, cache):
     batch = {"tokens": tokens_BxC, "segment_ids": jnp.ones_like(tokens_BxC)}
     (logits_BxCxV, aux), inter = model.apply(variables, batch, cache, mutable=["intermediates"])
     logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
-    return logp_BxCxV, logits_BxCxV.argmax(-1), aux["cache"], inter
+    # Only the next token's log-prob leaves the device, not [B, C, V] per chunk.
+    logp_BxC = jnp.take_along_axis(logp_BxCxV, next_BxC[..., None], -1)[..., 0]
+    return logp_BxC, logits_BxCxV.argmax(-1), aux["cache"], inter
   return step
 
 
@@ -54,10 +56,11 @@ def run_chunks(model, variables, tokens_BxT, chunk: int, *, capture_last: bool =
   logps, preds, inter = [], [], None
   for c in range(T // chunk):
     tok_BxC = jnp.asarray(tokens_BxT[:, c * chunk:(c + 1) * chunk], jnp.int32)
-    logp_BxCxV, pred_BxC, cache, inter = step(variables, tok_BxC, cache)
     nxt = tokens_BxT[:, c * chunk + 1:(c + 1) * chunk + 1]       # next tokens in this chunk
-    n = nxt.shape[1]
-    logps.append(np.take_along_axis(np.asarray(logp_BxCxV[:, :n]), nxt[..., None], -1)[..., 0])
+    n = nxt.shape[1]                                              # chunk - 1 in the last
+    nxt_BxC = jnp.asarray(np.pad(nxt, ((0, 0), (0, chunk - n))), jnp.int32)
+    logp_BxC, pred_BxC, cache, inter = step(variables, tok_BxC, nxt_BxC, cache)
+    logps.append(np.asarray(logp_BxC[:, :n]))
     preds.append(np.asarray(pred_BxC[:, :n]))
   out = (np.concatenate(logps, 1), np.concatenate(preds, 1))
   return (*out, inter, cache) if capture_last else out
