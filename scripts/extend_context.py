@@ -10,6 +10,7 @@ run) from its last checkpoint and skips what is complete. Writes, in --workdir:
   stages.json               this config (the last invocation's)
   <stage>/, control/        each a normal training workdir (metrics tagged by stage)
   extrapolation.json        one row per (run, eval length)
+  extrapolation_partial.json   the rows finished so far, while the evals run
   extrapolation.md          the tables, also printed at the end
   extrapolation.png         loss by length and by position, retrieval, attention entropy,
                             and the train loss against tokens seen
@@ -145,18 +146,40 @@ def main(argv):
     return
   docs = pipeline.text_documents(stages.stage_config(sc, names[-1]))["validation"]
   tasks = tuple(fields.synthetic_tasks(sc.run.data))
-  results = {}
+  depths = tuple(float(d) for d in sc.eval.get("passkey_depths", "").split(",") if d)
+  # Each length's row is kept as it finishes (evals of long lengths can outlast a job), for
+  # the same eval settings; a rerun evaluates only the lengths still missing.
+  partial = os.path.join(workdir, "extrapolation_partial.json")
+  done = json.load(open(partial)) if os.path.exists(partial) else {}
+  if done.get("eval") != sc.eval.to_dict():
+    done = {"eval": sc.eval.to_dict(), "runs": {}}
   for run, run_dir in runs.items():
+    rows = done["runs"].setdefault(run, [])
+    todo = [L for L in _lengths(sc) if L not in {r["length"] for r in rows}]
+    if not todo:
+      continue
     c, variables, _ = load(run_dir)
-    results[run] = extrapolation.evaluate_lengths(
-        c.model, variables, docs, _lengths(sc), chunk=sc.eval.chunk, buckets=sc.eval.buckets,
-        max_windows=sc.eval.max_windows, retrieval_rows=sc.eval.retrieval_rows,
-        entropy_queries=sc.eval.entropy_queries, tasks=tasks, cfg_data=c.data,
-        passkey_depths=tuple(float(d) for d in sc.eval.get("passkey_depths", "").split(",")
-                             if d))
+    for L in todo:
+      rows += extrapolation.evaluate_lengths(
+          c.model, variables, docs, [L], chunk=sc.eval.chunk, buckets=sc.eval.buckets,
+          max_windows=sc.eval.max_windows, retrieval_rows=retrieval_rows_at(sc, L),
+          entropy_queries=sc.eval.entropy_queries, tasks=tasks, cfg_data=c.data,
+          passkey_depths=depths)
+      with open(partial, "w") as f:
+        json.dump(done, f, indent=1)
+  results = {run: sorted(done["runs"][run], key=lambda r: r["length"]) for run in runs}
   with open(os.path.join(workdir, "extrapolation.json"), "w") as f:
     json.dump(results, f, indent=1)
+  os.remove(partial)   # complete: a rerun evaluates afresh
   print(report(sc, workdir, results))
+
+
+def retrieval_rows_at(sc, length: int) -> int:
+  """Retrieval rows per task (and passkey depth) at an eval length: eval.retrieval_rows, or
+  at the final stage's length eval.retrieval_rows_at_trained where set (> 0)."""
+  trained = sc.stages[stages.stage_names(sc)[-1]].seq_len
+  at_trained = sc.eval.get("retrieval_rows_at_trained", 0)
+  return at_trained if length == trained and at_trained > 0 else sc.eval.retrieval_rows
 
 
 def report(sc, workdir: str, results: dict) -> str:

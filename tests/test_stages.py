@@ -277,18 +277,23 @@ def test_h200_stages_validate_and_the_rope_control_has_the_same_parameters():
 @pytest.mark.slow   # a minute on 2 cores: three stages, the control run and the evals
 def test_extend_context_command_end_to_end(tmp_path):
   """scripts/extend_context.py, as a device job runs it: every stage, the control, the evals
-  of both, its settings in stages.json; benchmarks/context_gpu gathers the workdir."""
+  of both (more retrieval rows at the trained length), its settings in stages.json;
+  benchmarks/context_gpu gathers the workdir. Then --nostaged, with evals resumed from the
+  rows an interrupted invocation left."""
   w = tmp_path / "w"
   steps = [f"--config.stages.{s}.{k}={v}" for s in ("s128", "s512", "s1k")
            for k, v in (("steps", 2), ("warmup_steps", 1))]
-  run = subprocess.run(
-      [sys.executable, "scripts/extend_context.py", "--config=configs/stages.py:cpu",
-       f"--workdir={w}", *steps, "--config.eval.multipliers=1,2",
-       "--config.eval.retrieval_rows=2", "--config.eval.max_windows=1",
-       "--config.eval.passkey_depths=0.5", "--config.eval.entropy_queries=16"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600, env=subprocess_env())
+  evals = ["--config.eval.multipliers=1,2", "--config.eval.retrieval_rows=2",
+           "--config.eval.retrieval_rows_at_trained=3", "--config.eval.max_windows=1",
+           "--config.eval.passkey_depths=0.5", "--config.eval.entropy_queries=16"]
+  command = [sys.executable, "scripts/extend_context.py", "--config=configs/stages.py:cpu",
+             f"--workdir={w}", *steps, *evals]
+  run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=subprocess_env())
   assert run.returncode == 0, run.stderr[-3000:]
-  assert json.load(open(w / "stages.json"))["eval"]["retrieval_rows"] == 2
+  settings = json.load(open(w / "stages.json"))["eval"]
+  assert (settings["retrieval_rows"], settings["retrieval_rows_at_trained"]) == (2, 3)
+  assert not (w / "extrapolation_partial.json").exists()
   results = json.load(open(w / "extrapolation.json"))
   assert set(results) == {"staged", "control"}
   for rows in results.values():
@@ -296,22 +301,29 @@ def test_extend_context_command_end_to_end(tmp_path):
     assert [(r["windows"], r["windows_joined"]) for r in rows] == [(1, False), (1, False)]
     assert all(np.isfinite(r["bits_per_byte"]) and 0 <= r["passkey@0.5/row_acc"] <= 1
                for r in rows)
+    # Row accuracy over 3 rows at 1024 (the trained length), over 2 at 2048.
+    assert rows[0]["mqar/row_acc"] in (0, 1 / 3, 2 / 3, 1)
+    assert rows[1]["mqar/row_acc"] in (0, 0.5, 1)
   out = tmp_path / "out"
   run = subprocess.run([sys.executable, "-m", "benchmarks.context_gpu", f"--workdirs={w}",
                         f"--out={out}", "--machine=cpu"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120, env=subprocess_env())
   assert run.returncode == 0, run.stderr[-2000:]
   rows = json.load(open(out / "context_gpu.json"))
-  assert {(r["run"], r["eval_len"]) for r in rows} == {
-      ("staged", 1024), ("staged", 2048), ("direct", 1024), ("direct", 2048)}
-  assert all(r["retrieval_rows"] == 2 for r in rows)
-  # --nostaged: the control run alone (complete here, so only its evals run again).
+  assert {(r["run"], r["eval_len"], r["retrieval_rows"]) for r in rows} == {
+      ("staged", 1024, 3), ("staged", 2048, 2), ("direct", 1024, 3), ("direct", 2048, 2)}
+  # --nostaged: the control run alone (complete here, so only its evals run), resuming from
+  # the rows an interrupted invocation with the same eval settings left: 1024 is kept, 2048
+  # evaluated.
   shutil.rmtree(w / "s128")
-  run = subprocess.run(
-      [sys.executable, "scripts/extend_context.py", "--config=configs/stages.py:cpu",
-       f"--workdir={w}", *steps, "--config.eval.multipliers=1", "--nostaged",
-       "--config.eval.retrieval_rows=2", "--config.eval.max_windows=1"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600, env=subprocess_env())
+  kept = dict(results["control"][0], marker=True)
+  (w / "extrapolation_partial.json").write_text(json.dumps(
+      {"eval": settings, "runs": {"control": [kept]}}))
+  run = subprocess.run(command + ["--nostaged"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=subprocess_env())
   assert run.returncode == 0, run.stderr[-3000:]
-  assert list(json.load(open(w / "extrapolation.json"))) == ["control"]
   assert "moe_jax: stage" not in run.stdout
+  again = json.load(open(w / "extrapolation.json"))
+  assert list(again) == ["control"] and [r["length"] for r in again["control"]] == [1024, 2048]
+  assert again["control"][0].get("marker") and "marker" not in again["control"][1]
+  assert not (w / "extrapolation_partial.json").exists()

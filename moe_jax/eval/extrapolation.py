@@ -46,7 +46,8 @@ def run_chunks(model, variables, tokens_BxT, chunk: int, *, capture_last: bool =
   """Teacher-forced forward over [B, T] tokens in chunks of `chunk` (T a multiple of it).
 
   Returns (log-prob of each next token [B, T-1] (positions 1..T-1 given the ones
-  before), the greedy prediction after each position [B, T-1], and with capture_last the last chunk's sown MLA queries and the final cache).
+  before), the greedy prediction after each position [B, T-1], and with capture_last the
+  last chunk's sown MLA queries and the final cache).
   """
   B, T = tokens_BxT.shape
   if T % chunk:
