@@ -9,8 +9,8 @@ control run, trained straight at the final length on the same tokens, is `direct
 `rope_direct`). The seed is the run config's `seed`. Rows: run, seed, trained_len,
 eval_len, passkey_acc (all answer digits right, random key depth), passkey_acc_by_depth,
 mqar_acc, bits_per_byte, bits_by_bucket, windows (windows_joined: the held-out documents
-joined, no one of them that long), retrieval_rows (per task and depth, from the workdir's
-stages.json), with date, commit and machine. Rows of other (run, seed) pairs already in
+joined, no one of them that long), retrieval_rows (per task and depth, as the eval
+recorded it), with date, commit and machine. Rows of other (run, seed) pairs already in
 --out's JSON are kept.
 """
 
@@ -45,10 +45,6 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
   rope = bool(c["model"].get("mla_rope_theta", 0.0))
   names = {"staged": "rope" if rope else "staged", "control": "rope_direct" if rope else "direct"}
   trained = c["data"]["seq_len"]
-  settings = os.path.join(workdir, "stages.json")
-  ev = json.load(open(settings))["eval"] if os.path.exists(settings) else {}
-  rows_at = lambda L: ((ev.get("retrieval_rows_at_trained") or ev.get("retrieval_rows"))
-                       if L == trained else ev.get("retrieval_rows"))
   out = []
   for run, results in json.load(open(path)).items():
     for r in results:
@@ -59,7 +55,7 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
                   "passkey_acc_by_depth": depths, "mqar_acc": r.get("mqar/row_acc"),
                   "bits_per_byte": r.get("bits_per_byte"),
                   "bits_by_bucket": r.get("bits_by_bucket"),
-                  "retrieval_rows": rows_at(r["length"]),
+                  "retrieval_rows": r.get("retrieval_rows"),
                   "windows": r.get("windows"), "windows_joined": r.get("windows_joined"),
                   **stamp})
   return out

@@ -124,8 +124,8 @@ def main(argv):
   compile_cache.enable(sc.run.train.compile_cache_dir)
   names = stages.stage_names(sc)
   os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "stages.json"), "w") as f:   # the gatherers read the evals'
-    f.write(sc.to_json(indent=1))                              # settings from it
+  with open(os.path.join(workdir, "stages.json"), "w") as f:   # what this invocation ran
+    f.write(sc.to_json(indent=1))
   runs = {}
   if _STAGED.value:
     out = stages.run_stages(sc, workdir)
@@ -153,18 +153,22 @@ def main(argv):
   done = json.load(open(partial)) if os.path.exists(partial) else {}
   if done.get("eval") != sc.eval.to_dict():
     done = {"eval": sc.eval.to_dict(), "runs": {}}
+  # More retrieval rows at the final stage's length where eval.retrieval_rows_at_trained > 0.
+  at_trained = sc.eval.get("retrieval_rows_at_trained", 0)
+  rows_at = {L: at_trained if L == sc.stages[names[-1]].seq_len and at_trained > 0
+             else sc.eval.retrieval_rows for L in _lengths(sc)}
   for run, run_dir in runs.items():
     rows = done["runs"].setdefault(run, [])
     todo = [L for L in _lengths(sc) if L not in {r["length"] for r in rows}]
     if not todo:
       continue
     c, variables, _ = load(run_dir)
-    for L in todo:
-      rows += extrapolation.evaluate_lengths(
-          c.model, variables, docs, [L], chunk=sc.eval.chunk, buckets=sc.eval.buckets,
-          max_windows=sc.eval.max_windows, retrieval_rows=retrieval_rows_at(sc, L),
-          entropy_queries=sc.eval.entropy_queries, tasks=tasks, cfg_data=c.data,
-          passkey_depths=depths)
+    for row in extrapolation.evaluate_lengths(
+        c.model, variables, docs, todo, chunk=sc.eval.chunk, buckets=sc.eval.buckets,
+        max_windows=sc.eval.max_windows, retrieval_rows=rows_at,
+        entropy_queries=sc.eval.entropy_queries, tasks=tasks, cfg_data=c.data,
+        passkey_depths=depths):
+      rows.append(row)
       with open(partial, "w") as f:
         json.dump(done, f, indent=1)
   results = {run: sorted(done["runs"][run], key=lambda r: r["length"]) for run in runs}
@@ -173,13 +177,6 @@ def main(argv):
   os.remove(partial)   # complete: a rerun evaluates afresh
   print(report(sc, workdir, results))
 
-
-def retrieval_rows_at(sc, length: int) -> int:
-  """Retrieval rows per task (and passkey depth) at an eval length: eval.retrieval_rows, or
-  at the final stage's length eval.retrieval_rows_at_trained where set (> 0)."""
-  trained = sc.stages[stages.stage_names(sc)[-1]].seq_len
-  at_trained = sc.eval.get("retrieval_rows_at_trained", 0)
-  return at_trained if length == trained and at_trained > 0 else sc.eval.retrieval_rows
 
 
 def report(sc, workdir: str, results: dict) -> str:

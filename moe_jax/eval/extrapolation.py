@@ -8,11 +8,12 @@
 Everything runs through the inference path (moe_jax/infer: KDA state + MLA latent cache,
 in chunks), so memory is bounded by the chunk, not by the length squared.
 
-  rows = evaluate_lengths(model_cfg, variables, docs, lengths, ...)   # one dict per length
+  for row in evaluate_lengths(model_cfg, variables, docs, lengths, ...):   # one per length
 """
 
 import functools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -163,17 +164,19 @@ def retrieval_accuracy(model, variables, task: str, length: int, rows: int, chun
 
 
 def evaluate_lengths(model_cfg, variables, docs: list[bytes], lengths: list[int], *,
-                     chunk: int, buckets: int, max_windows: int, retrieval_rows: int,
-                     entropy_queries: int, tasks: tuple[str, ...], cfg_data,
-                     passkey_depths: tuple[float, ...] = ()) -> list[dict]:
-  """One row per length: windows used, mean bits/byte, loss per bucket, retrieval (passkey
-  also at each of passkey_depths) and MLA attention entropy."""
+                     chunk: int, buckets: int, max_windows: int,
+                     retrieval_rows: int | dict[int, int], entropy_queries: int,
+                     tasks: tuple[str, ...], cfg_data,
+                     passkey_depths: tuple[float, ...] = ()) -> Iterator[dict]:
+  """Yields one row per length as it finishes (a caller can keep each): windows used, mean
+  bits/byte, loss per bucket, retrieval over `retrieval_rows` rows per task (an int, or
+  per length; passkey also at each of passkey_depths) and MLA attention entropy."""
   model = inference_model(model_cfg)
   variables = inference_variables(model_cfg, variables)
-  rows = []
   for L in tqdm(lengths, unit="length", desc="extrapolation evals"):
     ch = min(chunk, L)
-    row = {"length": L}
+    n_rows = retrieval_rows[L] if isinstance(retrieval_rows, dict) else retrieval_rows
+    row = {"length": L, "retrieval_rows": n_rows}
     win, row["windows_joined"] = eval_windows(docs, L, max_windows)
     row["windows"] = len(win)
     if len(win):
@@ -182,10 +185,8 @@ def evaluate_lengths(model_cfg, variables, docs: list[bytes], lengths: list[int]
       row["bits_by_bucket"] = loss_by_position(logp, buckets)
       row.update(attention_entropy(variables["params"], inter, cache, entropy_queries))
     for task in tasks:
-      row.update(retrieval_accuracy(model, variables, task, L, retrieval_rows, ch, cfg_data))
+      row.update(retrieval_accuracy(model, variables, task, L, n_rows, ch, cfg_data))
       for depth in passkey_depths if task == "passkey" else ():
-        row.update(retrieval_accuracy(model, variables, task, L, retrieval_rows, ch, cfg_data,
-                                      depth))
-    rows.append(row)
-  return rows
+        row.update(retrieval_accuracy(model, variables, task, L, n_rows, ch, cfg_data, depth))
+    yield row
 
