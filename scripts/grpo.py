@@ -26,6 +26,9 @@ def main(argv):
   xla_flags.apply_config(_CONFIG.value.train)   # before jax starts
   compile_cache.enable(_CONFIG.value.train.compile_cache_dir)
   s = train_grpo(_CONFIG.value, _WORKDIR.value)
+  if "preempted" in s:   # SIGTERM: checkpointed
+    print(f"moe_jax grpo: stopped by SIGTERM in the {s['preempted']}; run again to resume")
+    return
   print(f"pass@1 at the start: {s['start']}\npass@1 at the end:   {s.get('final', s.get('latest'))}")
 
 

@@ -8,8 +8,10 @@ import subprocess
 import sys
 import time
 
+import grain
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from moe_jax.data import pipeline
@@ -63,6 +65,22 @@ from tests.test_faults import _config
 out = train_and_evaluate(_config(40, 1000), sys.argv[1], progress=False)
 print("PREEMPTED", out.get("preempted"))
 """
+
+
+def test_a_step_already_saved_is_not_saved_again(tmp_path):
+  # SIGTERM during the step (or eval) that ended with an interval save asks for that step
+  # again at the next boundary; orbax raises StepAlreadyExistsError on a second save.
+  manager = checkpoint.make_manager(str(tmp_path), _config(4, 2))
+  data = iter(grain.MapDataset.range(10).batch(2))
+  state = {"w": np.arange(3.0, dtype=np.float32)}
+  assert checkpoint.save(manager, 2, state, data)
+  assert not checkpoint.save(manager, 2, {"w": np.zeros(3, np.float32)}, data)
+  checkpoint.finish(manager)
+  assert manager.all_steps() == [2]
+  restored = manager.restore(2, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(state)))
+  np.testing.assert_array_equal(restored.state["w"], state["w"])
+  manager.close()
 
 
 @pytest.mark.slow

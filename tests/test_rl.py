@@ -321,7 +321,7 @@ def _tiny_grpo_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_runs_and_resumes_exactly(tmp_path):
+def test_grpo_runs_and_resumes_exactly(tmp_path, monkeypatch):
   c = _tiny_grpo_config(tmp_path)
   warm = tmp_path / "warm"
   c.rl.init_workdir = str(warm)
@@ -329,9 +329,20 @@ def test_grpo_runs_and_resumes_exactly(tmp_path):
   straight = train_grpo(c, str(tmp_path / "a"), progress=False)
   train_grpo(c, str(tmp_path / "b"), progress=False, stop_after=1)
   resumed = train_grpo(c, str(tmp_path / "b"), progress=False)
-  for a, b in zip(jax.tree.leaves(straight["state"].params),
-                  jax.tree.leaves(resumed["state"].params)):
+  # SIGTERM after the second GRPO step (both passes): checkpointed there, resumed exactly.
+  signalled = lambda self, step, manager: step >= 2 * c.rl.passes
+  monkeypatch.setattr(trainer.Preemption, "requested", signalled)
+  stopped = train_grpo(c, str(tmp_path / "c"), progress=False)
+  assert stopped["preempted"] == "grpo" and stopped["step"] == 2
+  assert trainer.checkpoint.make_manager(str(tmp_path / "c" / "checkpoints"),
+                                             c).all_steps() == [1 * c.rl.passes, 2 * c.rl.passes]
+  monkeypatch.undo()
+  after_sigterm = train_grpo(c, str(tmp_path / "c"), progress=False)
+  for a, b, d in zip(jax.tree.leaves(straight["state"].params),
+                     jax.tree.leaves(resumed["state"].params),
+                     jax.tree.leaves(after_sigterm["state"].params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(d))
   assert int(straight["state"].step) == 3 * c.rl.passes
   m = straight["last_metrics"]
   for k in ("reward/mean", "accuracy", "kl", "clip_fraction", "response_tokens", "entropy",

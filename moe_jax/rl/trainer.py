@@ -38,6 +38,7 @@ from moe_jax.rl import rollout as rollout_lib
 from moe_jax.rl.rollout import Budget, Episodes, rollout
 from moe_jax.train import checkpoint, metrics, optim
 from moe_jax.train.loop import train_and_evaluate
+from moe_jax.train.preemption import Preemption
 from moe_jax.train.state import TrainState
 
 
@@ -183,12 +184,13 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
   rejoins once it is back at or below (a task left out forgets, fast at a high learning
   rate: benchmarks/grpo.md).
   Returns {"checks": [...], "stopped_at": step}, each check with the `trained` tasks of
-  its span (also in init_dir/warmup_checks.json; {} without checks)."""
+  its span (also in init_dir/warmup_checks.json; {} without checks), and "preempted": step
+  where SIGTERM stopped it (checkpointed; run again to resume)."""
   rl, total = w.rl, w.schedule.total_steps
   every = rl.get("warmup_check_every", 0)
   if not every:
-    train_and_evaluate(w, init_dir, progress=progress)
-    return {}
+    out = train_and_evaluate(w, init_dir, progress=progress)
+    return {} if out.get("preempted") is None else {"preempted": out["preempted"]}
   path = os.path.join(init_dir, "warmup_checks.json")
   log = {"checks": [], "stopped_at": None}
   if os.path.exists(path):
@@ -204,9 +206,8 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
                             if last.get(f"pass@1/{t.name}", 0.0) <= ceiling)
     stop = min(last.get("step", 0) + every, total)
     out = train_and_evaluate(w, init_dir, progress=progress, stop_after=stop)
-    if out.get("preempted") is not None:
-      raise RuntimeError(f"the warm-up was preempted at step {out['preempted']}; run again "
-                         "to resume")
+    if out.get("preempted") is not None:   # checkpointed; the next call resumes the span
+      return {**log, "preempted": out["preempted"]}
     cfg, variables, _ = workdir_lib.load(init_dir)
     model_cfg, b = policy_model_config(cfg.model), budget(rl)
     check = {"step": stop, "trained": w.data.tasks,
@@ -230,13 +231,15 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
 def start_from(c, workdir: str, progress: bool):
   """(model config, per-layer variables, warm-up checks) of the policy's starting point:
   rl.init_workdir's latest checkpoint, or the supervised warm-up on data.tasks, run (or
-  resumed) in <workdir>/warmup (`warm_up`)."""
+  resumed) in <workdir>/warmup (`warm_up`); None where SIGTERM stopped the warm-up."""
   init_dir, checks = c.rl.init_workdir, {}
   if not init_dir:
     init_dir = os.path.join(workdir, "warmup")
     w = ml_collections.ConfigDict(c.to_dict())
     w.data.source = "tasks"
     checks = warm_up(w, init_dir, progress)
+    if checks.get("preempted") is not None:
+      return None
   init_cfg, variables, _ = workdir_lib.load(init_dir)
   return init_cfg.model, variables, checks
 
@@ -244,14 +247,20 @@ def start_from(c, workdir: str, progress: bool):
 def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
                stop_after: int | None = None) -> dict:
   """GRPO to rl.steps (resuming from <workdir>/checkpoints); `stop_after` ends this call early
-  at that step, checkpointed. Returns the summary (pass@1 before and after, last metrics)."""
+  at that step, checkpointed. Returns the summary (pass@1 before and after, last metrics).
+  After SIGTERM (a job's time limit, a preempted machine) it checkpoints at the next step
+  boundary, warm-up or GRPO, and returns {"preempted": "warm-up" | "grpo", ...}; the next
+  call resumes there."""
   config_lib.validate(c)
   rl = c.rl
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))
   t_warm = time.perf_counter()
-  model_cfg_init, variables, checks = start_from(c, workdir, progress)
+  start = start_from(c, workdir, progress)
+  if start is None:
+    return {"preempted": "warm-up"}
+  model_cfg_init, variables, checks = start
   t_warm = time.perf_counter() - t_warm
   model_cfg = policy_model_config(model_cfg_init)
   model = policy_model(model_cfg)
@@ -303,62 +312,68 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   print(f"moe_jax grpo: " + (f"resumed at step {step}" if resumed is not None else
                              "from step 0") + f"; start pass@1 {summary['start']}", flush=True)
   bar = tqdm(total=rl.steps, initial=step, disable=not progress, unit="step", dynamic_ncols=True)
-  last = {}
+  last, preempted = {}, None
   t_loop = time.perf_counter()
   try:
-    while step < end:
-      t0 = time.perf_counter()
-      idx = next(prompts)
-      problems = [environments.draw(tasks, rl.seed, int(i), "train") for i in idx]
-      group = [p for p in problems for _ in range(rl.group_size)]
-      variables = inference_variables(model_cfg, {"params": state.params,
-                                                  "router": state.router})
-      ep = rollout(sampler, variables, group, by_name,
-                   jax.random.fold_in(jax.random.key(rl.seed), step), b,
-                   temperature=rl.temperature, seq_len=T)
-      t_roll = time.perf_counter() - t0
-      reward_R = np.array([rewards.total(terms, p.prompt, s, p.state)
-                           for p, s in zip(group, ep.completions)], np.float32)
-      correct_R = np.array([rewards.exact_answer(p.prompt, s, p.state)
-                            for p, s in zip(group, ep.completions)], np.float32)
-      batch = episode_batch(ep, advantages.group_advantages(reward_R, rl.group_size,
-                                                            rl.advantage_scale))
-      if ref_logp is not None:
-        batch["ref_logp"] = ref_logp(state.ref_params, state.router, batch)
-      passes = []
-      for _ in range(rl.passes):
-        state, m = one_pass(state, batch)
-        passes.append(m)
-      passes = jax.device_get(passes)
-      step += 1
-      dt = time.perf_counter() - t0
-      # The rollout/training gaps, on the first pass (the rollout's params) and the last.
-      gaps = ("route_mismatch", "kl_rollout")
-      m = {k: v for k, v in passes[-1].items() if k not in gaps}
-      for k in gaps:
-        if k in passes[0]:
-          m[f"{k}/first_pass"], m[f"{k}/last_pass"] = passes[0][k], passes[-1][k]
-      m.update({"reward/mean": reward_R.mean(), "reward/std": reward_R.std(),
-                "accuracy": correct_R.mean(), "response_tokens": ep.generated.mean(),
-                "tool_calls": ep.tool_calls.mean(), "rollout_s": t_roll,
-                "tokens_per_sec": float(ep.segment_ids.sum()) / dt})
-      for t in tasks:   # a task with no prompt in this step has no entry (JSON has no NaN)
-        rows = [i for i, p in enumerate(group) if p.state["task"] == t.name]
-        if rows:
-          m[f"accuracy/{t.name}"] = correct_R[rows].mean()
-      train_log.write(step, m)
-      last = {k: float(v) for k, v in m.items()}
-      bar.update(1)
-      bar.set_postfix({"reward": f"{m['reward/mean']:.3f}", "acc": f"{m['accuracy']:.3f}",
-                       "clip": f"{m['clip_fraction']:.3f}"})
-      if step % rl.eval_every == 0 or step == rl.steps:
-        ev = evaluate()
-        eval_log.write(step, ev)
-        summary["final" if step == rl.steps else "latest"] = ev
-        bar.write(f"grpo step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
-      if step % c.checkpoint.every_steps == 0 or step == end:
-        checkpoint.save(manager, int(state.step), state, prompts)
-    checkpoint.finish(manager)
+    with Preemption() as preemption:
+      while step < end:
+        if preemption.requested(int(state.step), manager):
+          checkpoint.save(manager, int(state.step), state, prompts)
+          bar.write(f"moe_jax grpo: preempted (SIGTERM); saved step {step}, run again to resume")
+          preempted = "grpo"
+          break
+        t0 = time.perf_counter()
+        idx = next(prompts)
+        problems = [environments.draw(tasks, rl.seed, int(i), "train") for i in idx]
+        group = [p for p in problems for _ in range(rl.group_size)]
+        variables = inference_variables(model_cfg, {"params": state.params,
+                                                    "router": state.router})
+        ep = rollout(sampler, variables, group, by_name,
+                     jax.random.fold_in(jax.random.key(rl.seed), step), b,
+                     temperature=rl.temperature, seq_len=T)
+        t_roll = time.perf_counter() - t0
+        reward_R = np.array([rewards.total(terms, p.prompt, s, p.state)
+                             for p, s in zip(group, ep.completions)], np.float32)
+        correct_R = np.array([rewards.exact_answer(p.prompt, s, p.state)
+                              for p, s in zip(group, ep.completions)], np.float32)
+        batch = episode_batch(ep, advantages.group_advantages(reward_R, rl.group_size,
+                                                              rl.advantage_scale))
+        if ref_logp is not None:
+          batch["ref_logp"] = ref_logp(state.ref_params, state.router, batch)
+        passes = []
+        for _ in range(rl.passes):
+          state, m = one_pass(state, batch)
+          passes.append(m)
+        passes = jax.device_get(passes)
+        step += 1
+        dt = time.perf_counter() - t0
+        # The rollout/training gaps, on the first pass (the rollout's params) and the last.
+        gaps = ("route_mismatch", "kl_rollout")
+        m = {k: v for k, v in passes[-1].items() if k not in gaps}
+        for k in gaps:
+          if k in passes[0]:
+            m[f"{k}/first_pass"], m[f"{k}/last_pass"] = passes[0][k], passes[-1][k]
+        m.update({"reward/mean": reward_R.mean(), "reward/std": reward_R.std(),
+                  "accuracy": correct_R.mean(), "response_tokens": ep.generated.mean(),
+                  "tool_calls": ep.tool_calls.mean(), "rollout_s": t_roll,
+                  "tokens_per_sec": float(ep.segment_ids.sum()) / dt})
+        for t in tasks:   # a task with no prompt in this step has no entry (JSON has no NaN)
+          rows = [i for i, p in enumerate(group) if p.state["task"] == t.name]
+          if rows:
+            m[f"accuracy/{t.name}"] = correct_R[rows].mean()
+        train_log.write(step, m)
+        last = {k: float(v) for k, v in m.items()}
+        bar.update(1)
+        bar.set_postfix({"reward": f"{m['reward/mean']:.3f}", "acc": f"{m['accuracy']:.3f}",
+                         "clip": f"{m['clip_fraction']:.3f}"})
+        if step % rl.eval_every == 0 or step == rl.steps:
+          ev = evaluate()
+          eval_log.write(step, ev)
+          summary["final" if step == rl.steps else "latest"] = ev
+          bar.write(f"grpo step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
+        if step % c.checkpoint.every_steps == 0 or step == end:
+          checkpoint.save(manager, int(state.step), state, prompts)
+      checkpoint.finish(manager)
   finally:
     bar.close()
     manager.close()
@@ -369,4 +384,4 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
                  grpo_s=summary.get("grpo_s", 0.0) + time.perf_counter() - t_loop)
   with open(summary_path, "w") as f:
     json.dump(summary, f, indent=2)
-  return {**summary, "state": state}
+  return {**summary, "state": state, **({"preempted": preempted} if preempted else {})}

@@ -35,7 +35,11 @@ def make_manager(directory: str, c: ml_collections.ConfigDict) -> ocp.Checkpoint
 
 def save(manager: ocp.CheckpointManager, step: int, state, data_iter) -> bool:
   """Saves `step` (the caller decides when): async for the state, sync for the iterator.
-  An async save that failed since the last call also raises here (CheckpointSaveError)."""
+  A step already saved is left as it is (False): a SIGTERM that lands during the step or eval
+  that ended with an interval save asks for that step again. An async save that failed
+  since the last call also raises here (CheckpointSaveError)."""
+  if manager.latest_step() == step:
+    return False
   try:
     return manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
