@@ -89,7 +89,8 @@ def rollout(sampler: Sampler, variables, problems: list[Problem], tasks: dict[st
   seqs = [list(ids) for ids in prompt_ids]
   sampled = [[0] * len(ids) for ids in prompt_ids]      # 1 where the model sampled the token
   logps = [[0.0] * len(ids) for ids in prompt_ids]
-  routes = ({k: [list(v[r, :lengths_R[r]]) for r in range(R)]
+  # Routes as each row's list of [n, K] pieces, joined once at the end.
+  routes = ({k: [[v[r, :lengths_R[r]]] for r in range(R)]
              for k, v in jax.device_get(recorded[0]).items()} if recorded else None)
   texts, calls = [""] * R, np.zeros(R, np.int32)
   done_R = np.zeros(R, bool)
@@ -111,7 +112,7 @@ def rollout(sampler: Sampler, variables, problems: list[Problem], tasks: dict[st
       logps[r] += host["logprobs"][r, :n].tolist()
       if routes is not None:
         for k in routes:
-          routes[k][r] += list(host["routes"][k][r, :n])
+          routes[k][r].append(host["routes"][k][r, :n])
       texts[r] += tokenizer.decode(new)
       reply = None
       if host["stopped_on_sequence"][r] and turn + 1 < budget.max_turns:
@@ -134,7 +135,7 @@ def rollout(sampler: Sampler, variables, problems: list[Problem], tasks: dict[st
       sampled[r] += [0] * n
       logps[r] += [0.0] * n
       for k, v in reply_routes.items():
-        routes[k][r] += list(v[r, :n])
+        routes[k][r].append(v[r, :n])
   return _episodes(seqs, sampled, logps, routes, texts, calls, T)
 
 
@@ -147,7 +148,7 @@ def _episodes(seqs, sampled, logps, routes, texts, calls, T) -> Episodes:
   old_logp = np.zeros((R, T), np.float32)
   route_arrays = None
   if routes is not None:
-    K = len(next(iter(routes.values()))[0][0])
+    K = next(iter(routes.values()))[0][0].shape[-1]
     route_arrays = {k: np.zeros((R, T, K), np.int32) for k in routes}
   for r, seq in enumerate(seqs):
     L = len(seq)
@@ -157,7 +158,7 @@ def _episodes(seqs, sampled, logps, routes, texts, calls, T) -> Episodes:
     old_logp[r, :L - 1] = logps[r][1:]
     if routes is not None:
       for k in routes:
-        route_arrays[k][r, :L] = np.asarray(routes[k][r])
+        route_arrays[k][r, :L] = np.concatenate(routes[k][r])
   generated = np.array([sum(s) for s in sampled], np.int32)
   return Episodes(tokens, segment_ids, targets, train_mask, old_logp, route_arrays, texts,
                   generated, calls)
