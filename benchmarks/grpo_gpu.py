@@ -9,7 +9,8 @@ over the tasks), greedy and sampled pass@1 before and after GRPO, and from
 metrics_grpo.jsonl the means over GRPO steps of route_mismatch (the training forward's own
 top-k against the rollout's, on each batch's first pass), kl_rollout (the same pass's k3 KL
 from the rollout policy) and clip_fraction; warmup_steps (where the warm-up's pass@1 checks
-stopped it, rl.warmup_check_every); with date, commit and machine. Rows of other
+stopped it, rl.warmup_check_every); for tool tasks the greedy episodes that made the call
+the problem needs (greedy_right_call_before/after); with date, commit and machine. Rows of other
 (task, seed, replay) already in --out's JSON are kept. Curves: benchmarks/grpo_report.py.
 """
 
@@ -52,6 +53,9 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
            "greedy_pass1_after": after[f"pass@1/{t}"],
            "sampled_pass1_before": before.get(f"pass@1_sampled/{t}"),
            "sampled_pass1_after": after.get(f"pass@1_sampled/{t}"),
+           # tool tasks: greedy episodes that made the call the problem needs
+           "greedy_right_call_before": before.get(f"right_call/{t}"),
+           "greedy_right_call_after": after.get(f"right_call/{t}"),
            **gaps, "workdir": os.path.basename(os.path.normpath(workdir)), **stamp}
           for i, t in enumerate(tasks)]
 
@@ -60,14 +64,17 @@ def markdown(rows: list[dict]) -> str:
   def f(v, digits=3):
     return "—" if v is None else f"{v:.2e}" if digits == "e" else f"{v:.{digits}f}"
   lines = ["| task | seed | replay | held out | greedy pass@1 before → after (Δ) | "
-           "sampled before → after | route mismatch | KL from rollout | clip fraction |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "sampled before → after | right call (greedy) before → after | route mismatch | "
+           "KL from rollout | clip fraction |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(rows, key=lambda r: (r["task"], r["seed"], not r["replay"])):
     d = r["greedy_pass1_after"] - r["greedy_pass1_before"]
     lines.append(
         f"| {r['task']} | {r['seed']} | {'on' if r['replay'] else 'off'} | {r['n_heldout']} | "
         f"{f(r['greedy_pass1_before'])} → {f(r['greedy_pass1_after'])} ({d:+.3f}) | "
         f"{f(r['sampled_pass1_before'])} → {f(r['sampled_pass1_after'])} | "
+        + (f"{f(r.get('greedy_right_call_before'))} → {f(r.get('greedy_right_call_after'))}"
+           if r.get("greedy_right_call_before") is not None else "—") + " | "
         f"{f(r['route_mismatch'], 4)} | {f(r['kl_rollout'], 'e')} | "
         f"{f(r['clip_fraction'])} |")
   return "\n".join(lines) + "\n"

@@ -138,6 +138,7 @@ def get_config(arg=None):
   d.tasks = "addition,retrieval"  # source tasks and GRPO: addition | reversal | retrieval | tools
   d.retrieval_pairs = 12        # retrieval: at most this many key:value pairs (at least 4)
   d.addition_reversed = False   # addition: the sum written least-significant digit first
+  d.tool_direct_fraction = 0.0  # tools: warm-up demonstrations that answer without a call
   d.image_fraction = 0.0        # text sources: this share of train rows is image documents
   d.image_tasks = "digits,charts"  # comma-separated: digits | charts (data/image_tasks.py)
 

@@ -254,6 +254,10 @@ def _validate_rl(c: ml_collections.ConfigDict):
     _fail("rl.eval_samples", rl.eval_samples, "an integer >= 0 (0 = greedy pass@1 only)")
   if not isinstance(rl.group_size, int) or rl.group_size < 2:
     _fail("rl.group_size", rl.group_size, "an integer >= 2 (advantages compare a group)")
+  rows, micro = rl.prompts_per_step * rl.group_size, rl.get("micro_batch", 0)
+  if not isinstance(micro, int) or micro < 0 or (micro and rows % micro):
+    _fail("rl.micro_batch", micro, f"0 (the whole batch) or a divisor of the {rows} rows of "
+          "a rollout batch (rl.prompts_per_step × rl.group_size)")
   if not rl.temperature > 0:
     _fail("rl.temperature", rl.temperature, "> 0 (rollouts sample)")
   if not rl.learning_rate > 0:

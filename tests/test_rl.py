@@ -73,6 +73,16 @@ def test_grpo_loss_equals_numpy_reference(norm):
   assert abs(float(m["kl"]) - want_kl) < 1e-5
   assert abs(float(m["kl_rollout"]) - _np_kl_rollout(logp, old, mask)) < 1e-5
   assert float(m["kl_rollout"]) > 0.01   # the fixture's rollout policy differs
+  # Micro-batches of 2 rows, each given the whole batch's denominators, sum to the same.
+  denom = loss_lib.denominators(jnp.asarray(mask, jnp.float32))
+  shares = [loss_lib.grpo_loss(*(jnp.asarray(x[r:r + 2], jnp.float32)
+                                 for x in (logp, old, adv, mask)),
+                               ref_logp_BxT=jnp.asarray(ref[r:r + 2], jnp.float32),
+                               clip_low=0.2, clip_high=0.28, kl_coef=0.05, norm=norm,
+                               max_tokens=12, denom=denom) for r in range(0, B, 2)]
+  assert abs(sum(float(l) for l, _ in shares) - want) <= 1e-5 * max(abs(want), 1.0)
+  for k in ("clip_fraction", "kl", "kl_rollout", "ratio"):
+    assert abs(sum(float(sm[k]) for _, sm in shares) - float(m[k])) < 1e-5
   # Nearly equal policies (|d| ~ 1e-5): exp(d) − d − 1 in float32 would go below 0.
   near = jnp.asarray(logp, jnp.float32) + 1e-5 * jnp.asarray(rng.normal(size=(B, T)), jnp.float32)
   _, m_near = loss_lib.grpo_loss(near, jnp.asarray(logp, jnp.float32), jnp.asarray(adv),
@@ -212,6 +222,39 @@ def test_rollout_logprobs_equal_training_forward_with_replay(moe_policy):
   assert float(replay.mismatch(shifted, ep.routes, ep.segment_ids)) == 1.0
 
 
+@pytest.mark.slow
+def test_a_micro_batched_pass_makes_the_whole_batch_update(moe_policy):
+  """rl.micro_batch = 4 on 8 rows (a scan over two halves) against the whole batch at once:
+  the same update, loss and metrics (replay on, KL to a reference, sequence norm)."""
+  cfg, model, variables = moe_policy
+  c = grpo_config.get_config("cpu")
+  tasks = environments.make_tasks(ml_collections.ConfigDict(
+      {"tasks": "addition,retrieval", "retrieval_pairs": 4, "addition_reversed": False}))
+  problems = [environments.draw(tasks, 0, i, "train") for i in range(8)]
+  ep = rollout(Sampler(cfg, record_routes=True), inference_variables(cfg, variables), problems,
+               {t.name: t for t in tasks}, jax.random.key(3), Budget(max_prompt=40, max_new=6),
+               temperature=1.0, seq_len=48)
+  batch = trainer.episode_batch(ep, np.linspace(-1.5, 1.5, 8).astype(np.float32))
+  batch["ref_logp"] = ep.old_logp - 0.05 * ep.train_mask
+  out = {}
+  for rows in (0, 4):
+    c.rl.update(micro_batch=rows, kl_coef=0.1, loss_norm="sequence", learning_rate=1e-3)
+    stacked = jax.tree.map(jnp.copy, {k: trainer.layer_stack.stack(cfg, variables[k])
+                                      for k in ("params", "router")})   # the pass donates
+    state = trainer.PolicyState.create(
+        apply_fn=model.apply, params=stacked["params"], router=stacked["router"], tx=trainer.policy_optimizer(
+                ml_collections.FrozenConfigDict(c)), ref_params={})
+    state = state.replace(step=jnp.zeros((), jnp.int32))
+    out[rows] = trainer.make_pass(cfg, ml_collections.FrozenConfigDict(c.rl))(state, batch)
+  (whole, m0), (micro, m4) = out[0], out[4]
+  for k in ("loss", "clip_fraction", "kl", "kl_rollout", "ratio", "entropy", "route_mismatch",
+            "grad_norm"):
+    assert abs(float(m4[k]) - float(m0[k])) <= 1e-5 * max(abs(float(m0[k])), 1.0), k
+  assert float(m0["kl"]) > 1e-4 and float(m0["grad_norm"]) > 0
+  for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(micro.params)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5)
+
+
 def test_replay_runs_exactly_the_recorded_experts():
   c = make_small_config()
   c.model.dtype = "float32"
@@ -280,6 +323,19 @@ def test_task_rows_train_only_on_answers_and_hold_out_eval_prompts():
   assert not train & held and all(environments.held_out(p) for p in held)
   with pytest.raises(ValueError, match="data.seq_len=16"):
     task_rows.TaskRows(d, 16, seed=0)
+  # tool_direct_fraction: that share of tool demonstrations answers without a call.
+  d.tool_direct_fraction = 0.4
+  tool = environments.make_tasks(d)[1]
+  probs = [tool.sample(np.random.default_rng(i)) for i in range(500)]
+  direct = [p for p in probs if tool.answers_directly(p)]
+  assert 0.33 < len(direct) / len(probs) < 0.47
+  assert tool.demonstration(direct[0]) == [(f"A {direct[0].state['answer']}", True)]
+  called = next(p for p in probs if not tool.answers_directly(p))
+  assert tool.demonstration(called)[0][0].startswith("<call>")
+  assert tool.right_call(called, "".join(text for text, _ in tool.demonstration(called)))
+  assert not tool.right_call(called, f"A {called.state['answer']}")
+  with pytest.raises(ValueError, match="data.tool_direct_fraction"):
+    tools.ToolTask(direct_fraction=1.0)
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -288,7 +344,8 @@ def test_task_rows_train_only_on_answers_and_hold_out_eval_prompts():
     ("rewards", "exact:1", "unknown reward"), ("clip_low", 1.5, "rl.clip_low"),
     ("eval_samples", -1, "rl.eval_samples"), ("warmup_check_every", -1, "rl.warmup_check_every"),
     ("warmup_check_every", True, "rl.warmup_check_every"),
-    ("warmup_max_pass1", 0.1, "rl.warmup_max_pass1")])
+    ("warmup_max_pass1", 0.1, "rl.warmup_max_pass1"), ("micro_batch", 3, "rl.micro_batch"),
+    ("micro_batch", -8, "rl.micro_batch")])
 def test_bad_rl_config_is_rejected(field, value, match):
   c = grpo_config.get_config("cpu")
   c.rl.warmup_check_every = 0 if field == "warmup_check_every" else 5
@@ -425,6 +482,7 @@ def test_grpo_record_rows_from_a_workdir(tmp_path):
   start = {f"pass@1/{t}": 0.3 for t in tasks} | {f"pass@1_sampled/{t}": 0.2 for t in tasks}
   final = {f"pass@1/{t}": 0.5 + 0.1 * i for i, t in enumerate(tasks)} | {
       f"pass@1_sampled/{t}": 0.4 for t in tasks}
+  start["right_call/tools"], final["right_call/tools"] = 0.25, 0.75
   (w / "summary.json").write_text(json.dumps({"start": start, "final": final, "step": 150}))
   (w / "metrics_grpo.jsonl").write_text("\n".join(json.dumps(
       {"step": s, "route_mismatch/first_pass": 0.01 * s, "kl_rollout/first_pass": 1e-3,
@@ -436,7 +494,11 @@ def test_grpo_record_rows_from_a_workdir(tmp_path):
   assert (r["seed"], r["replay"], r["greedy_pass1_before"]) == (0, True, 0.3)
   assert r["greedy_pass1_after"] == pytest.approx(0.7) and r["sampled_pass1_after"] == 0.4
   assert r["route_mismatch"] == pytest.approx(0.02) and r["kl_rollout"] == pytest.approx(1e-3)
-  assert "| tools | 0 | on | 256 | 0.300 → 0.700 (+0.400) |" in grpo_gpu.markdown(rows)
+  assert (r["greedy_right_call_before"], r["greedy_right_call_after"]) == (0.25, 0.75)
+  assert rows[0]["greedy_right_call_before"] is None
+  assert ("| tools | 0 | on | 256 | 0.300 → 0.700 (+0.400) | 0.200 → 0.400 | 0.250 → 0.750 |"
+          in grpo_gpu.markdown(rows))
+  assert c.data.tool_direct_fraction > 0   # GRPO has the tool's use to learn
   out = tmp_path / "out"   # the command line, as a device call runs it
   run = subprocess.run([sys.executable, "-m", "benchmarks.grpo_gpu", f"--workdirs={w}",
                         f"--out={out}", "--machine=NVIDIA H200"], cwd=ROOT, capture_output=True,

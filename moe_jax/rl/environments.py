@@ -1,7 +1,9 @@
 """Which tasks exist, how a config names them, and the held-out split.
 
   data.tasks = "addition,retrieval,tools"      (data.retrieval_pairs sizes the retrieval;
-                                               data.addition_reversed writes sums reversed)
+                                               data.addition_reversed writes sums reversed;
+                                               data.tool_direct_fraction: tools' warm-up
+                                               demonstrations that answer without a call)
 
 Problems are drawn deterministically from (seed, index), the tasks taken in turn by index.
 A prompt whose CRC32 is 0 mod 20 is held out: training (the warm-up rows and GRPO's
@@ -25,7 +27,8 @@ def make_tasks(data_cfg) -> list[Task]:
     raise ValueError(f"data.tasks must be a comma-separated list of {TASKS}, got "
                      f"{data_cfg.tasks!r}")
   make = {"addition": lambda: Addition(reversed=data_cfg.addition_reversed),
-          "reversal": Reversal, "tools": ToolTask,
+          "reversal": Reversal,
+          "tools": lambda: ToolTask(direct_fraction=data_cfg.get("tool_direct_fraction", 0.0)),
           "retrieval": lambda: Retrieval(data_cfg.retrieval_pairs)}
   return [make[n]() for n in names]
 

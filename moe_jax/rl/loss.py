@@ -39,13 +39,25 @@ def token_logprobs_and_entropy(logits_BxTxV, targets_BxT, temperature: float):
   return jnp.take_along_axis(logp_BxTxV, targets_BxT[..., None], -1)[..., 0], ent_BxT
 
 
+def denominators(mask_BxT) -> dict:
+  """What each normalisation divides by, over a whole rollout batch: trained tokens,
+  completions with a trained token, rows. A micro-batch's `grpo_loss` given the batch's
+  denominators returns its share: the shares sum to the whole batch's loss and metrics."""
+  mask_BxT = mask_BxT.astype(jnp.float32)
+  return {"tokens": jnp.maximum(mask_BxT.sum(), 1.0),
+          "sequences": jnp.maximum((mask_BxT.sum(1) > 0).sum().astype(jnp.float32), 1.0),
+          "rows": jnp.float32(mask_BxT.shape[0])}
+
+
 def grpo_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, ref_logp_BxT=None,
               clip_low: float = 0.2, clip_high: float = 0.2, kl_coef: float = 0.0,
-              norm: str = "token", max_tokens: int | None = None):
+              norm: str = "token", max_tokens: int | None = None, denom: dict | None = None):
   """(scalar loss, metrics {"clip_fraction", "kl", "kl_rollout", "ratio"}: means over
-  trained tokens)."""
+  trained tokens). `denom` (`denominators` of the whole batch) when this is one micro-batch
+  of it; default: this batch's own."""
   if norm not in NORMS:
     raise ValueError(f"rl.loss_norm must be one of {NORMS}, got {norm!r}")
+  denom = denominators(mask_BxT) if denom is None else denom
   mask_BxT = mask_BxT.astype(jnp.float32)
   adv_Bx1 = adv_B[:, None].astype(jnp.float32)
   ratio_BxT = jnp.exp(logp_BxT - old_logp_BxT)
@@ -55,15 +67,14 @@ def grpo_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, ref_logp_BxT=None,
   if ref_logp_BxT is not None and kl_coef:
     kl_BxT = _k3(ref_logp_BxT - logp_BxT)
     loss_BxT = loss_BxT + kl_coef * kl_BxT
-  n = jnp.maximum(mask_BxT.sum(), 1.0)
+  n = denom["tokens"]
   if norm == "token":
     loss = (loss_BxT * mask_BxT).sum() / n
-  elif norm == "sequence":
+  elif norm == "sequence":   # rows without a trained token add 0
     per_seq_B = (loss_BxT * mask_BxT).sum(1) / jnp.maximum(mask_BxT.sum(1), 1.0)
-    has_B = (mask_BxT.sum(1) > 0).astype(jnp.float32)
-    loss = (per_seq_B * has_B).sum() / jnp.maximum(has_B.sum(), 1.0)
+    loss = per_seq_B.sum() / denom["sequences"]
   else:
-    loss = (loss_BxT * mask_BxT).sum() / (mask_BxT.shape[0] * (max_tokens or mask_BxT.shape[1]))
+    loss = (loss_BxT * mask_BxT).sum() / (denom["rows"] * (max_tokens or mask_BxT.shape[1]))
   # A token is clipped where the clip, not the ratio, set its surrogate (no gradient flows).
   was_clipped_BxT = ((ratio_BxT < 1.0 - clip_low) & (adv_Bx1 < 0)) | (
       (ratio_BxT > 1.0 + clip_high) & (adv_Bx1 > 0))

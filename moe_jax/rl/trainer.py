@@ -87,34 +87,54 @@ def policy_model(model_cfg) -> HybridMoE:
 @functools.lru_cache(maxsize=8)
 def make_pass(model_cfg, rl):
   """One optimisation pass over a rollout batch, jitted: (state, batch) → (state, metrics).
-  Cached per (frozen) model and rl config, so a process compiles it once."""
+  With rl.micro_batch = m > 0 the batch's rows go through the forward and backward m at a
+  time (a scan that sums gradients), then one update: the same update as the whole batch at
+  once (the losses divide by the whole batch's denominators), with activation memory of m
+  rows. Cached per (frozen) model and rl config, so a process compiles it once."""
   model = policy_model(model_cfg)
 
-  def one_pass(state, batch):
+  def loss_fn(params, router, batch, denom, n_micro):
     inputs = {"tokens": batch["tokens"], "segment_ids": batch["segment_ids"]}
+    variables = {"params": params, "router": router}
+    if rl.routing_replay and "routes" in batch:
+      variables["replay"] = replay.replay_variables(model_cfg, batch["routes"])
+    (logits, aux), inter = model.apply(variables, inputs, mutable=["intermediates"])
+    logp, ent = loss_lib.token_logprobs_and_entropy(logits, batch["targets"], rl.temperature)
+    loss, m = loss_lib.grpo_loss(
+        logp, batch["old_logp"], batch["advantages"], batch["train_mask"],
+        ref_logp_BxT=batch.get("ref_logp"), clip_low=rl.clip_low, clip_high=rl.clip_high,
+        kl_coef=rl.kl_coef, norm=rl.loss_norm,
+        max_tokens=rl.max_turns * rl.max_new_tokens, denom=denom)
+    m["entropy"] = (ent * batch["train_mask"].astype(jnp.float32)).sum() / denom["tokens"]
+    # The routers' auxiliary penalty is a per-batch mean: each micro-batch adds its share.
+    penalty = sum((s["penalty"] for s in aux["routing"].values()), jnp.float32(0.0)) / n_micro
+    return loss + penalty, (m, inter.get("intermediates", {}))
 
-    def loss_fn(params):
-      variables = {"params": params, "router": state.router}
-      if rl.routing_replay and "routes" in batch:
-        variables["replay"] = replay.replay_variables(model_cfg, batch["routes"])
-      (logits, aux), inter = model.apply(variables, inputs, mutable=["intermediates"])
-      logp, ent = loss_lib.token_logprobs_and_entropy(logits, batch["targets"], rl.temperature)
-      loss, m = loss_lib.grpo_loss(
-          logp, batch["old_logp"], batch["advantages"], batch["train_mask"],
-          ref_logp_BxT=batch.get("ref_logp"), clip_low=rl.clip_low, clip_high=rl.clip_high,
-          kl_coef=rl.kl_coef, norm=rl.loss_norm,
-          max_tokens=rl.max_turns * rl.max_new_tokens)
-      mask = batch["train_mask"].astype(jnp.float32)
-      m["entropy"] = (ent * mask).sum() / jnp.maximum(mask.sum(), 1.0)
-      penalty = sum((s["penalty"] for s in aux["routing"].values()), jnp.float32(0.0))
-      return loss + penalty, (m, inter.get("intermediates", {}))
+  def one_pass(state, batch):
+    R = batch["tokens"].shape[0]
+    rows = rl.get("micro_batch", 0) or R
+    if R % rows:
+      raise ValueError(f"rl.micro_batch={rows} must divide the rollout batch of {R} rows")
+    n_micro = R // rows
+    denom = loss_lib.denominators(batch["train_mask"])
+    live = (batch["segment_ids"] != 0).sum().astype(jnp.float32)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    (total, (m, inter)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    if "routes" in batch:
-      picked = moe_lib.sown_routes(model_cfg, inter, batch["tokens"].shape)
-      m["route_mismatch"] = replay.mismatch(picked, batch["routes"], batch["segment_ids"])
+    def micro(grads_acc, mb):
+      (total, (m, inter)), grads = grad_fn(state.params, state.router, mb, denom, n_micro)
+      m["loss"] = total
+      if "routes" in mb:   # each micro-batch's fraction, weighted by its share of tokens
+        picked = moe_lib.sown_routes(model_cfg, inter, mb["tokens"].shape)
+        share = (mb["segment_ids"] != 0).sum() / jnp.maximum(live, 1.0)
+        m["route_mismatch"] = replay.mismatch(picked, mb["routes"], mb["segment_ids"]) * share
+      return jax.tree.map(jnp.add, grads_acc, grads), m
+
+    split = jax.tree.map(lambda x: x.reshape(n_micro, rows, *x.shape[1:]), batch)
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, m = jax.lax.scan(micro, zeros, split)
+    m = jax.tree.map(lambda x: x.sum(0), m)   # shares of the whole batch's means
     new_state = state.apply_gradients(grads=grads)
-    m.update(loss=total, grad_norm=optax.tree.norm(grads),
+    m.update(grad_norm=optax.tree.norm(grads),
              skipped_updates=optim.skipped_updates(new_state.opt_state))
     return new_state, m
 
@@ -152,7 +172,9 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
   """pass@1 per task on `problems` (held out): greedy ("pass@1/<task>") and, with
   samples = n > 0, sampled at rl.temperature ("pass@1_sampled/<task>": the mean correctness
   of n samples per problem, the unbiased pass@1 estimator of Chen et al. 2021; the quantity
-  GRPO's reward optimises). `variables` in the inference layout."""
+  GRPO's reward optimises). For a tool task, greedy also gives "tool_use/<task>" (episodes
+  with a call) and "right_call/<task>" (episodes that made the call the problem needs).
+  `variables` in the inference layout."""
   by_name = {t.name: t for t in tasks}
   out = {}
   runs = [("pass@1", problems, 0.0)]
@@ -166,6 +188,11 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
       hits = [rewards.exact_answer(p.prompt, comp, p.state)
               for p, comp in zip(probs, ep.completions) if p.state["task"] == t.name]
       out[f"{prefix}/{t.name}"] = float(np.mean(hits)) if hits else float("nan")
+      rows = [r for r, p in enumerate(probs) if p.state["task"] == t.name]
+      if prefix == "pass@1" and hasattr(t, "right_call") and rows:
+        out[f"tool_use/{t.name}"] = float(np.mean(ep.tool_calls[rows] > 0))
+        out[f"right_call/{t.name}"] = float(np.mean(
+            [t.right_call(probs[r], ep.completions[r]) for r in rows]))
     out[f"{prefix}/mean"] = float(np.nanmean([out[f"{prefix}/{t.name}"] for t in tasks]))
   return out
 
