@@ -411,8 +411,9 @@ def test_grpo_runs_and_resumes_exactly(tmp_path, monkeypatch):
   assert 0 <= m["kl_rollout/first_pass"] < 1e-4
   assert 0 < m["entropy"] < np.log(c.model.vocab_size)
   assert set(straight["start"]) == {f"{p}/{t}" for p in ("pass@1", "pass@1_sampled")
-                                    for t in ("addition", "retrieval", "mean")}
-  assert all(0.0 <= v <= 1.0 for v in straight["final"].values())
+                                    for t in ("addition", "retrieval", "mean")} | {"eval_s"}
+  assert straight["start"]["eval_s"] > 0 and m["step_s"] >= m["rollout_s"] > 0
+  assert all(0.0 <= v <= 1.0 for k, v in straight["final"].items() if k != "eval_s")
   assert straight["grpo_s"] > 0 and resumed["grpo_s"] > 0
 
 
@@ -452,7 +453,7 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
   assert [ch["step"] for ch in log["checks"]] == [2, 4] and log["stopped_at"] == 4
   assert spans == ["addition,retrieval", "addition"]
   assert [ch["trained"] for ch in log["checks"]] == spans
-  assert all(0 <= ch["pass@1/mean"] <= 1 for ch in log["checks"])
+  assert all(0 <= ch["pass@1/mean"] <= 1 and ch["check_s"] > 0 for ch in log["checks"])
   assert workdir_lib.load(w)[2] == 4
   tasks = environments.make_tasks(c.data)
   pass1_set = [p.prompt for p in trainer.held_out(tasks, c.rl, 64)]

@@ -237,10 +237,12 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
       return {**log, "preempted": out["preempted"]}
     cfg, variables, _ = workdir_lib.load(init_dir)
     model_cfg, b = policy_model_config(cfg.model), budget(rl)
+    t0 = time.perf_counter()
     check = {"step": stop, "trained": w.data.tasks,
              **pass_at_1(rollout_lib.sampler(model_cfg, False),
                          inference_variables(model_cfg, variables), tasks,
                          rl, b, training_length(model_cfg, b), problems)}
+    check["check_s"] = time.perf_counter() - t0   # its rollouts, compiles included
     log["checks"].append(check)
     passes = [check[f"pass@1/{t.name}"] for t in tasks]
     # In range, or every task above the ceiling: nothing left to train, more steps overshoot.
@@ -318,10 +320,12 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   step = int(state.step) // rl.passes
   end = rl.steps if stop_after is None else min(stop_after, rl.steps)
   eval_problems = held_out(tasks, rl, rl.eval_prompts)
-  evaluate = lambda: pass_at_1(
-      eval_sampler, inference_variables(model_cfg, {"params": state.params,
-                                                    "router": state.router}),
-      tasks, rl, b, T, eval_problems, rl.eval_samples)
+  def evaluate():   # held-out pass@1, and its wall time (compiles included)
+    t0 = time.perf_counter()
+    out = pass_at_1(eval_sampler, inference_variables(model_cfg, {"params": state.params,
+                                                                  "router": state.router}),
+                    tasks, rl, b, T, eval_problems, rl.eval_samples)
+    return {**out, "eval_s": time.perf_counter() - t0}
   summary_path = os.path.join(workdir, "summary.json")
   summary = {}
   if os.path.exists(summary_path):
@@ -382,7 +386,7 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
             m[f"{k}/first_pass"], m[f"{k}/last_pass"] = passes[0][k], passes[-1][k]
         m.update({"reward/mean": reward_R.mean(), "reward/std": reward_R.std(),
                   "accuracy": correct_R.mean(), "response_tokens": ep.generated.mean(),
-                  "tool_calls": ep.tool_calls.mean(), "rollout_s": t_roll,
+                  "tool_calls": ep.tool_calls.mean(), "rollout_s": t_roll, "step_s": dt,
                   "tokens_per_sec": float(ep.segment_ids.sum()) / dt})
         for t in tasks:   # a task with no prompt in this step has no entry (JSON has no NaN)
           rows = [i for i, p in enumerate(group) if p.state["task"] == t.name]
