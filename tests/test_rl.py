@@ -253,6 +253,13 @@ def test_a_micro_batched_pass_makes_the_whole_batch_update(moe_policy):
   assert float(m0["kl"]) > 1e-4 and float(m0["grad_norm"]) > 0
   for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(micro.params)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5)
+  # The reference's log-probs, 4 rows at a time, equal all at once.
+  ref = [trainer.make_ref_logprobs(cfg, 1.0, rows)(variables["params"], variables["router"],
+                                                   batch) for rows in (0, 4)]
+  assert ref[0].shape == ep.tokens.shape
+  np.testing.assert_allclose(np.asarray(ref[1]), np.asarray(ref[0]), atol=1e-5, rtol=1e-5)
+  m = ep.train_mask == 1   # and the fp32 reference is the rollout policy: its log-probs
+  assert rel_err(np.asarray(ref[0])[m], ep.old_logp[m]) < 1e-4
 
 
 def test_replay_runs_exactly_the_recorded_experts():
@@ -373,7 +380,7 @@ def _tiny_grpo_config(tmp_path):
   c.train.compile_cache_dir = ""
   c.rl.update(steps=3, prompts_per_step=2, group_size=4, max_prompt_tokens=40, max_new_tokens=5,
               eval_every=3, eval_prompts=4, eval_samples=2, kl_coef=0.1, passes=2,
-              learning_rate=3e-3)
+              learning_rate=3e-3, micro_batch=4)
   return c
 
 

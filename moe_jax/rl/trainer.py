@@ -142,14 +142,23 @@ def make_pass(model_cfg, rl):
 
 
 @functools.lru_cache(maxsize=8)
-def make_ref_logprobs(model_cfg, temperature):
-  """The frozen reference's log-probs of the batch's targets (its own routing)."""
+def make_ref_logprobs(model_cfg, temperature, rows: int = 0):
+  """The frozen reference's log-probs of the batch's targets (its own routing), `rows`
+  rows at a time (0 = all at once), as the pass's micro-batches go."""
   model = policy_model(model_cfg)
 
-  def ref_logp(ref_params, router, batch):
+  def one(ref_params, router, mb):
     logits, _ = model.apply({"params": ref_params, "router": router},
-                            {"tokens": batch["tokens"], "segment_ids": batch["segment_ids"]})
-    return jax.lax.stop_gradient(loss_lib.token_logprobs(logits, batch["targets"], temperature))
+                            {"tokens": mb["tokens"], "segment_ids": mb["segment_ids"]})
+    return loss_lib.token_logprobs(logits, mb["targets"], temperature)
+
+  def ref_logp(ref_params, router, batch):
+    keys = ("tokens", "segment_ids", "targets")
+    R = batch["tokens"].shape[0]
+    n = R // (rows or R)
+    split = {k: batch[k].reshape(n, R // n, *batch[k].shape[1:]) for k in keys}
+    logp = jax.lax.map(lambda mb: one(ref_params, router, mb), split)
+    return jax.lax.stop_gradient(logp.reshape(R, -1))
   return jax.jit(ref_logp)
 
 
@@ -312,7 +321,8 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   manager = checkpoint.make_manager(os.path.abspath(os.path.join(workdir, "checkpoints")), c)
   state, resumed = checkpoint.restore_latest(manager, state, prompts, model_cfg)
   one_pass = make_pass(model_cfg, ml_collections.FrozenConfigDict(rl))
-  ref_logp = make_ref_logprobs(model_cfg, rl.temperature) if rl.kl_coef else None
+  ref_logp = (make_ref_logprobs(model_cfg, rl.temperature, rl.get("micro_batch", 0))
+              if rl.kl_coef else None)
   sampler, eval_sampler = (rollout_lib.sampler(model_cfg, record),
                            rollout_lib.sampler(model_cfg, False))
   train_log = metrics.MetricWriter(workdir, "grpo")
