@@ -22,9 +22,10 @@ from moe_jax.model.moe import MoE
 from moe_jax.model.transformer import HybridMoE
 from moe_jax.rl import advantages, environments, replay, rewards, tools
 from moe_jax.rl import loss as loss_lib, trainer
-from moe_jax.rl.rollout import Budget, Sampler, rollout
+from moe_jax.rl.rollout import Budget, Sampler, rollout, rollout_in_pieces
 from moe_jax.rl.tasks import Problem, Task
 from moe_jax.rl.trainer import policy_model_config, train_grpo
+from moe_jax.train import loop as loop_lib
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.state import frozen_model_config
 from tests.conftest import ROOT, make_small_config, rel_err, subprocess_env
@@ -220,6 +221,27 @@ def test_rollout_logprobs_equal_training_forward_with_replay(moe_policy):
   # The metric sees a difference: other routes differ everywhere they were changed.
   shifted = {k: (v + 1) % 8 for k, v in ep.routes.items()}
   assert float(replay.mismatch(shifted, ep.routes, ep.segment_ids)) == 1.0
+
+
+@pytest.mark.slow
+def test_a_rollout_in_pieces_is_the_whole_rollout(moe_policy):
+  """Greedy: 5 problems 2 rows at a time (the last piece padded with a copy) give the same
+  episodes as all 5 at once, routes dropped (the evaluations' path, trainer.pass_at_1)."""
+  cfg, model, variables = moe_policy
+  tasks = environments.make_tasks(ml_collections.ConfigDict(
+      {"tasks": "addition,retrieval", "retrieval_pairs": 4, "addition_reversed": False}))
+  problems = [environments.draw(tasks, 0, i, "eval") for i in range(5)]
+  args = (Sampler(cfg, record_routes=True), inference_variables(cfg, variables), problems,
+          {t.name: t for t in tasks}, jax.random.key(4), Budget(max_prompt=40, max_new=6))
+  whole = rollout(*args, temperature=0.0, seq_len=48)
+  pieces = rollout_in_pieces(*args, rows=2, temperature=0.0, seq_len=48)
+  assert pieces.routes is None and whole.routes is not None
+  assert pieces.completions == whole.completions and len(pieces.completions) == 5
+  for f in ("tokens", "segment_ids", "targets", "train_mask", "generated", "tool_calls"):
+    np.testing.assert_array_equal(getattr(pieces, f), getattr(whole, f), err_msg=f)
+  np.testing.assert_allclose(pieces.old_logp, whole.old_logp, atol=1e-5)
+  with pytest.raises(ValueError, match="rows=0"):
+    rollout_in_pieces(*args, rows=0, temperature=0.0)
 
 
 @pytest.mark.slow
@@ -435,8 +457,7 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
   c = _tiny_grpo_config(tmp_path)
   c.data.source = "tasks"
   c.schedule.update(total_steps=6, warmup_steps=1)
-  c.checkpoint.every_steps = 2
-  c.train.compile_cache_dir = str(tmp_path / "cache")   # the second span loads the step
+  c.checkpoint.every_steps = 3   # a check saves its step anyway (the resume point)
   c.rl.update(warmup_check_every=2, warmup_check_prompts=4, warmup_min_pass1=0.5,
               warmup_max_pass1=0.6)
   config_lib.validate(c)
@@ -452,16 +473,20 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
     spans.append(w.data.tasks)
     return real_train(w, *args, **kw)
 
-  real_train = trainer.train_and_evaluate
+  real_train, real_rebuild = trainer.train_and_evaluate, loop_lib.pipeline.train_dataset
   monkeypatch.setattr(trainer, "pass_at_1", rising)
   monkeypatch.setattr(trainer, "train_and_evaluate", recorded)
+  rebuilt = []   # the train pipeline of each span after the first, from its config
+  monkeypatch.setattr(loop_lib.pipeline, "train_dataset",
+                      lambda src, c, *a: rebuilt.append(c.data.tasks) or real_rebuild(src, c, *a))
   w = str(tmp_path / "warmup")
   log = trainer.warm_up(c, w, progress=False)
   assert [ch["step"] for ch in log["checks"]] == [2, 4] and log["stopped_at"] == 4
-  assert spans == ["addition,retrieval", "addition"]
-  assert [ch["trained"] for ch in log["checks"]] == spans
+  # One training run; its pipeline rebuilt once, for the second span's tasks.
+  assert spans == ["addition,retrieval"] and rebuilt == ["addition,retrieval", "addition"]
+  assert [ch["trained"] for ch in log["checks"]] == rebuilt
   assert all(0 <= ch["pass@1/mean"] <= 1 and ch["check_s"] > 0 for ch in log["checks"])
-  assert workdir_lib.load(w)[2] == 4
+  assert workdir_lib.load(w)[2] == 4   # saved at the stopping check (not an interval step)
   tasks = environments.make_tasks(c.data)
   pass1_set = [p.prompt for p in trainer.held_out(tasks, c.rl, 64)]
   assert len(seen[0]) == 4 and not set(seen[0]) & set(pass1_set) and seen[0] == seen[1]
@@ -471,6 +496,43 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
       **real(*a, **k), "pass@1/addition": 0.9, "pass@1/retrieval": 0.8})
   over = trainer.warm_up(c, str(tmp_path / "over"), progress=False)
   assert [ch["step"] for ch in over["checks"]] == [2] and over["stopped_at"] == 2
+
+
+@pytest.mark.slow   # 25 s on 2 cores: three short training runs
+def test_between_switches_the_data_in_place_as_a_restart_would(tmp_path):
+  """train_and_evaluate's `between` curriculum (the warm-up's checks): a switch of data.tasks
+  at step 2 and a stop at step 4, in one run, make the same model as stopping at 2 and
+  resuming on the new tasks (the pipeline rebuilt at the same position), and checkpoint the
+  stopping step."""
+  c = _tiny_grpo_config(tmp_path)
+  c.data.source = "tasks"
+  c.schedule.update(total_steps=6, warmup_steps=1)
+  c.checkpoint.every_steps = 10
+  calls = []
+
+  def between(step, state):
+    calls.append((step, int(state.step)))
+    if step >= 4:
+      return None
+    d = ml_collections.ConfigDict(c.data.to_dict())
+    d.tasks = "addition,retrieval" if step < 2 else "addition"
+    return d
+
+  one = train_and_evaluate(c, str(tmp_path / "one"), progress=False, between=(2, between))
+  assert calls == [(0, 0), (2, 2), (4, 4)] and int(one["state"].step) == 4
+  assert sorted(p.name for p in (tmp_path / "one" / "checkpoints").iterdir()) == ["2", "4"]
+  train_and_evaluate(c, str(tmp_path / "two"), progress=False, stop_after=2)
+  c.data.tasks = "addition"
+  two = train_and_evaluate(c, str(tmp_path / "two"), progress=False, stop_after=4)
+  assert two["resumed_from"] == 2
+  for a, b in zip(jax.tree.leaves(one["state"].params), jax.tree.leaves(two["state"].params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+  c.data.tasks = "addition,retrieval"   # then retrieval from step 2: the check can fail
+  train_and_evaluate(c, str(tmp_path / "three"), progress=False, stop_after=2)
+  c.data.tasks = "retrieval"
+  three = train_and_evaluate(c, str(tmp_path / "three"), progress=False, stop_after=4)
+  assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
+      jax.tree.leaves(one["state"].params), jax.tree.leaves(three["state"].params))) > 1e-4
 
 
 def test_grpo_record_rows_from_a_workdir(tmp_path):

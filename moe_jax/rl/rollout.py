@@ -66,10 +66,11 @@ def sampler(model_cfg, record_routes: bool) -> Sampler:
 
 def rollout(sampler: Sampler, variables, problems: list[Problem], tasks: dict[str, Task],
             key, budget: Budget, *, temperature: float, prefill_chunk: int = 64,
-            seq_len: int | None = None) -> Episodes:
+            seq_len: int | None = None, keep_routes: bool = True) -> Episodes:
   """One episode per problem (repeat a problem G times for a group). `variables` are in the
   inference layout (infer.generate.inference_variables). seq_len: the training length
-  (≥ budget.length; default budget.length)."""
+  (≥ budget.length; default budget.length). keep_routes=False drops a recording sampler's
+  routes (an evaluation's: it runs the training rollouts' programs, routes unused)."""
   R, T = len(problems), seq_len or budget.length
   if T < budget.length:
     raise ValueError(f"seq_len={T} is shorter than the rollout budget {budget.length}")
@@ -91,7 +92,8 @@ def rollout(sampler: Sampler, variables, problems: list[Problem], tasks: dict[st
   logps = [[0.0] * len(ids) for ids in prompt_ids]
   # Routes as each row's list of [n, K] pieces, joined once at the end.
   routes = ({k: [[v[r, :lengths_R[r]]] for r in range(R)]
-             for k, v in jax.device_get(recorded[0]).items()} if recorded else None)
+             for k, v in jax.device_get(recorded[0]).items()}
+            if recorded and keep_routes else None)
   texts, calls = [""] * R, np.zeros(R, np.int32)
   done_R = np.zeros(R, bool)
   stops = tuple(sorted({tuple(s.encode()) for t in tasks.values() for s in t.stop_sequences}))
@@ -137,6 +139,33 @@ def rollout(sampler: Sampler, variables, problems: list[Problem], tasks: dict[st
       for k, v in reply_routes.items():
         routes[k][r].append(v[r, :n])
   return _episodes(seqs, sampled, logps, routes, texts, calls, T)
+
+
+def rollout_in_pieces(sampler: Sampler, variables, problems: list[Problem],
+                      tasks: dict[str, Task], key, budget: Budget, *, rows: int,
+                      temperature: float, seq_len: int | None = None) -> Episodes:
+  """`rollout` (routes dropped) over `problems` in pieces of exactly `rows` episodes, the last
+  padded with copies of its final problem (their episodes dropped); piece i samples with
+  fold_in(key, i). With `rows` = the GRPO step's prompts × group size, an evaluation runs
+  the programs the training rollouts compiled: on a GPU each new batch size compiled its
+  prefill and decode loop for about a minute (benchmarks/grpo.md)."""
+  n = len(problems)
+  if n == 0 or rows < 1:
+    raise ValueError(f"rollout_in_pieces needs problems and rows >= 1; got {n} problems, "
+                     f"rows={rows}")
+  pieces = []
+  for i, lo in enumerate(range(0, n, rows)):
+    part = problems[lo:lo + rows]
+    part = part + [part[-1]] * (rows - len(part))
+    pieces.append(rollout(sampler, variables, part, tasks, jax.random.fold_in(key, i), budget,
+                          temperature=temperature, seq_len=seq_len, keep_routes=False))
+  cat = lambda xs: np.concatenate(xs)[:n]
+  return Episodes(
+      tokens=cat([e.tokens for e in pieces]), segment_ids=cat([e.segment_ids for e in pieces]),
+      targets=cat([e.targets for e in pieces]), train_mask=cat([e.train_mask for e in pieces]),
+      old_logp=cat([e.old_logp for e in pieces]), routes=None,
+      completions=[c for e in pieces for c in e.completions][:n],
+      generated=cat([e.generated for e in pieces]), tool_calls=cat([e.tool_calls for e in pieces]))
 
 
 def _episodes(seqs, sampled, logps, routes, texts, calls, T) -> Episodes:

@@ -170,6 +170,17 @@ def episode_batch(ep: Episodes, adv_R) -> dict:
   return batch
 
 
+def rollout_rows(rl) -> int:
+  """Episodes per GRPO rollout: prompts × group size."""
+  return rl.prompts_per_step * rl.group_size
+
+
+def rollout_sampler(model_cfg, rl) -> rollout_lib.Sampler:
+  """The one sampler of a run (policy model config): rollouts record routes where the model
+  has MoE layers and rl.record_routes; evaluations and the warm-up's checks share it."""
+  return rollout_lib.sampler(model_cfg, bool(is_moe(model_cfg) and rl.record_routes))
+
+
 def held_out(tasks, rl, n: int, offset: int = 1) -> list:
   """n problems of the eval split, the same every time for a given offset: offset 1 is
   pass@1's held-out set, offset 3 the warm-up checks' (other draws from the same split)."""
@@ -183,7 +194,8 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
   of n samples per problem, the unbiased pass@1 estimator of Chen et al. 2021; the quantity
   GRPO's reward optimises). For a tool task, greedy also gives "tool_use/<task>" (episodes
   with a call) and "right_call/<task>" (episodes that made the call the problem needs).
-  `variables` in the inference layout."""
+  `variables` in the inference layout. The episodes go rollout_rows(rl) at a time, the GRPO
+  step's rollout shape: with the training rollouts' sampler, nothing compiles again."""
   by_name = {t.name: t for t in tasks}
   out = {}
   runs = [("pass@1", problems, 0.0)]
@@ -191,8 +203,9 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
     runs.append(("pass@1_sampled", [p for p in problems for _ in range(samples)],
                  rl.temperature))
   for prefix, probs, temperature in runs:
-    ep = rollout(sampler, variables, probs, by_name, jax.random.key(rl.seed + 2), b,
-                 temperature=temperature, seq_len=seq_len)
+    ep = rollout_lib.rollout_in_pieces(sampler, variables, probs, by_name,
+                                       jax.random.key(rl.seed + 2), b, rows=rollout_rows(rl),
+                                       temperature=temperature, seq_len=seq_len)
     for t in tasks:
       hits = [rewards.exact_answer(p.prompt, comp, p.state)
               for p, comp in zip(probs, ep.completions) if p.state["task"] == t.name]
@@ -208,17 +221,22 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
 
 def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict:
   """The supervised warm-up on data.tasks in init_dir (resumed where it stopped). With
-  rl.warmup_check_every = n > 0 it runs in spans of n steps, and after each measures greedy
-  pass@1 on rl.warmup_check_prompts held-out problems (other draws than pass@1's); it stops at the
-  first check where every task is within [rl.warmup_min_pass1, rl.warmup_max_pass1], or at
-  schedule.total_steps. So GRPO starts part-way up the learning curves, whatever the
-  machine's speed of learning, without a run to tune the warm-up's length first.
+  rl.warmup_check_every = n > 0, every n steps (and at the last) it measures greedy pass@1
+  on rl.warmup_check_prompts held-out problems (other draws than pass@1's) from the
+  training state; it stops at the first check where every task is within
+  [rl.warmup_min_pass1, rl.warmup_max_pass1], or at schedule.total_steps. So GRPO starts
+  part-way up the learning curves, whatever the machine's speed of learning, without a run
+  to tune the warm-up's length first.
 
   Tasks learn at different speeds (a lookup is found abruptly; carries come slowly), so a
   task above rl.warmup_max_pass1 at a check sits out the next span: the others catch up
   without it climbing out of GRPO's reach (if every task is above it, the warm-up stops). It
   rejoins once it is back at or below (a task left out forgets, fast at a high learning
   rate: benchmarks/grpo.md).
+
+  One training run: the checks are its `between` curriculum (train/loop.py), so the step
+  compiles once and a span costs its steps and its check (restarting the run per span cost
+  ~35 s of trace, compile, restore and evaluation per 25-step span on an H100).
   Returns {"checks": [...], "stopped_at": step}, each check with the `trained` tasks of
   its span (also in init_dir/warmup_checks.json; {} without checks), and "preempted": step
   where SIGTERM stopped it (checkpointed; run again to resume)."""
@@ -232,37 +250,49 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
   if os.path.exists(path):
     with open(path) as f:
       log = json.load(f)
+  if log["stopped_at"] is not None:
+    return log
   tasks = environments.make_tasks(w.data)
   problems = held_out(tasks, rl, rl.warmup_check_prompts, offset=3)
   ceiling = rl.get("warmup_max_pass1", 1.0)
-  w = ml_collections.ConfigDict(w.to_dict())   # data.tasks changes from span to span
-  while log["stopped_at"] is None:
+  model_cfg, b = policy_model_config(w.model), budget(rl)
+  sampler = rollout_sampler(model_cfg, rl)
+
+  def next_data():   # the tasks at or below the ceiling at the last check (all at first)
     last = log["checks"][-1] if log["checks"] else {}
-    w.data.tasks = ",".join(t.name for t in tasks
-                            if last.get(f"pass@1/{t.name}", 0.0) <= ceiling)
-    stop = min(last.get("step", 0) + every, total)
-    out = train_and_evaluate(w, init_dir, progress=progress, stop_after=stop)
-    if out.get("preempted") is not None:   # checkpointed; the next call resumes the span
-      return {**log, "preempted": out["preempted"]}
-    cfg, variables, _ = workdir_lib.load(init_dir)
-    model_cfg, b = policy_model_config(cfg.model), budget(rl)
-    t0 = time.perf_counter()
-    check = {"step": stop, "trained": w.data.tasks,
-             **pass_at_1(rollout_lib.sampler(model_cfg, False),
-                         inference_variables(model_cfg, variables), tasks,
-                         rl, b, training_length(model_cfg, b), problems)}
-    check["check_s"] = time.perf_counter() - t0   # its rollouts, compiles included
-    log["checks"].append(check)
-    passes = [check[f"pass@1/{t.name}"] for t in tasks]
-    # In range, or every task above the ceiling: nothing left to train, more steps overshoot.
-    done = all(rl.warmup_min_pass1 <= p <= ceiling for p in passes) or min(passes) > ceiling
-    print("moe_jax grpo warm-up: step " + str(stop) + ", greedy " + ", ".join(
-        f"{t.name} {check[f'pass@1/{t.name}']:.3f}" for t in tasks), flush=True)
-    if done or stop >= total:
-      log["stopped_at"] = stop
-    if jax.process_index() == 0:
-      with open(path, "w") as f:
-        json.dump(log, f, indent=2)
+    d = ml_collections.ConfigDict(w.data.to_dict())
+    d.tasks = ",".join(t.name for t in tasks if last.get(f"pass@1/{t.name}", 0.0) <= ceiling)
+    return d
+
+  def check(step, state):
+    checked = log["checks"][-1]["step"] if log["checks"] else 0
+    if step > checked and (step % every == 0 or step == total):
+      t0 = time.perf_counter()
+      # One device, no mesh: the programs GRPO's rollouts run, compiled once in a process.
+      with jax.set_mesh(None):
+        variables = jax.device_put({"params": state.params, "router": state.router},
+                                   jax.devices()[0])
+        result = pass_at_1(sampler, inference_variables(model_cfg, variables), tasks, rl, b,
+                           training_length(model_cfg, b), problems)
+      log["checks"].append({"step": step, "trained": next_data().tasks, **result,
+                            "check_s": time.perf_counter() - t0})   # compiles included
+      passes = [result[f"pass@1/{t.name}"] for t in tasks]
+      # In range, or every task above the ceiling: nothing left to train, more steps overshoot.
+      if (all(rl.warmup_min_pass1 <= p <= ceiling for p in passes) or min(passes) > ceiling
+          or step >= total):
+        log["stopped_at"] = step
+      print("moe_jax grpo warm-up: step " + str(step) + ", greedy " + ", ".join(
+          f"{t.name} {result[f'pass@1/{t.name}']:.3f}" for t in tasks), flush=True)
+      if jax.process_index() == 0:
+        with open(path, "w") as f:
+          json.dump(log, f, indent=2)
+    return None if log["stopped_at"] is not None else next_data()
+
+  w = ml_collections.ConfigDict(w.to_dict())
+  w.data = next_data()
+  out = train_and_evaluate(w, init_dir, progress=progress, between=(every, check))
+  if out.get("preempted") is not None:   # checkpointed; the next call resumes the span
+    return {**log, "preempted": out["preempted"]}
   return log
 
 
@@ -307,7 +337,6 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   terms = rewards.parse(rl.rewards)
   b = budget(rl)
   T = training_length(model_cfg, b)
-  record = is_moe(model_cfg) and rl.record_routes
 
   params = layer_stack.stack(model_cfg, variables["params"])
   router = layer_stack.stack(model_cfg, variables["router"])
@@ -323,8 +352,7 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   one_pass = make_pass(model_cfg, ml_collections.FrozenConfigDict(rl))
   ref_logp = (make_ref_logprobs(model_cfg, rl.temperature, rl.get("micro_batch", 0))
               if rl.kl_coef else None)
-  sampler, eval_sampler = (rollout_lib.sampler(model_cfg, record),
-                           rollout_lib.sampler(model_cfg, False))
+  sampler = rollout_sampler(model_cfg, rl)
   train_log = metrics.MetricWriter(workdir, "grpo")
   eval_log = metrics.MetricWriter(workdir, "grpo_eval")
   step = int(state.step) // rl.passes
@@ -332,7 +360,7 @@ def train_grpo(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = T
   eval_problems = held_out(tasks, rl, rl.eval_prompts)
   def evaluate():   # held-out pass@1, and its wall time (compiles included)
     t0 = time.perf_counter()
-    out = pass_at_1(eval_sampler, inference_variables(model_cfg, {"params": state.params,
+    out = pass_at_1(sampler, inference_variables(model_cfg, {"params": state.params,
                                                                   "router": state.router}),
                     tasks, rl, b, T, eval_problems, rl.eval_samples)
     return {**out, "eval_s": time.perf_counter() - t0}

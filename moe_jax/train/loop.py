@@ -47,11 +47,17 @@ def _scalars(metrics: dict) -> dict[str, float]:
 
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
-                       stop_after: int | None = None, start_from=None):
+                       stop_after: int | None = None, start_from=None, between=None):
   """Trains to schedule.total_steps, resuming from the latest checkpoint in `workdir`.
 
   `stop_after` ends this invocation early at that step (checkpointed), as a preempted job
   would; the schedule still follows schedule.total_steps.
+
+  `between` = (n, fn), a curriculum: at the step trained from (0 or resumed), every n
+  steps and at the last, once that step is checkpointed, fn(step, state) returns the data config of the
+  steps that follow, or None to stop training there. Where it differs from the current
+  one, the train pipeline is rebuilt from it at the same position; the model, the compiled
+  step and the optimizer state carry on (the GRPO warm-up's checks, rl/trainer.py).
 
   Returns a summary dict: final validation metrics, the validation split's byte-unigram
   entropy (text sources), the step resumed from (or None), the train-loss history and, for
@@ -66,10 +72,26 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
     raise ValueError(f"data.batch_size={c.data.batch_size} must be a multiple of the data × fsdp "
                      f"× expert mesh size {data_shards}")
   with jax.set_mesh(mesh):  # the MoE layer reads the expert axis from the context mesh
-    return _train(c, workdir, mesh, progress, stop_after, start_from)
+    return _train(c, workdir, mesh, progress, stop_after, start_from, between)
 
 
-def _train(c, workdir, mesh, progress, stop_after, start_from):
+def _next_data(c, between, step, state, train_iter):
+  """(config, train iterator, stop) after `between`'s call at `step`: the same pair where the
+  data config is unchanged, else a pipeline over the new config's train rows, moved to the
+  current one's position."""
+  data = between[1](step, state)
+  if data is None:
+    return c, train_iter, True
+  if data.to_dict() == c.data.to_dict():
+    return c, train_iter, False
+  c = ml_collections.ConfigDict(c.to_dict())
+  c.data = ml_collections.ConfigDict(data.to_dict())
+  new_iter = iter(pipeline.train_dataset(pipeline.sources(c)["train"], c))
+  new_iter.set_state(train_iter.get_state())
+  return c, new_iter, False
+
+
+def _train(c, workdir, mesh, progress, stop_after, start_from, between):
   os.makedirs(workdir, exist_ok=True)
   primary = jax.process_index() == 0   # the one process that writes files and logs
   if primary:
@@ -127,7 +149,10 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
   closing.callback(train_log.close)
   closing.callback(eval_log.close)
   with closing, Preemption() as preemption:
-    while step < end:
+    stop = False
+    if between is not None:
+      c, train_iter, stop = _next_data(c, between, step, state, train_iter)
+    while step < end and not stop:
       if preemption.requested(step, manager):
         checkpoint.save(manager, step, state, train_iter)
         bar.write(f"moe_jax: preempted (SIGTERM); saved step {step}, run again to resume")
@@ -171,8 +196,11 @@ def _train(c, workdir, mesh, progress, stop_after, start_from):
         bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in
                                                _scalars(eval_metrics).items()
                                                if "moe/" not in k))
-      if done % c.checkpoint.every_steps == 0 or done == end:
+      at_check = between is not None and (done % between[0] == 0 or done == total)
+      if done % c.checkpoint.every_steps == 0 or done == end or at_check:
         checkpoint.save(manager, done, state, train_iter)
+      if at_check:
+        c, train_iter, stop = _next_data(c, between, done, state, train_iter)
       step = done
     checkpoint.finish(manager)
   bar.close()
