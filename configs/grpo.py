@@ -112,8 +112,11 @@ def get_config(arg=None):
     c.eval.every_steps = 600
     c.checkpoint.every_steps = 25
     c.log.every_steps = 50
-    # micro_batch: the whole 512-row batch at once asks for 162 GiB (no remat).
-    rl.update(steps=150, prompts_per_step=32, group_size=16, max_prompt_tokens=330,
+    # micro_batch: the whole 512-row batch at once asks for 162 GiB (no remat). 100 steps:
+    # the rollouts' accuracy rose 0.55 -> 0.85 in the first 30 and the policy's entropy fell
+    # 0.15 -> 0.02, after which groups mostly agree and leave little gradient
+    # (benchmarks/grpo.md).
+    rl.update(steps=100, prompts_per_step=32, group_size=16, max_prompt_tokens=330,
               max_new_tokens=32, max_turns=2, passes=2, micro_batch=64, learning_rate=2e-5,
               lr_warmup_steps=10,
               eval_every=50, eval_prompts=768, eval_samples=4, warmup_check_every=25,
