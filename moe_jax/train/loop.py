@@ -54,10 +54,11 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
   would; the schedule still follows schedule.total_steps.
 
   `between` = (n, fn), a curriculum: at the step trained from (0 or resumed), every n
-  steps and at the last, once that step is checkpointed, fn(step, state) returns the data config of the
-  steps that follow, or None to stop training there. Where it differs from the current
-  one, the train pipeline is rebuilt from it at the same position; the model, the compiled
-  step and the optimizer state carry on (the GRPO warm-up's checks, rl/trainer.py).
+  steps and at the last, once that step is checkpointed, fn(step, state) returns the data
+  config of the steps that follow, or None to stop training there. Where it differs from
+  the current one, the train pipeline is rebuilt from it at the same position; the model,
+  the compiled step and the optimizer state carry on (the GRPO warm-up's checks,
+  rl/trainer.py).
 
   Returns a summary dict: final validation metrics, the validation split's byte-unigram
   entropy (text sources), the step resumed from (or None), the train-loss history and, for
