@@ -2,6 +2,8 @@
 gradients on a real multi-turn rollout, routing replay, rollout log-probs against the
 training forward, rewards and tools, the warm-up rows, and exact resume."""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -457,7 +459,7 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
   c = _tiny_grpo_config(tmp_path)
   c.data.source = "tasks"
   c.schedule.update(total_steps=6, warmup_steps=1)
-  c.checkpoint.every_steps = 3   # a check saves its step anyway (the resume point)
+  c.checkpoint.every_steps = 3   # the stopping check saves its step anyway
   c.rl.update(warmup_check_every=2, warmup_check_prompts=4, warmup_min_pass1=0.5,
               warmup_max_pass1=0.6)
   config_lib.validate(c)
@@ -491,11 +493,58 @@ def test_warm_up_stops_at_the_first_check_where_every_task_passes(tmp_path, monk
   pass1_set = [p.prompt for p in trainer.held_out(tasks, c.rl, 64)]
   assert len(seen[0]) == 4 and not set(seen[0]) & set(pass1_set) and seen[0] == seen[1]
   assert trainer.warm_up(c, w, progress=False) == log and len(seen) == 2
-  # Every task above the ceiling: nothing is left to train, so the warm-up stops there.
+  # Every task above the ceiling: the lowest trains (the others fall back) to the schedule's
+  # end, where the warm-up stops in any case.
   monkeypatch.setattr(trainer, "pass_at_1", lambda *a, **k: {
       **real(*a, **k), "pass@1/addition": 0.9, "pass@1/retrieval": 0.8})
   over = trainer.warm_up(c, str(tmp_path / "over"), progress=False)
-  assert [ch["step"] for ch in over["checks"]] == [2] and over["stopped_at"] == 2
+  assert [ch["step"] for ch in over["checks"]] == [2, 4, 6] and over["stopped_at"] == 6
+  assert [ch["trained"] for ch in over["checks"]] == ["addition,retrieval"] + ["retrieval"] * 2
+
+
+@pytest.mark.slow   # 30 s on 2 cores: a warm-up killed inside a check, then resumed
+def test_a_resumed_warm_up_measures_the_checks_after_its_checkpoint_again(tmp_path,
+                                                                          monkeypatch):
+  """A check does not checkpoint its step, so a warm-up that dies after logging the check at
+  step 4 resumes from the checkpoint at 3: it forgets that check, trains step 4 on the tasks
+  chosen at step 2 and measures step 4 again. Killed inside the check at 6 (checks at 2
+  and 4 logged, the save at 6 not reached), the second call's checks are [2, 4, 6] with 4
+  and 6 measured again, and its stop at 6 is saved."""
+  c = _tiny_grpo_config(tmp_path)
+  c.data.source = "tasks"
+  c.schedule.update(total_steps=6, warmup_steps=1)
+  c.checkpoint.every_steps = 3
+  c.rl.update(warmup_check_every=2, warmup_check_prompts=4, warmup_min_pass1=0.5,
+              warmup_max_pass1=0.6)
+  real, measured = trainer.pass_at_1, []
+
+  def dies_at_six(sampler, variables, tasks, rl, b, T, problems, samples=0):
+    measured.append(at_step[0])
+    if len(measured) == 3:
+      raise RuntimeError("killed inside the check at step 6")
+    return {**real(sampler, variables, tasks, rl, b, T, problems, samples),
+            "pass@1/addition": 0.1, "pass@1/retrieval": 0.9}
+
+  at_step, real_next = [0], loop_lib._next_data
+
+  def noting(c_, between, step, state, it):   # the step the check is at
+    at_step[0] = step
+    return real_next(c_, between, step, state, it)
+
+  monkeypatch.setattr(loop_lib, "_next_data", noting)
+  monkeypatch.setattr(trainer, "pass_at_1", dies_at_six)
+  w = str(tmp_path / "warmup")
+  with pytest.raises(RuntimeError, match="killed inside"):
+    trainer.warm_up(c, w, progress=False)
+  with open(os.path.join(w, "warmup_checks.json")) as f:
+    logged = json.load(f)
+  assert [ch["step"] for ch in logged["checks"]] == [2, 4] and logged["stopped_at"] is None
+  assert workdir_lib.load(w)[2] == 3
+  log = trainer.warm_up(c, w, progress=False)
+  assert measured == [2, 4, 6, 4, 6]
+  assert [ch["step"] for ch in log["checks"]] == [2, 4, 6] and log["stopped_at"] == 6
+  assert [ch["trained"] for ch in log["checks"]] == ["addition,retrieval"] + ["addition"] * 2
+  assert workdir_lib.load(w)[2] == 6
 
 
 @pytest.mark.slow   # 25 s on 2 cores: three short training runs
@@ -503,7 +552,7 @@ def test_between_switches_the_data_in_place_as_a_restart_would(tmp_path):
   """train_and_evaluate's `between` curriculum (the warm-up's checks): a switch of data.tasks
   at step 2 and a stop at step 4, in one run, make the same model as stopping at 2 and
   resuming on the new tasks (the pipeline rebuilt at the same position), and checkpoint the
-  stopping step."""
+  stopping step only."""
   c = _tiny_grpo_config(tmp_path)
   c.data.source = "tasks"
   c.schedule.update(total_steps=6, warmup_steps=1)
@@ -520,7 +569,8 @@ def test_between_switches_the_data_in_place_as_a_restart_would(tmp_path):
 
   one = train_and_evaluate(c, str(tmp_path / "one"), progress=False, between=(2, between))
   assert calls == [(0, 0), (2, 2), (4, 4)] and int(one["state"].step) == 4
-  assert sorted(p.name for p in (tmp_path / "one" / "checkpoints").iterdir()) == ["2", "4"]
+  # The stop is saved; a check that goes on is not (a resume measures it again).
+  assert sorted(p.name for p in (tmp_path / "one" / "checkpoints").iterdir()) == ["4"]
   train_and_evaluate(c, str(tmp_path / "two"), progress=False, stop_after=2)
   c.data.tasks = "addition"
   two = train_and_evaluate(c, str(tmp_path / "two"), progress=False, stop_after=4)
@@ -539,7 +589,6 @@ def test_grpo_record_rows_from_a_workdir(tmp_path):
   """benchmarks/grpo_gpu.py: a finished run gives one row per task with its held-out count
   (the tasks taken in turn), pass@1 before and after, and the mean first-pass gaps; the
   h200 config validates, holds out ≥ 256 problems per task and trains the tool task."""
-  import json
   from benchmarks import grpo_gpu
   from configs import grpo as grpo_config
   from moe_jax import config as config_lib

@@ -230,13 +230,14 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
 
   Tasks learn at different speeds (a lookup is found abruptly; carries come slowly), so a
   task above rl.warmup_max_pass1 at a check sits out the next span: the others catch up
-  without it climbing out of GRPO's reach (if every task is above it, the warm-up stops). It
-  rejoins once it is back at or below (a task left out forgets, fast at a high learning
-  rate: benchmarks/grpo.md).
+  without it climbing out of GRPO's reach. It rejoins once it is back at or below (a task
+  left out forgets, fast at a high learning rate: retrieval fell 0.75 -> 0.03 in a 25-step
+  span, benchmarks/grpo.md, so spans are a few steps). Where every task is above, the
+  lowest trains and the others fall back.
 
   One training run: the checks are its `between` curriculum (train/loop.py), so the step
-  compiles once and a span costs its steps and its check (restarting the run per span cost
-  ~35 s of trace, compile, restore and evaluation per 25-step span on an H100).
+  compiles once and a span costs its steps and its check. A check does not checkpoint; a
+  resume forgets the checks after the restored step and measures them again.
   Returns {"checks": [...], "stopped_at": step}, each check with the `trained` tasks of
   its span (also in init_dir/warmup_checks.json; {} without checks), and "preempted": step
   where SIGTERM stopped it (checkpointed; run again to resume)."""
@@ -260,11 +261,27 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
 
   def next_data():   # the tasks at or below the ceiling at the last check (all at first)
     last = log["checks"][-1] if log["checks"] else {}
+    passes = {t.name: last.get(f"pass@1/{t.name}", 0.0) for t in tasks}
+    chosen = [n for n, p in passes.items() if p <= ceiling] or [min(passes, key=passes.get)]
     d = ml_collections.ConfigDict(w.data.to_dict())
-    d.tasks = ",".join(t.name for t in tasks if last.get(f"pass@1/{t.name}", 0.0) <= ceiling)
+    d.tasks = ",".join(chosen)
     return d
 
+  def write_log():
+    if jax.process_index() == 0:
+      with open(path, "w") as f:
+        json.dump(log, f, indent=2)
+
+  def final(ch):   # every task in range, or the schedule's end
+    return ch["step"] >= total or all(
+        rl.warmup_min_pass1 <= ch[f"pass@1/{t.name}"] <= ceiling for t in tasks)
+
+  first_call = [True]
+
   def check(step, state):
+    if first_call[0]:   # the step trained from: checks after it are measured again
+      first_call[0] = False
+      log["checks"] = [ch for ch in log["checks"] if ch["step"] <= step]
     checked = log["checks"][-1]["step"] if log["checks"] else 0
     if step > checked and (step % every == 0 or step == total):
       t0 = time.perf_counter()
@@ -276,23 +293,20 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
                            training_length(model_cfg, b), problems)
       log["checks"].append({"step": step, "trained": next_data().tasks, **result,
                             "check_s": time.perf_counter() - t0})   # compiles included
-      passes = [result[f"pass@1/{t.name}"] for t in tasks]
-      # In range, or every task above the ceiling: nothing left to train, more steps overshoot.
-      if (all(rl.warmup_min_pass1 <= p <= ceiling for p in passes) or min(passes) > ceiling
-          or step >= total):
-        log["stopped_at"] = step
       print("moe_jax grpo warm-up: step " + str(step) + ", greedy " + ", ".join(
           f"{t.name} {result[f'pass@1/{t.name}']:.3f}" for t in tasks), flush=True)
-      if jax.process_index() == 0:
-        with open(path, "w") as f:
-          json.dump(log, f, indent=2)
-    return None if log["stopped_at"] is not None else next_data()
+      write_log()
+    if log["checks"] and log["checks"][-1]["step"] == step and final(log["checks"][-1]):
+      log["stopped_at"] = step   # written once the loop has saved this step
+      return None
+    return next_data()
 
   w = ml_collections.ConfigDict(w.to_dict())
   w.data = next_data()
   out = train_and_evaluate(w, init_dir, progress=progress, between=(every, check))
   if out.get("preempted") is not None:   # checkpointed; the next call resumes the span
     return {**log, "preempted": out["preempted"]}
+  write_log()
   return log
 
 

@@ -54,11 +54,13 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str, *, progress: 
   would; the schedule still follows schedule.total_steps.
 
   `between` = (n, fn), a curriculum: at the step trained from (0 or resumed), every n
-  steps and at the last, once that step is checkpointed, fn(step, state) returns the data
-  config of the steps that follow, or None to stop training there. Where it differs from
-  the current one, the train pipeline is rebuilt from it at the same position; the model,
-  the compiled step and the optimizer state carry on (the GRPO warm-up's checks,
-  rl/trainer.py).
+  steps and at the last, fn(step, state) returns the data config of the steps that follow,
+  or None to stop training there (that step is checkpointed). Where it differs from the
+  current one, the train pipeline is rebuilt from it at the same position; the model, the
+  compiled step and the optimizer state carry on (the GRPO warm-up's checks,
+  rl/trainer.py). A call does not checkpoint its step (a save costs more than a check), so
+  after a resume fn sees steps past the restored one again: its first call names the step
+  trained from, and its answer there must be the data config in effect at that step.
 
   Returns a summary dict: final validation metrics, the validation split's byte-unigram
   entropy (text sources), the step resumed from (or None), the train-loss history and, for
@@ -197,11 +199,10 @@ def _train(c, workdir, mesh, progress, stop_after, start_from, between):
         bar.write(f"step {done}: " + ", ".join(f"val_{k}={v:.4f}" for k, v in
                                                _scalars(eval_metrics).items()
                                                if "moe/" not in k))
-      at_check = between is not None and (done % between[0] == 0 or done == total)
-      if done % c.checkpoint.every_steps == 0 or done == end or at_check:
-        checkpoint.save(manager, done, state, train_iter)
-      if at_check:
+      if between is not None and (done % between[0] == 0 or done == total):
         c, train_iter, stop = _next_data(c, between, done, state, train_iter)
+      if done % c.checkpoint.every_steps == 0 or done == end or stop:
+        checkpoint.save(manager, done, state, train_iter)
       step = done
     checkpoint.finish(manager)
   bar.close()
