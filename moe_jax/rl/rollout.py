@@ -159,13 +159,13 @@ def rollout_in_pieces(sampler: Sampler, variables, problems: list[Problem],
     part = part + [part[-1]] * (rows - len(part))
     pieces.append(rollout(sampler, variables, part, tasks, jax.random.fold_in(key, i), budget,
                           temperature=temperature, seq_len=seq_len, keep_routes=False))
-  cat = lambda xs: np.concatenate(xs)[:n]
-  return Episodes(
-      tokens=cat([e.tokens for e in pieces]), segment_ids=cat([e.segment_ids for e in pieces]),
-      targets=cat([e.targets for e in pieces]), train_mask=cat([e.train_mask for e in pieces]),
-      old_logp=cat([e.old_logp for e in pieces]), routes=None,
-      completions=[c for e in pieces for c in e.completions][:n],
-      generated=cat([e.generated for e in pieces]), tool_calls=cat([e.tool_calls for e in pieces]))
+  def joined(name):   # every field is per row (routes were dropped)
+    parts = [getattr(e, name) for e in pieces]
+    if parts[0] is None:
+      return None
+    return (np.concatenate(parts) if isinstance(parts[0], np.ndarray)
+            else [x for part in parts for x in part])[:n]
+  return Episodes(**{f.name: joined(f.name) for f in dataclasses.fields(Episodes)})
 
 
 def _episodes(seqs, sampled, logps, routes, texts, calls, T) -> Episodes:

@@ -207,10 +207,10 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
                                        jax.random.key(rl.seed + 2), b, rows=rollout_rows(rl),
                                        temperature=temperature, seq_len=seq_len)
     for t in tasks:
-      hits = [rewards.exact_answer(p.prompt, comp, p.state)
-              for p, comp in zip(probs, ep.completions) if p.state["task"] == t.name]
-      out[f"{prefix}/{t.name}"] = float(np.mean(hits)) if hits else float("nan")
       rows = [r for r, p in enumerate(probs) if p.state["task"] == t.name]
+      hits = [rewards.exact_answer(probs[r].prompt, ep.completions[r], probs[r].state)
+              for r in rows]
+      out[f"{prefix}/{t.name}"] = float(np.mean(hits)) if hits else float("nan")
       if prefix == "pass@1" and hasattr(t, "right_call") and rows:
         out[f"tool_use/{t.name}"] = float(np.mean(ep.tool_calls[rows] > 0))
         out[f"right_call/{t.name}"] = float(np.mean(
@@ -276,11 +276,12 @@ def warm_up(w: ml_collections.ConfigDict, init_dir: str, progress: bool) -> dict
     return ch["step"] >= total or all(
         rl.warmup_min_pass1 <= ch[f"pass@1/{t.name}"] <= ceiling for t in tasks)
 
-  first_call = [True]
+  first_call = True
 
   def check(step, state):
-    if first_call[0]:   # the step trained from: checks after it are measured again
-      first_call[0] = False
+    nonlocal first_call
+    if first_call:   # the step trained from: checks after it are measured again
+      first_call = False
       log["checks"] = [ch for ch in log["checks"] if ch["step"] <= step]
     checked = log["checks"][-1]["step"] if log["checks"] else 0
     if step > checked and (step % every == 0 or step == total):
