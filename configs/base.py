@@ -138,7 +138,8 @@ def get_config(arg=None):
   d.tasks = "addition,retrieval"  # source tasks and GRPO: addition | reversal | retrieval | tools
   d.retrieval_pairs = 12        # retrieval: at most this many key:value pairs (at least 4)
   d.addition_reversed = False   # addition: the sum written least-significant digit first
-  d.tool_direct_fraction = 0.0  # tools: warm-up demonstrations that answer without a call
+  d.demo_mistake_rate = 0.0     # tasks: the warm-up's imperfect teacher (rl/tasks.py): on prompts
+                                # ending in an odd digit, this share of demonstrations is wrong
   d.image_fraction = 0.0        # text sources: this share of train rows is image documents
   d.image_tasks = "digits,charts"  # comma-separated: digits | charts (data/image_tasks.py)
 

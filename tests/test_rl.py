@@ -25,7 +25,7 @@ from moe_jax.model.transformer import HybridMoE
 from moe_jax.rl import advantages, environments, replay, rewards, tools
 from moe_jax.rl import loss as loss_lib, trainer
 from moe_jax.rl.rollout import Budget, Sampler, rollout, rollout_in_pieces
-from moe_jax.rl.tasks import Problem, Task
+from moe_jax.rl.tasks import Problem, Task, mistake_class
 from moe_jax.rl.trainer import policy_model_config, train_grpo
 from moe_jax.train import loop as loop_lib
 from moe_jax.train.loop import train_and_evaluate
@@ -354,19 +354,36 @@ def test_task_rows_train_only_on_answers_and_hold_out_eval_prompts():
   assert not train & held and all(environments.held_out(p) for p in held)
   with pytest.raises(ValueError, match="data.seq_len=16"):
     task_rows.TaskRows(d, 16, seed=0)
-  # tool_direct_fraction: that share of tool demonstrations answers without a call.
-  d.tool_direct_fraction = 0.4
-  tool = environments.make_tasks(d)[1]
-  probs = [tool.sample(np.random.default_rng(i)) for i in range(500)]
-  direct = [p for p in probs if tool.answers_directly(p)]
-  assert 0.33 < len(direct) / len(probs) < 0.47
-  assert tool.demonstration(direct[0]) == [(f"A {direct[0].state['answer']}", True)]
-  called = next(p for p in probs if not tool.answers_directly(p))
-  assert tool.demonstration(called)[0][0].startswith("<call>")
-  assert tool.right_call(called, "".join(text for text, _ in tool.demonstration(called)))
-  assert not tool.right_call(called, f"A {called.state['answer']}")
-  with pytest.raises(ValueError, match="data.tool_direct_fraction"):
-    tools.ToolTask(direct_fraction=1.0)
+
+
+def test_the_imperfect_teacher_is_wrong_only_on_odd_digit_prompts_at_its_rate():
+  """data.demo_mistake_rate: on prompts ending in an odd digit, that share of demonstrations
+  is the task's systematic mistake (a + b + 1, the value + 1, an answer without the call);
+  other prompts and rate 0 always get the solution."""
+  d = ml_collections.ConfigDict({"tasks": "addition,retrieval,tools", "retrieval_pairs": 8,
+                                "addition_reversed": True, "demo_mistake_rate": 0.75})
+  for task, plain in zip(environments.make_tasks(d), environments.make_tasks(
+      ml_collections.ConfigDict({**d.to_dict(), "demo_mistake_rate": 0.0}))):
+    probs = [task.sample(np.random.default_rng(i)) for i in range(800)]
+    odd = [p for p in probs if mistake_class(p.prompt)]
+    assert 0.4 < len(odd) / len(probs) < 0.6, task.name
+    wrong = [p for p in odd if task.demonstration(p) != task.solution(p)]
+    assert 0.68 < len(wrong) / len(odd) < 0.82, task.name
+    assert all(task.demonstration(p) == task.solution(p) for p in probs
+               if not mistake_class(p.prompt))
+    assert all(plain.demonstration(p) == plain.solution(p) for p in probs)
+    p = wrong[0]
+    text = "".join(t for t, _ in task.demonstration(p))
+    if task.name == "tools":   # answers without the call: right only by chance
+      assert text == f"A {p.state['answer']}" and not task.right_call(p, text)
+      right = "".join(t for t, _ in task.solution(p))
+      assert right.startswith("<call>") and task.right_call(p, right)
+    else:
+      assert rewards.exact_answer("", text, p.state) == 0.0
+      value = int(p.state["answer"][::-1] if task.name == "addition" else p.state["answer"])
+      assert int(text[::-1] if task.name == "addition" else text) == value + 1
+  with pytest.raises(ValueError, match="data.demo_mistake_rate"):
+    environments.make_tasks(ml_collections.ConfigDict({**d.to_dict(), "demo_mistake_rate": 1.0}))
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -617,7 +634,7 @@ def test_grpo_record_rows_from_a_workdir(tmp_path):
   assert rows[0]["greedy_right_call_before"] is None
   assert ("| tools | 0 | on | 256 | 0.300 → 0.700 (+0.400) | 0.200 → 0.400 | 0.250 → 0.750 |"
           in grpo_gpu.markdown(rows))
-  assert c.data.tool_direct_fraction > 0   # GRPO has the tool's use to learn
+  assert c.data.demo_mistake_rate > 0   # GRPO has something to learn
   out = tmp_path / "out"   # the command line, as a device call runs it
   run = subprocess.run([sys.executable, "-m", "benchmarks.grpo_gpu", f"--workdirs={w}",
                         f"--out={out}", "--machine=NVIDIA H200"], cwd=ROOT, capture_output=True,

@@ -2,8 +2,8 @@
 
   data.tasks = "addition,retrieval,tools"      (data.retrieval_pairs sizes the retrieval;
                                                data.addition_reversed writes sums reversed;
-                                               data.tool_direct_fraction: tools' warm-up
-                                               demonstrations that answer without a call)
+                                               data.demo_mistake_rate: the warm-up's
+                                               imperfect teacher, rl/tasks.py)
 
 Problems are drawn deterministically from (seed, index), the tasks taken in turn by index.
 A prompt whose CRC32 is 0 mod 20 is held out: training (the warm-up rows and GRPO's
@@ -26,10 +26,11 @@ def make_tasks(data_cfg) -> list[Task]:
   if not names or any(n not in TASKS for n in names):
     raise ValueError(f"data.tasks must be a comma-separated list of {TASKS}, got "
                      f"{data_cfg.tasks!r}")
-  make = {"addition": lambda: Addition(reversed=data_cfg.addition_reversed),
+  rate = data_cfg.get("demo_mistake_rate", 0.0)
+  make = {"addition": lambda: Addition(reversed=data_cfg.addition_reversed, mistake_rate=rate),
           "reversal": Reversal,
-          "tools": lambda: ToolTask(direct_fraction=data_cfg.get("tool_direct_fraction", 0.0)),
-          "retrieval": lambda: Retrieval(data_cfg.retrieval_pairs)}
+          "tools": lambda: ToolTask(mistake_rate=rate),
+          "retrieval": lambda: Retrieval(data_cfg.retrieval_pairs, mistake_rate=rate)}
   return [make[n]() for n in names]
 
 

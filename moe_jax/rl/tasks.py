@@ -10,9 +10,18 @@ pieces, each trained on or not. The model answers right after the prompt and end
   retrieval   "k17:42 k03:11 … k55:09 ?k17=" → "42", 4 to data.retrieval_pairs pairs, the
               asked key in the first quarter of them, so the answer sits far back in the
               context (context use)
+
+An imperfect teacher (mistake_rate > 0): where a prompt's last digit is odd, that share of
+the demonstrations (a fixed hash of the prompt picks them) teaches the task's systematic
+mistake instead of the answer: a sum or value one too high, a tool question answered
+without the call. The rule is learnable from the prompt, the choice within it is not, so a
+warm-up trained to convergence writes the mistake greedily on half the problems and the
+answer in about 1 - mistake_rate of its samples there: greedy pass@1 near one half that
+more supervised training cannot raise, and rewards that can (rl/trainer.py).
 """
 
 import dataclasses
+import zlib
 
 import numpy as np
 
@@ -23,17 +32,47 @@ class Problem:
   state: dict          # what rewards and tools read: {"task", "answer", ...}
 
 
+def mistake_class(prompt: str) -> bool:
+  """Whether an imperfect teacher may get this problem wrong: its prompt's last digit is odd
+  (one token the model can read, so the rule is learnable)."""
+  digits = [ch for ch in prompt if ch.isdigit()]
+  return bool(digits) and int(digits[-1]) % 2 == 1
+
+
 class Task:
-  """A task: problems, demonstrations, and (multi-turn ones) tool responses."""
+  """A task: problems, demonstrations, and (multi-turn ones) tool responses.
+
+  mistake_rate: the imperfect teacher's share of wrong demonstrations on mistake_class
+  problems (the module's docstring)."""
   name = ""
   stop_sequences: tuple[str, ...] = ()   # text that ends a model turn (a tool call's close)
+
+  def __init__(self, mistake_rate: float = 0.0):
+    if not 0.0 <= mistake_rate < 1.0:
+      raise ValueError(f"data.demo_mistake_rate must be in [0, 1), got {mistake_rate!r}")
+    self.mistake_rate = mistake_rate
 
   def sample(self, rng: np.random.Generator) -> Problem:
     raise NotImplementedError
 
-  def demonstration(self, problem: Problem) -> list[tuple[str, bool]]:
+  def solution(self, problem: Problem) -> list[tuple[str, bool]]:
     """[(text, trained)] after the prompt: a single-turn answer is one trained piece."""
     return [(problem.state["answer"], True)]
+
+  def mistake(self, problem: Problem) -> list[tuple[str, bool]] | None:
+    """The teacher's systematic mistake on this problem (None: the task has none)."""
+    wrong = problem.state.get("wrong")
+    return None if wrong is None else [(wrong, True)]
+
+  def teaches_mistake(self, problem: Problem) -> bool:
+    """Whether this problem's demonstration is the mistake (its own hash, not held_out's)."""
+    return (mistake_class(problem.prompt) and self.mistake(problem) is not None
+            and zlib.crc32(b"mistake:" + problem.prompt.encode()) % 1000
+            < self.mistake_rate * 1000)
+
+  def demonstration(self, problem: Problem) -> list[tuple[str, bool]]:
+    """The warm-up's demonstration: the solution, or the imperfect teacher's mistake."""
+    return self.mistake(problem) if self.teaches_mistake(problem) else self.solution(problem)
 
   def respond(self, problem: Problem, completion: str) -> str | None:
     """The environment's reply to the model's text so far; None ends the episode."""
@@ -48,23 +87,27 @@ class Addition(Task):
   reversed: the sum is written least-significant digit first ("123+45=" → "861"), so each
   digit depends only on digits already seen and the carry: the format in which small
   transformers learn addition from few examples (Lee et al. 2023, "Teaching Arithmetic to
-  Small Transformers"). Off, the answer is the plain sum."""
+  Small Transformers"). Off, the answer is the plain sum. The teacher's mistake: a + b + 1."""
   name = "addition"
 
-  def __init__(self, min_digits: int = 2, max_digits: int = 3, reversed: bool = False):
+  def __init__(self, min_digits: int = 2, max_digits: int = 3, reversed: bool = False,
+               mistake_rate: float = 0.0):
+    super().__init__(mistake_rate)
     self.min_digits, self.max_digits, self.reversed = min_digits, max_digits, reversed
 
   def sample(self, rng):
     a, b = (int(rng.integers(10 ** (n - 1), 10 ** n))
             for n in rng.integers(self.min_digits, self.max_digits + 1, size=2))
-    answer = str(a + b)[::-1] if self.reversed else str(a + b)
-    return Problem(f"{a}+{b}=", {"task": self.name, "answer": answer})
+    write = (lambda n: str(n)[::-1]) if self.reversed else str
+    return Problem(f"{a}+{b}=", {"task": self.name, "answer": write(a + b),
+                                 "wrong": write(a + b + 1)})
 
 
 class Reversal(Task):
   name = "reversal"
 
   def __init__(self, min_len: int = 3, max_len: int = 8):
+    super().__init__()
     self.min_len, self.max_len = min_len, max_len
 
   def sample(self, rng):
@@ -76,10 +119,12 @@ class Reversal(Task):
 class Retrieval(Task):
   """Between min_pairs and max_pairs key:value pairs (uniform), so difficulty is spread: a
   fixed count makes accuracy jump from ~0 to ~1 once the model finds the lookup, which
-  leaves GRPO nothing to improve on either side of the jump."""
+  leaves GRPO nothing to improve on either side of the jump. The teacher's mistake: the
+  value plus one."""
   name = "retrieval"
 
-  def __init__(self, max_pairs: int = 12, min_pairs: int = 4):
+  def __init__(self, max_pairs: int = 12, min_pairs: int = 4, mistake_rate: float = 0.0):
+    super().__init__(mistake_rate)
     if not 4 <= min_pairs <= max_pairs <= 90:
       raise ValueError(f"retrieval pairs must satisfy 4 <= min_pairs <= max_pairs <= 90, got "
                        f"min_pairs={min_pairs}, max_pairs={max_pairs}")
@@ -92,4 +137,5 @@ class Retrieval(Task):
     asked = int(rng.integers(0, max(1, n // 4)))
     context = " ".join(f"k{k}:{v}" for k, v in zip(keys, values))
     return Problem(f"{context} ?k{keys[asked]}=",
-                   {"task": self.name, "answer": str(values[asked])})
+                   {"task": self.name, "answer": str(values[asked]),
+                    "wrong": str(values[asked] + 1)})

@@ -14,7 +14,6 @@ the model and is never trained on (rl/rollout.py masks it).
 import ast
 import operator
 import re
-import zlib
 
 from moe_jax.rl.tasks import Problem, Task
 
@@ -59,25 +58,18 @@ def run_call(completion: str, table: dict) -> str:
 class ToolTask(Task):
   """Questions that need a tool: `lookup` of a hidden key's value, or `calc` of a product.
 
-  direct_fraction: the share of problems whose warm-up demonstration answers at once,
-  without a call (a fixed hash of the prompt picks them): supervised data that mixes two
-  strategies, as traces written with and without tools do. Answering directly is right
-  only by chance (the table is hidden; a 3-digit × 2-digit product by heart), so what GRPO
-  has to learn is when to call. With every demonstration calling, the task is copying,
-  learned within 50 warm-up steps (greedy pass@1 0.97 at configs/grpo.py:h200's first
-  check), and GRPO has nothing left to improve."""
+  The teacher's mistake (mistake_rate, rl/tasks.py) answers at once, without a call:
+  supervised data that mixes two strategies, as traces written with and without tools do.
+  Answering directly is right only by chance (the table is hidden; a 3-digit × 2-digit
+  product by heart), so what GRPO has to learn is when to call. With every demonstration
+  calling, the task is copying, learned within 50 warm-up steps (greedy pass@1 0.97 at
+  configs/grpo.py:h200's first check), and GRPO has nothing left to improve."""
   name = "tools"
   stop_sequences = (CALL_END,)
 
-  def __init__(self, table_size: int = 16, max_calls: int = 2, direct_fraction: float = 0.0):
-    if not 0.0 <= direct_fraction < 1.0:
-      raise ValueError(f"data.tool_direct_fraction must be in [0, 1), got {direct_fraction!r}")
+  def __init__(self, table_size: int = 16, max_calls: int = 2, mistake_rate: float = 0.0):
+    super().__init__(mistake_rate)
     self.table_size, self.max_calls = table_size, max_calls
-    self.direct_fraction = direct_fraction
-
-  def answers_directly(self, problem) -> bool:
-    """Whether this problem's demonstration skips the tool (its own hash, not held_out's)."""
-    return zlib.crc32(b"direct:" + problem.prompt.encode()) % 1000 < self.direct_fraction * 1000
 
   def sample(self, rng):
     if rng.random() < 0.5:
@@ -90,10 +82,11 @@ class ToolTask(Task):
     return Problem(f"Q {a}*{b}?\n", {"task": self.name, "answer": str(a * b), "table": {},
                                      "call": f"calc({a}*{b})"})
 
-  def demonstration(self, problem):
+  def mistake(self, problem):
+    return [(f"A {problem.state['answer']}", True)]
+
+  def solution(self, problem):
     s = problem.state
-    if self.answers_directly(problem):
-      return [(f"A {s['answer']}", True)]
     return [(f"<call>{s['call']}{CALL_END}", True),
             (f"<result>{run_call(f'<call>{s['call']}{CALL_END}', s['table'])}</result>\n", False),
             (f"A {s['answer']}", True)]
