@@ -56,6 +56,13 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
            # tool tasks: greedy episodes that made the call the problem needs
            "greedy_right_call_before": before.get(f"right_call/{t}"),
            "greedy_right_call_after": after.get(f"right_call/{t}"),
+           # an imperfect teacher's warm-up: greedy pass@1 on the prompts it gets wrong at
+           # data.demo_mistake_rate, and the share of those episodes that are its mistake
+           "demo_mistake_rate": c["data"].get("demo_mistake_rate", 0.0),
+           "greedy_mistake_class_before": before.get(f"pass@1_mistake_class/{t}"),
+           "greedy_mistake_class_after": after.get(f"pass@1_mistake_class/{t}"),
+           "wrote_mistake_before": before.get(f"wrote_mistake/{t}"),
+           "wrote_mistake_after": after.get(f"wrote_mistake/{t}"),
            **gaps, "workdir": os.path.basename(os.path.normpath(workdir)), **stamp}
           for i, t in enumerate(tasks)]
 
@@ -63,20 +70,23 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
   def f(v, digits=3):
     return "—" if v is None else f"{v:.2e}" if digits == "e" else f"{v:.{digits}f}"
+  def span(r, key):
+    a, b = r.get(f"{key}_before"), r.get(f"{key}_after")
+    return "—" if a is None else f"{f(a)} → {f(b)}"
   lines = ["| task | seed | replay | held out | greedy pass@1 before → after (Δ) | "
-           "sampled before → after | right call (greedy) before → after | route mismatch | "
-           "KL from rollout | clip fraction |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "sampled before → after | right call (greedy) before → after | teacher's mistake "
+           "class: greedy pass@1 | wrote the mistake | route mismatch | KL from rollout | "
+           "clip fraction | date, commit, machine |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in sorted(rows, key=lambda r: (r["task"], r["seed"], not r["replay"])):
     d = r["greedy_pass1_after"] - r["greedy_pass1_before"]
     lines.append(
         f"| {r['task']} | {r['seed']} | {'on' if r['replay'] else 'off'} | {r['n_heldout']} | "
         f"{f(r['greedy_pass1_before'])} → {f(r['greedy_pass1_after'])} ({d:+.3f}) | "
         f"{f(r['sampled_pass1_before'])} → {f(r['sampled_pass1_after'])} | "
-        + (f"{f(r.get('greedy_right_call_before'))} → {f(r.get('greedy_right_call_after'))}"
-           if r.get("greedy_right_call_before") is not None else "—") + " | "
-        f"{f(r['route_mismatch'], 4)} | {f(r['kl_rollout'], 'e')} | "
-        f"{f(r['clip_fraction'])} |")
+        f"{span(r, 'greedy_right_call')} | {span(r, 'greedy_mistake_class')} | "
+        f"{span(r, 'wrote_mistake')} | {f(r['route_mismatch'], 4)} | {f(r['kl_rollout'], 'e')} | "
+        f"{f(r['clip_fraction'])} | {r.get('date')}, {r.get('commit')}, {r.get('machine')} |")
   return "\n".join(lines) + "\n"
 
 
@@ -88,8 +98,8 @@ def main(argv):
   new = [row for w in FLAGS.workdirs for row in rows_of(w, stamp)]
   rows = provenance.merge_rows(os.path.join(FLAGS.out, "grpo_gpu.json"), new,
                                lambda r: (r["task"], r["seed"], r["replay"]))
-  md = (f"# GRPO on one GPU\n\n{stamp['date']}, commit {stamp['commit']}, {stamp['machine']}; "
-        "`configs/grpo.py:h200`, gathered by `python -m benchmarks.grpo_gpu`. Means over GRPO "
+  md = ("# GRPO on one GPU\n\n`configs/grpo.py:h200` runs, gathered by "
+        "`python -m benchmarks.grpo_gpu`. Means over GRPO "
         "steps of each batch's first pass: route mismatch (the training forward's own top-k "
         "against the rollout's), KL from the rollout policy (k3), clip fraction.\n\n"
         + markdown(rows))

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import flax.linen as nn
 import jax
@@ -386,6 +387,41 @@ def test_the_imperfect_teacher_is_wrong_only_on_odd_digit_prompts_at_its_rate():
     environments.make_tasks(ml_collections.ConfigDict({**d.to_dict(), "demo_mistake_rate": 1.0}))
 
 
+def test_pass_at_1_measures_what_the_imperfect_teacher_taught(monkeypatch):
+  """With data.demo_mistake_rate > 0, greedy pass@1 also reports the mistake class's pass@1
+  and the share of its episodes that are the teacher's mistake (a policy that writes the
+  mistake there and the answer elsewhere: 0 and 1, and pass@1 the other prompts' share)."""
+  d = ml_collections.ConfigDict({"tasks": "addition,tools", "retrieval_pairs": 4,
+                                "addition_reversed": True, "demo_mistake_rate": 0.75})
+  tasks = environments.make_tasks(d)
+  problems = [environments.draw(tasks, 0, i, "eval") for i in range(60)]
+
+  def as_taught(sampler, variables, probs, *args, **kw):
+    texts = []
+    for p in probs:
+      s, odd = p.state, mistake_class(p.prompt)
+      if s["task"] == "addition":
+        texts.append(s["wrong"] if odd else s["answer"])
+      else:
+        texts.append("A 7" if odd else
+                     f"<call>{s['call']}</call><result>{s['answer']}</result>\nA {s['answer']}")
+    return types.SimpleNamespace(completions=texts, tool_calls=np.array(
+        [int(t.startswith("<call>")) for t in texts]))
+
+  monkeypatch.setattr(trainer.rollout_lib, "rollout_in_pieces", as_taught)
+  out = trainer.pass_at_1(None, None, tasks, grpo_config.get_config("cpu").rl, None, 0,
+                          problems)
+  for t in ("addition", "tools"):
+    mine = [p for p in problems if p.state["task"] == t]
+    odd = np.mean([mistake_class(p.prompt) for p in mine])
+    assert 0 < odd < 1
+    assert out[f"pass@1/{t}"] == pytest.approx(1 - odd)
+    assert (out[f"pass@1_mistake_class/{t}"], out[f"wrote_mistake/{t}"]) == (0.0, 1.0)
+  tasks[0].mistake_rate = 0.0   # a correct teacher: no such metrics
+  assert "wrote_mistake/addition" not in trainer.pass_at_1(
+      None, None, tasks, grpo_config.get_config("cpu").rl, None, 0, problems)
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("group_size", 1, "rl.group_size"), ("loss_norm", "mean", "rl.loss_norm"),
     ("advantage_scale", "std", "rl.advantage_scale"), ("kl_coef", -0.1, "rl.kl_coef"),
@@ -632,8 +668,8 @@ def test_grpo_record_rows_from_a_workdir(tmp_path):
   assert r["route_mismatch"] == pytest.approx(0.02) and r["kl_rollout"] == pytest.approx(1e-3)
   assert (r["greedy_right_call_before"], r["greedy_right_call_after"]) == (0.25, 0.75)
   assert rows[0]["greedy_right_call_before"] is None
-  assert ("| tools | 0 | on | 256 | 0.300 → 0.700 (+0.400) | 0.200 → 0.400 | 0.250 → 0.750 |"
-          in grpo_gpu.markdown(rows))
+  assert ("| tools | 0 | on | 256 | 0.300 → 0.700 (+0.400) | 0.200 → 0.400 | 0.250 → 0.750 | — "
+          "| — |" in grpo_gpu.markdown(rows))
   assert c.data.demo_mistake_rate > 0   # GRPO has something to learn
   out = tmp_path / "out"   # the command line, as a device call runs it
   run = subprocess.run([sys.executable, "-m", "benchmarks.grpo_gpu", f"--workdirs={w}",

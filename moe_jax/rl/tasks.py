@@ -46,6 +46,7 @@ class Task:
   problems (the module's docstring)."""
   name = ""
   stop_sequences: tuple[str, ...] = ()   # text that ends a model turn (a tool call's close)
+  mistake_rate = 0.0
 
   def __init__(self, mistake_rate: float = 0.0):
     if not 0.0 <= mistake_rate < 1.0:
@@ -73,6 +74,10 @@ class Task:
   def demonstration(self, problem: Problem) -> list[tuple[str, bool]]:
     """The warm-up's demonstration: the solution, or the imperfect teacher's mistake."""
     return self.mistake(problem) if self.teaches_mistake(problem) else self.solution(problem)
+
+  def wrote_mistake(self, problem: Problem, completion: str) -> bool:
+    """Whether a single-turn completion is the teacher's wrong answer (pass@1's diagnostic)."""
+    return completion.strip() == problem.state.get("wrong")
 
   def respond(self, problem: Problem, completion: str) -> str | None:
     """The environment's reply to the model's text so far; None ends the episode."""

@@ -85,6 +85,10 @@ class ToolTask(Task):
   def mistake(self, problem):
     return [(f"A {problem.state['answer']}", True)]
 
+  def wrote_mistake(self, problem, completion):
+    """Whether the completion answered without a call, as the teacher's mistake does."""
+    return CALL_END not in completion
+
   def solution(self, problem):
     s = problem.state
     return [(f"<call>{s['call']}{CALL_END}", True),

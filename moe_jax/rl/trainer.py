@@ -36,6 +36,7 @@ from moe_jax.rl import advantages, environments, replay, rewards
 from moe_jax.rl import loss as loss_lib
 from moe_jax.rl import rollout as rollout_lib
 from moe_jax.rl.rollout import Budget, Episodes, rollout
+from moe_jax.rl.tasks import mistake_class
 from moe_jax.train import checkpoint, metrics, optim
 from moe_jax.train.loop import train_and_evaluate
 from moe_jax.train.preemption import Preemption
@@ -194,6 +195,10 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
   of n samples per problem, the unbiased pass@1 estimator of Chen et al. 2021; the quantity
   GRPO's reward optimises). For a tool task, greedy also gives "tool_use/<task>" (episodes
   with a call) and "right_call/<task>" (episodes that made the call the problem needs).
+  Warmed up by an imperfect teacher (data.demo_mistake_rate), greedy also gives, on the
+  problems the teacher gets wrong at that rate (rl/tasks.py:mistake_class),
+  "pass@1_mistake_class/<task>" and "wrote_mistake/<task>" (episodes that are the teacher's
+  mistake): what GRPO has to unlearn.
   `variables` in the inference layout. The episodes go rollout_rows(rl) at a time, the GRPO
   step's rollout shape: with the training rollouts' sampler, nothing compiles again."""
   by_name = {t.name: t for t in tasks}
@@ -215,6 +220,11 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
         out[f"tool_use/{t.name}"] = float(np.mean(ep.tool_calls[rows] > 0))
         out[f"right_call/{t.name}"] = float(np.mean(
             [t.right_call(probs[r], ep.completions[r]) for r in rows]))
+      odd = [i for i, r in enumerate(rows) if mistake_class(probs[r].prompt)]
+      if prefix == "pass@1" and t.mistake_rate > 0 and odd:
+        out[f"pass@1_mistake_class/{t.name}"] = float(np.mean([hits[i] for i in odd]))
+        out[f"wrote_mistake/{t.name}"] = float(np.mean(
+            [t.wrote_mistake(probs[rows[i]], ep.completions[rows[i]]) for i in odd]))
     out[f"{prefix}/mean"] = float(np.nanmean([out[f"{prefix}/{t.name}"] for t in tasks]))
   return out
 
