@@ -14,10 +14,11 @@ pieces, each trained on or not. The model answers right after the prompt and end
 An imperfect teacher (mistake_rate > 0): where a prompt's last digit is odd, that share of
 the demonstrations (a fixed hash of the prompt picks them) teaches the task's systematic
 mistake instead of the answer: a sum or value one too high, a tool question answered
-without the call. The rule is learnable from the prompt, the choice within it is not, so a
-warm-up trained to convergence writes the mistake greedily on half the problems and the
-answer in about 1 - mistake_rate of its samples there: greedy pass@1 near one half that
-more supervised training cannot raise, and rewards that can (rl/trainer.py).
+without the call. The rule is learnable from the prompt, the choice within it is not, so
+with mistake_rate above one half a warm-up trained to convergence writes the mistake
+greedily on half the problems and the answer in about 1 - mistake_rate of its samples
+there: greedy pass@1 near one half that more supervised training cannot raise, and
+rewards that can (rl/trainer.py).
 """
 
 import dataclasses
