@@ -82,18 +82,18 @@ class ToolTask(Task):
     return Problem(f"Q {a}*{b}?\n", {"task": self.name, "answer": str(a * b), "table": {},
                                      "call": f"calc({a}*{b})"})
 
+  def solution(self, problem):
+    s = problem.state
+    return [(f"<call>{s['call']}{CALL_END}", True),
+            (f"<result>{run_call(f'<call>{s['call']}{CALL_END}', s['table'])}</result>\n", False),
+            (f"A {s['answer']}", True)]
+
   def mistake(self, problem):
     return [(f"A {problem.state['answer']}", True)]
 
   def wrote_mistake(self, problem, completion):
     """Whether the completion answered without a call, as the teacher's mistake does."""
     return CALL_END not in completion
-
-  def solution(self, problem):
-    s = problem.state
-    return [(f"<call>{s['call']}{CALL_END}", True),
-            (f"<result>{run_call(f'<call>{s['call']}{CALL_END}', s['table'])}</result>\n", False),
-            (f"A {s['answer']}", True)]
 
   def right_call(self, problem, completion: str) -> bool:
     """Whether the completion made the call the problem needs (tool use, not the answer)."""
