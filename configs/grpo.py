@@ -8,10 +8,10 @@ then GRPO with verifiable rewards, routing replay on.
 
   cpu    the tiny model on addition (2–3 digits) and key retrieval, 2-core CPU, < 10 min
   tools  the multi-turn tool environment (lookup / calc calls), end to end
-  h200   a 0.12 B-active (0.54 B total) hybrid MoE in bf16 (configs/long_context_1b.py's layers, 8 of
-         them) on addition, retrieval (32 pairs) and the tool task together, on one H200,
-         warmed up by an imperfect teacher (data.demo_mistake_rate): 256 held-out
-         problems per task; routing replay on. Its controls:
+  h200   a 0.12 B-active (0.54 B total) hybrid MoE in bf16 (configs/long_context_1b.py's
+         layers, 8 of them) on addition, retrieval (32 pairs) and the tool task together,
+         on one H200, warmed up by an imperfect teacher (data.demo_mistake_rate): 256
+         held-out problems per task; routing replay on. Its controls:
            --config.rl.routing_replay=False           replay off
            --config.rl.seed=1 --config.seed=1         the second seed
            --config.rl.init_workdir=W                 start from a GPU-trained checkpoint
