@@ -8,8 +8,9 @@ A workdir's staged run is `staged` (NoPE) or `rope` (model.mla_rope_theta > 0); 
 control run, trained straight at the final length on the same tokens, is `direct` (or
 `rope_direct`). The seed is the run config's `seed`. Rows: run, seed, trained_len,
 eval_len, passkey_acc (all answer digits right, random key depth), passkey_acc_by_depth,
-mqar_acc, bits_per_byte, bits_by_bucket, windows (windows_joined: the held-out documents
-joined, no one of them that long), retrieval_rows (per task and depth, as the eval
+mqar_acc, passkey_token_acc and mqar_token_acc (the share of answer tokens right: an MQAR
+row needs every one of its pairs), bits_per_byte, bits_by_bucket, windows (windows_joined:
+the held-out documents joined, no one of them that long), retrieval_rows (per task and depth, as the eval
 recorded it), with date, commit and machine. Rows of other (run, seed) pairs already in
 --out's JSON are kept.
 """
@@ -53,6 +54,9 @@ def rows_of(workdir: str, stamp: dict) -> list[dict]:
       out.append({"run": names[run], "seed": c["seed"], "trained_len": trained,
                   "eval_len": r["length"], "passkey_acc": r.get("passkey/row_acc"),
                   "passkey_acc_by_depth": depths, "mqar_acc": r.get("mqar/row_acc"),
+                  # per answer token: MQAR's row needs all of its pairs' answers right
+                  "passkey_token_acc": r.get("passkey/token_acc"),
+                  "mqar_token_acc": r.get("mqar/token_acc"),
                   "bits_per_byte": r.get("bits_per_byte"),
                   "bits_by_bucket": r.get("bits_by_bucket"),
                   "retrieval_rows": r.get("retrieval_rows"),
@@ -71,7 +75,8 @@ def markdown(rows: list[dict]) -> str:
   depths = sorted({d for r in rows for d in r["passkey_acc_by_depth"]}, key=float)
   head = (["run", "seed", "trained", "eval length", "× trained", "passkey"]
           + [f"passkey @ {d}" for d in depths]
-          + ["MQAR", "bits/byte", "text windows", "rows per task", "date, commit, machine"])
+          + ["MQAR", "MQAR answer tokens", "bits/byte", "text windows", "rows per task",
+             "date, commit, machine"])
   fmt = lambda v: "—" if v is None else f"{v:.3f}"
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in sorted(rows, key=lambda r: (r["run"], r["seed"], r["eval_len"])):
@@ -79,7 +84,8 @@ def markdown(rows: list[dict]) -> str:
         [r["run"], str(r["seed"]), str(r["trained_len"]), str(r["eval_len"]),
          f"{r['eval_len'] / r['trained_len']:g}", fmt(r["passkey_acc"])]
         + [fmt(r["passkey_acc_by_depth"].get(d)) for d in depths]
-        + [fmt(r["mqar_acc"]), fmt(r["bits_per_byte"]), _windows(r),
+        + [fmt(r["mqar_acc"]), fmt(r.get("mqar_token_acc")), fmt(r["bits_per_byte"]),
+           _windows(r),
            str(r.get("retrieval_rows") or "—"),
            f"{r['date']}, {r['commit']}, {r['machine']}"]) + " |")
   return "\n".join(lines) + "\n"
@@ -123,7 +129,8 @@ def main(argv):
         "(`scripts/extend_context.py`), gathered by `python -m benchmarks.context_gpu`; each "
         "row names its date, commit and machine. passkey: every answer digit right, key at a "
         "random depth; passkey @ d: the key at depth d of the filler (0 = a whole context "
-        "away from the question); MQAR: every answer right; each over `rows per task` rows. "
+        "away from the question); MQAR: every answer right; MQAR answer tokens: the share of "
+        "answer tokens right (— where a run predates it); each over `rows per task` rows. "
         "bits/byte: held-out text in `text windows` windows of the eval length, inside one "
         "document or, where none is that long, the held-out documents joined.\n\n"
         + markdown(rows) + "\n![curves](context_gpu.png)\n")

@@ -196,7 +196,8 @@ def test_context_record_rows_from_extend_context_workdirs(tmp_path):
   from benchmarks import context_gpu
   result = lambda L, acc: {"length": L, "windows": 2, "bits_per_byte": 2.0 + L / 1e4,
                            "passkey/row_acc": acc, "passkey@0/row_acc": acc / 2,
-                           "passkey@0.5/row_acc": acc, "mqar/row_acc": 0.25}
+                           "passkey@0.5/row_acc": acc, "mqar/row_acc": 0.25,
+                           "mqar/token_acc": 0.75}
   for name, theta, seed in (("nope", 0.0, 1), ("rope", 10000.0, 0)):
     w = tmp_path / name
     for stage, L in (("s2k", 2048), ("s8k", 8192)):
@@ -216,12 +217,13 @@ def test_context_record_rows_from_extend_context_workdirs(tmp_path):
                       ("rope", 0, 8192), ("rope", 0, 65536), ("rope_direct", 0, 8192)}
   r = got[("staged", 1, 65536)]
   assert (r["trained_len"], r["passkey_acc"], r["mqar_acc"]) == (8192, 0.5, 0.25)
+  assert (r["mqar_token_acc"], r["passkey_token_acc"]) == (0.75, None)
   assert r["passkey_acc_by_depth"] == {"0": 0.25, "0.5": 0.5} and r["machine"] == "m"
   assert (r["windows"], r["windows_joined"], r["retrieval_rows"]) == (2, True, 16)
   assert got[("rope", 0, 8192)]["retrieval_rows"] is None     # rows that did not record it
   md = context_gpu.markdown(rows)
   assert "passkey @ 0 | passkey @ 0.5" in md and "| staged | 1 | 8192 | 65536 | 8 | 0.500 |" in md
-  assert "| 0.250 | 8.554 | 2 joined | 16 | d, c, m |" in md
+  assert "| 0.250 | 0.750 | 8.554 | 2 joined | 16 | d, c, m |" in md
   with pytest.raises(ValueError, match="has no extrapolation.json"):
     context_gpu.rows_of(str(tmp_path / "nope" / "s2k"), stamp)
   alone = tmp_path / "alone"   # extend_context.py --nostaged: the control run only
