@@ -10,9 +10,9 @@ control run, trained straight at the final length on the same tokens, is `direct
 eval_len, passkey_acc (all answer digits right, random key depth), passkey_acc_by_depth,
 mqar_acc, passkey_token_acc and mqar_token_acc (the share of answer tokens right: an MQAR
 row needs every one of its pairs), bits_per_byte, bits_by_bucket, windows (windows_joined:
-the held-out documents joined, no one of them that long), retrieval_rows (per task and depth, as the eval
-recorded it), with date, commit and machine. Rows of other (run, seed) pairs already in
---out's JSON are kept.
+the held-out documents joined, no one of them that long), retrieval_rows (per task and
+depth, as the eval recorded it), with date, commit and machine. Rows of other (run, seed)
+pairs already in --out's JSON are kept.
 """
 
 import json

@@ -99,10 +99,10 @@ def main(argv):
   rows = provenance.merge_rows(os.path.join(FLAGS.out, "grpo_gpu.json"), new,
                                lambda r: (r["task"], r["seed"], r["replay"]))
   md = ("# GRPO on one GPU\n\n`configs/grpo.py:h200` runs, gathered by "
-        "`python -m benchmarks.grpo_gpu`. Means over GRPO "
-        "steps of each batch's first pass: route mismatch (the training forward's own top-k "
-        "against the rollout's), KL from the rollout policy (k3), clip fraction. Curves: "
-        "`grpo_gpu.png` (`python -m benchmarks.grpo_report`); each run's setting and per-step tables: `grpo.md`.\n\n"
+        "`python -m benchmarks.grpo_gpu`. Means over GRPO steps of each batch's first pass: "
+        "route mismatch (the training forward's own top-k against the rollout's), KL from "
+        "the rollout policy (k3), clip fraction. Curves: `grpo_gpu.png` (`python -m "
+        "benchmarks.grpo_report`); each run's setting and per-step tables: `grpo.md`.\n\n"
         + markdown(rows) + "\n![curves](grpo_gpu.png)\n")
   with open(os.path.join(FLAGS.out, "grpo_gpu.md"), "w") as fh:
     fh.write(md)
