@@ -2,8 +2,8 @@
 # The device jobs behind benchmarks/grpo_gpu.json and context_gpu.json: scripts/grpo.py
 # (configs/grpo.py:h200) and scripts/extend_context.py (configs/stages.py:h200) runs on the
 # lent GPU machine. A run outlives a 10-minute job: its workdir stays on the machine's disk
-# (/tmp/gpu_runs/<name>), SIGTERM before the job's limit checkpoints it, and the same
-# command on the same warm machine resumes it. Each job tars every workdir, checkpoints
+# ($RUNS_DIR/<name>, default /tmp/gpu_runs), SIGTERM before the job's limit checkpoints it,
+# and the same command on the same warm machine resumes it. Each job tars every workdir, checkpoints
 # left out, to $OUT/<name>.tgz (the device tool returns at most 8 files).
 #
 #   UNITS="grpo:g1:--config.rl.seed=1 --config.seed=1" bash benchmarks/gpu_runs.sh
@@ -22,16 +22,17 @@
 #   python -m benchmarks.context_gpu --workdirs=/tmp/s1,... --out=benchmarks --machine="..."
 set -o pipefail
 : "${UNITS:?UNITS=kind:name:flags[;...] (kind grpo or context)}"
-OUT=${OUT:-/tmp/gpu_runs_out}; LIMIT=${LIMIT:-540}; KILL=${KILL:-30}
-ROOT=/tmp/gpu_runs; mkdir -p "$OUT" "$ROOT"
-if [ ! -f /tmp/site/.installed ]; then
+OUT=${OUT:-/tmp/gpu_runs_out}; LIMIT=${LIMIT:-540}; KILL=${KILL:-30}; STAGGER=${STAGGER:-10}
+ROOT=${RUNS_DIR:-/tmp/gpu_runs}; SITE=${SITE:-/tmp/site}; mkdir -p "$OUT" "$ROOT"
+if [ ! -f "$SITE/.installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl_gpu/*.whl .whl_prof/*.whl && touch /tmp/site/.installed || exit 1
+    --target "$SITE" .whl_gpu/*.whl .whl_prof/*.whl && touch "$SITE/.installed" || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 IFS=';' read -ra units <<< "$UNITS"
 gpus=$(nvidia-smi -L | wc -l)
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat .campaign/sha 2>/dev/null); $gpus GPU(s); ${#units[@]} unit(s)"
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown);" \
+  "$gpus GPU(s); ${#units[@]} unit(s)"
 
 run_unit() {   # kind name flags gpu
   local kind=$1 name=$2 flags=$3 gpu=$4 script config
@@ -50,14 +51,15 @@ run_unit() {   # kind name flags gpu
   tar czf "$OUT/$name.tgz" --exclude=checkpoints -C "$ROOT" "$name" "$name.log"
 }
 
-i=0
+i=0; pids=()
 for u in "${units[@]}"; do
   kind=${u%%:*}; rest=${u#*:}; name=${rest%%:*}; flags=${rest#*:}
   [ "$flags" = "$rest" ] && flags=""
   if [ "$gpus" -ge "${#units[@]}" ]; then gpu=$i; else
     gpu=0; [ ${#units[@]} -gt 1 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.46; fi
-  run_unit "$kind" "$name" "$flags" "$gpu" &
-  i=$((i + 1)); [ "$i" -lt "${#units[@]}" ] && sleep 10   # staggered: their compiles overlap less
+  run_unit "$kind" "$name" "$flags" "$gpu" & pids+=($!)
+  i=$((i + 1)); [ "$i" -lt "${#units[@]}" ] && sleep "$STAGGER"   # their compiles overlap less
 done
-wait
-nvidia-smi --query-gpu=memory.used --format=csv,noheader
+failed=0
+for p in "${pids[@]}"; do wait "$p" || failed=1; done
+exit $failed

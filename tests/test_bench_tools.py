@@ -471,3 +471,37 @@ def test_bench_attention_rounds_interleave_rows(tmp_path):
   (name, row), = ((n, r) for n, r in rows.items() if n.startswith("default"))
   assert len(row["fwd_ms_rounds"]) == len(row["fwd_bwd_ms_rounds"]) == 2, row
   assert row["fwd_ms"] == float(np.median(row["fwd_ms_rounds"])) and row["error"] < 1e-2, row
+
+
+def test_gpu_runs_script_passes_each_unit_its_config_flags_and_gpu(tmp_path):
+  """benchmarks/gpu_runs.sh with python3 and nvidia-smi stubbed (one GPU): each unit runs
+  its script and config with its own flags, two share the GPU at 0.46 of its memory, and
+  each workdir comes back tarred without its checkpoints; a bad kind is refused."""
+  stub = tmp_path / "bin"
+  stub.mkdir()
+  (stub / "python3").write_text(
+      '#!/bin/bash\necho "ran $* gpu=$CUDA_VISIBLE_DEVICES mem=$XLA_PYTHON_CLIENT_MEM_FRACTION"\n'
+      'for a in "$@"; do case $a in --workdir=*) mkdir -p "${a#*=}/checkpoints"; '
+      'touch "${a#*=}/summary.json";; esac; done\n')
+  (stub / "nvidia-smi").write_text('#!/bin/bash\necho "GPU 0: stub"\n')
+  for f in stub.iterdir():
+    f.chmod(0o755)
+  (tmp_path / "site").mkdir()
+  (tmp_path / "site" / ".installed").touch()
+  env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+         "RUNS_DIR": str(tmp_path / "runs"), "SITE": str(tmp_path / "site"), "STAGGER": "0",
+         "UNITS": "grpo:g1:--config.rl.seed=1 --config.seed=1;context:s1"}
+  run = subprocess.run(["bash", "benchmarks/gpu_runs.sh"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr
+  assert ("ran scripts/grpo.py --config=configs/grpo.py:h200 --workdir="
+          f"{tmp_path}/runs/g1 --config.rl.seed=1 --config.seed=1 gpu=0 mem=0.46") in run.stdout
+  assert (f"ran scripts/extend_context.py --config=configs/stages.py:h200 --workdir="
+          f"{tmp_path}/runs/s1 gpu=0 mem=0.46") in run.stdout
+  listing = subprocess.run(["tar", "tzf", str(tmp_path / "out" / "g1.tgz")],
+                           capture_output=True, text=True, check=True).stdout.split()
+  assert sorted(listing) == ["g1.log", "g1/", "g1/summary.json"]
+  bad = subprocess.run(["bash", "benchmarks/gpu_runs.sh"], cwd=ROOT,
+                       env={**env, "UNITS": "eval:x:"}, capture_output=True, text=True,
+                       timeout=60)
+  assert bad.returncode != 0 and "kind must be grpo or context, got 'eval'" in bad.stderr
