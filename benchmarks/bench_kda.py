@@ -11,7 +11,9 @@ on benchmarks/timing.py's two clocks for every row, fla's included: pipelined (f
 of calls dispatched back to back, the device's time per call; the ratios' clock) and blocked
 (fwd_ms_blocked: each call waited on). fla's row also has triton's do_bench (_do_bench), the
 clock of fla's own benchmarks: set against our blocked rows, it would charge our host dispatch
-and wake-up (about 0.3 ms a call) to us.
+and wake-up (about 0.3 ms a call) to us. With fla's row in the process, every row has
+fwd_x_fla, fwd_bwd_x_fla (pipelined) and fwd_x_fla_blocked, fwd_bwd_x_fla_blocked: fla's ms
+over its own.
 Every row also records its wall time with compiles (row_s; fla's first_fwd_s: its first
 call, compiles and any autotuning), what a device call's plan needs. Unbounded gates'
 stage 1 is pallas_gpu.UNBOUNDED_STAGE1's; `--knobs=UNBOUNDED_STAGE1='xla'` times the
@@ -212,6 +214,18 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def add_ratios_to_fla(rows: dict) -> dict:
+  """fla's time over each row's, per pass and clock: fwd_x_fla, fwd_bwd_x_fla (pipelined,
+  the targets' clock) and fwd_x_fla_blocked, fwd_bwd_x_fla_blocked; > 1 is faster than fla.
+  Rows without fla's times (or their own) get none."""
+  fla = rows.get("fla", {})
+  for r in rows.values():
+    for key in [k for k in r if k in ("fwd_ms", "fwd_bwd_ms", "fwd_ms_blocked",
+                                      "fwd_bwd_ms_blocked") and k in fla]:
+      r[key.replace("_ms", "_x_fla")] = fla[key] / r[key]
+  return rows
+
+
 def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None, dim=_DIM):
   inp = inputs(B, T, H, dim=dim)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
@@ -274,7 +288,7 @@ def bench_shape(B, T, H, impls, iters, log, on_row=lambda rows: None, dim=_DIM):
         r[f"{mode}_tok_s"] = B * T / (ms / 1e3)
         r[f"{mode}_flop_floor_pct"] = 100 * flops / _PEAK_FLOPS / (ms / 1e3)
         r[f"{mode}_byte_floor_pct"] = 100 * nbytes / _PEAK_BYTES / (ms / 1e3)
-  return rows
+  return add_ratios_to_fla(rows)
 
 
 def run_shapes(shapes, impls, out_dir):

@@ -76,6 +76,13 @@ for bad in ("2x64", "2x64x4x64x1", "2xax4", "2x0x4"):
   with pytest.raises(ValueError, match=f"--shapes entry '{bad}': expected BxTxH or BxTxHxK"):
     bench_kda.parse_shape(bad)
 assert bench_kda.floors(1, 64, 1, dim=16)["fwd"][1] == 64 * (2 * 5 * 16 + 2)
+# fla's ms over each row's, pipelined and blocked; a time missing on either side: no ratio
+ratios = bench_kda.add_ratios_to_fla({
+    "triton": {"fwd_ms": 1.0, "fwd_ms_blocked": 2.0, "fwd_bwd_ms": 4.0},
+    "fla": {"fwd_ms": 1.5, "fwd_ms_blocked": 1.8, "fwd_bwd_ms": 5.0, "fwd_bwd_ms_blocked": 6.0}})
+t = ratios["triton"]
+assert (t["fwd_x_fla"], t["fwd_x_fla_blocked"], t["fwd_bwd_x_fla"]) == (1.5, 0.9, 1.25), t
+assert "fwd_bwd_x_fla_blocked" not in t and ratios["fla"]["fwd_bwd_x_fla_blocked"] == 1.0
 import io, time
 from absl import flags
 flags.FLAGS(["bench_kda", "--fla=false"])
@@ -505,3 +512,4 @@ def test_gpu_runs_script_passes_each_unit_its_config_flags_and_gpu(tmp_path):
                        env={**env, "UNITS": "eval:x:"}, capture_output=True, text=True,
                        timeout=60)
   assert bad.returncode != 0 and "kind must be grpo or context, got 'eval'" in bad.stderr
+
