@@ -47,7 +47,6 @@ class Task:
   problems (the module's docstring)."""
   name = ""
   stop_sequences: tuple[str, ...] = ()   # text that ends a model turn (a tool call's close)
-  mistake_rate = 0.0
 
   def __init__(self, mistake_rate: float = 0.0):
     if not 0.0 <= mistake_rate < 1.0:
@@ -66,15 +65,15 @@ class Task:
     wrong = problem.state.get("wrong")
     return None if wrong is None else [(wrong, True)]
 
-  def teaches_mistake(self, problem: Problem) -> bool:
-    """Whether this problem's demonstration is the mistake (its own hash, not held_out's)."""
-    return (mistake_class(problem.prompt) and self.mistake(problem) is not None
-            and zlib.crc32(b"mistake:" + problem.prompt.encode()) % 1000
-            < self.mistake_rate * 1000)
-
   def demonstration(self, problem: Problem) -> list[tuple[str, bool]]:
-    """The warm-up's demonstration: the solution, or the imperfect teacher's mistake."""
-    return self.mistake(problem) if self.teaches_mistake(problem) else self.solution(problem)
+    """The warm-up's demonstration: the solution, or, on a mistake_class prompt that its own
+    hash (not held_out's) puts within mistake_rate, the imperfect teacher's mistake."""
+    if self.mistake_rate and mistake_class(problem.prompt) and (
+        zlib.crc32(b"mistake:" + problem.prompt.encode()) % 1000 < self.mistake_rate * 1000):
+      wrong = self.mistake(problem)
+      if wrong is not None:
+        return wrong
+    return self.solution(problem)
 
   def wrote_mistake(self, problem: Problem, completion: str) -> bool:
     """Whether a single-turn completion is the teacher's wrong answer (pass@1's diagnostic)."""

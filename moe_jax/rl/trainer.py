@@ -220,8 +220,9 @@ def pass_at_1(sampler, variables, tasks, rl, b: Budget, seq_len: int, problems,
         out[f"tool_use/{t.name}"] = float(np.mean(ep.tool_calls[rows] > 0))
         out[f"right_call/{t.name}"] = float(np.mean(
             [t.right_call(probs[r], ep.completions[r]) for r in rows]))
-      odd = [i for i, r in enumerate(rows) if mistake_class(probs[r].prompt)]
-      if prefix == "pass@1" and t.mistake_rate > 0 and odd:
+      odd = ([i for i, r in enumerate(rows) if mistake_class(probs[r].prompt)]
+             if prefix == "pass@1" and t.mistake_rate > 0 else [])
+      if odd:
         out[f"pass@1_mistake_class/{t.name}"] = float(np.mean([hits[i] for i in odd]))
         out[f"wrote_mistake/{t.name}"] = float(np.mean(
             [t.wrote_mistake(probs[rows[i]], ep.completions[rows[i]]) for i in odd]))
