@@ -14,8 +14,9 @@
 #
 # UNITS: kind:name:flags, ';'-separated (kind grpo or context). Several units run side by
 # side, one per GPU where the machine has enough, else on one GPU with
-# XLA_PYTHON_CLIENT_MEM_FRACTION=0.46 each (GRPO's :h200 needs about 30 GB; a context stage
-# asks for 0.95 and runs alone). LIMIT (default 540 s) is when SIGTERM comes, KILL (30 s)
+# XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION each (default 0.46: GRPO's :h200 needs about
+# 30 GB, so three fit an H200's 139 GB at 0.30 but not an H100's 80; a context stage asks for
+# 0.95 and runs alone). LIMIT (default 540 s) is when SIGTERM comes, KILL (30 s)
 # the grace after it. Carry .whl_gpu and .whl_prof (tokamax imports xprof). Then, here:
 #   tar xzf g1.tgz -C /tmp
 #   python -m benchmarks.grpo_gpu --workdirs=/tmp/g1,... --out=benchmarks --machine="..."
@@ -56,7 +57,8 @@ for u in "${units[@]}"; do
   kind=${u%%:*}; rest=${u#*:}; name=${rest%%:*}; flags=${rest#*:}
   [ "$flags" = "$rest" ] && flags=""
   if [ "$gpus" -ge "${#units[@]}" ]; then gpu=$i; else
-    gpu=0; [ ${#units[@]} -gt 1 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=0.46; fi
+    gpu=0; [ ${#units[@]} -gt 1 ] && export XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.46}
+  fi
   run_unit "$kind" "$name" "$flags" "$gpu" & pids+=($!)
   i=$((i + 1)); [ "$i" -lt "${#units[@]}" ] && sleep "$STAGGER"   # their compiles overlap less
 done

@@ -482,7 +482,8 @@ def test_bench_attention_rounds_interleave_rows(tmp_path):
 
 def test_gpu_runs_script_passes_each_unit_its_config_flags_and_gpu(tmp_path):
   """benchmarks/gpu_runs.sh with python3 and nvidia-smi stubbed (one GPU): each unit runs
-  its script and config with its own flags, two share the GPU at 0.46 of its memory, and
+  its script and config with its own flags, two share the GPU at 0.46 of its memory (three at
+  MEM_FRACTION), and
   each workdir comes back tarred without its checkpoints; a bad kind is refused."""
   stub = tmp_path / "bin"
   stub.mkdir()
@@ -508,6 +509,10 @@ def test_gpu_runs_script_passes_each_unit_its_config_flags_and_gpu(tmp_path):
   listing = subprocess.run(["tar", "tzf", str(tmp_path / "out" / "g1.tgz")],
                            capture_output=True, text=True, check=True).stdout.split()
   assert sorted(listing) == ["g1.log", "g1/", "g1/summary.json"]
+  three = subprocess.run(["bash", "benchmarks/gpu_runs.sh"], cwd=ROOT, capture_output=True,
+                         env={**env, "UNITS": "grpo:a;grpo:b;grpo:c", "MEM_FRACTION": "0.30"},
+                         text=True, timeout=120)
+  assert three.returncode == 0 and three.stdout.count("gpu=0 mem=0.30") == 3, three.stdout
   bad = subprocess.run(["bash", "benchmarks/gpu_runs.sh"], cwd=ROOT,
                        env={**env, "UNITS": "eval:x:"}, capture_output=True, text=True,
                        timeout=60)
