@@ -43,7 +43,7 @@ def test_shapes_and_logical_axes(small_config, tie):
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   assert [mixer_kind(model.cfg, i) for i in range(4)] == list("KKKA")
   assert "lm_head" in params if not tie else "lm_head" not in params
-  logits, aux = model.apply({"params": params, "router": router}, batch)
+  logits, aux = jax.jit(model.apply)({"params": params, "router": router}, batch)
   assert logits.shape == (2, 32, small_config.model.vocab_size) and logits.dtype == jnp.float32
   assert np.isfinite(np.asarray(logits)).all()
   assert sorted(aux["routing"]) == ["layer_1", "layer_2", "layer_3"]  # layer 0 is dense
