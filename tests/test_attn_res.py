@@ -45,7 +45,7 @@ def test_depth_mix_at_init_is_the_uniform_average():
 
 def DepthMixApply(cfg, srcs):
   mix = attn_res.DepthMix(cfg)
-  params = nn.meta.unbox(mix.init(jax.random.key(0), srcs))["params"]
+  params = nn.meta.unbox(jax.jit(mix.init)(jax.random.key(0), srcs))["params"]
   return mix.apply({"params": params}, srcs), params
 
 

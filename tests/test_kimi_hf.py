@@ -332,7 +332,7 @@ def _random_kimi_model(q_lora_rank: int):
   config.model.dtype = "float32"
   m = ml_collections.FrozenConfigDict(config.model)
   batch = {"tokens": jnp.zeros((1, 16), jnp.int32), "segment_ids": jnp.ones((1, 16), jnp.int32)}
-  variables = nn.meta.unbox(HybridMoE(m).init(jax.random.key(1), batch))
+  variables = nn.meta.unbox(jax.jit(HybridMoE(m).init)(jax.random.key(1), batch))
   keys = iter(jax.random.split(jax.random.key(2), 1000))
   shift = lambda path, x: (x + 0.2 * jax.random.normal(next(keys), x.shape)
                            if "norm" in jax.tree_util.keystr(path) or x.ndim == 1 else x)

@@ -25,7 +25,7 @@ def test_mla_equals_written_out_attention():
   seg = np.ones((B, T), np.int32)
   seg[0, 9:], seg[1, 5:], seg[1, 20:] = 2, 2, 0   # two documents; trailing padding
   mixer = MLAMixer(cfg)
-  params = nn.meta.unbox(mixer.init(jax.random.key(1), x, seg))["params"]
+  params = nn.meta.unbox(jax.jit(mixer.init)(jax.random.key(1), x, seg))["params"]
   got = mixer.apply({"params": params}, x, seg)
 
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
@@ -58,7 +58,7 @@ def _mla_and_grads(impl, T=64, dv=16):
   seg = np.ones((2, T), np.int32)
   seg[0, 20:], seg[1, T * 3 // 4:] = 2, 0
   mixer = MLAMixer(cfg)
-  params = nn.meta.unbox(mixer.init(jax.random.key(1), x, seg))
+  params = nn.meta.unbox(jax.jit(mixer.init)(jax.random.key(1), x, seg))
   loss = lambda p, x: (mixer.apply(p, x, seg) ** 2).sum()
   # Jitted: eagerly, the TPU interpreter's callbacks dispatched ops while the main thread
   # dispatched the next one, and the CPU client deadlocked (seen once in `make test`).

@@ -65,7 +65,7 @@ def test_fused_projections_equal_the_six_and_train_the_same(small_config, scan):
   plain = _model(small_config, layer_pattern="KKA", dtype="float32", scan_layers=scan)
   fused = _model(small_config, layer_pattern="KKA", dtype="float32", scan_layers=scan,
                  fused_projections=True)
-  variables = nn.meta.unbox(plain.init(jax.random.key(1), batch))
+  variables = nn.meta.unbox(jax.jit(plain.init)(jax.random.key(1), batch))
   fused_variables = {**variables, "params": kda.fuse_projections(variables["params"])}
   want = jax.tree.map(jnp.shape, nn.meta.unbox(jax.eval_shape(fused.init, jax.random.key(1),
                                                               batch)))
@@ -93,7 +93,7 @@ def test_second_packed_document_matches_it_alone(small_config, pattern):
   doc_a, doc_b = rng.integers(0, 256, 21), rng.integers(0, 256, 30)
   packed = np.concatenate([doc_a, doc_b, np.full(13, tokenizer.PAD)])
   seg = np.concatenate([np.ones(21), np.full(30, 2), np.zeros(13)])
-  variables = nn.meta.unbox(model.init(jax.random.key(1), _batch(packed[None], seg[None])))
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(1), _batch(packed[None], seg[None])))
   logits_packed, _ = jax.jit(model.apply)(variables, _batch(packed[None], seg[None]))
   logits_alone, _ = jax.jit(model.apply)(variables, _batch(doc_b[None], np.ones((1, 30))))
   logits_a, _ = jax.jit(model.apply)(variables, _batch(doc_a[None], np.ones((1, 21))))
@@ -107,7 +107,7 @@ def test_second_packed_document_matches_it_alone(small_config, pattern):
 def test_bf16_compute_fp32_params(small_config):
   model = _model(small_config, dtype="bfloat16")
   batch = _batch(np.arange(64).reshape(2, 32), np.ones((2, 32)))
-  variables = nn.meta.unbox(model.init(jax.random.key(0), batch))
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
   params = variables["params"]
   logits, _ = jax.jit(model.apply)(variables, batch)
   ref_model = _model(small_config, dtype="float32")
@@ -119,7 +119,7 @@ def test_bf16_compute_fp32_params(small_config):
 def test_remat_gives_identical_logits_and_gradients(small_config):
   batch = _batch(np.arange(64).reshape(2, 32) % 259, np.ones((2, 32)))
   plain = _model(small_config, dtype="float32", remat=False)
-  variables = nn.meta.unbox(plain.init(jax.random.key(0), batch))
+  variables = nn.meta.unbox(jax.jit(plain.init)(jax.random.key(0), batch))
   params = variables["params"]
   remat = _model(small_config, dtype="float32", remat=True)
 
@@ -181,7 +181,7 @@ def test_remat_residuals_policies_run_each_kernel_forward_once(small_config):
   kernels, saved = (_model(small_config.copy_and_resolve_references(), remat_policy=p, **kw)
                     for p in ("kernels", "residuals"))
   lean = _model(small_config, remat_policy="residuals_recompute_prologue", **kw)
-  variables = nn.meta.unbox(saved.init(jax.random.key(0), batch))
+  variables = nn.meta.unbox(jax.jit(saved.init)(jax.random.key(0), batch))
 
   def loss(model):
     return lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
@@ -216,7 +216,7 @@ def test_kda_gate_in_kernel_gives_the_same_loss_and_gradients(small_config, impl
   kw = dict(dtype="float32", layer_pattern="KA", n_layers=2, kda_implementation=impl)
   outside = _model(small_config.copy_and_resolve_references(), kda_gate_in_kernel=False, **kw)
   inside = _model(small_config, kda_gate_in_kernel=True, **kw)
-  variables = nn.meta.unbox(inside.init(jax.random.key(0), batch))
+  variables = nn.meta.unbox(jax.jit(inside.init)(jax.random.key(0), batch))
 
   def loss(model):
     return lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
@@ -243,7 +243,7 @@ model = HybridMoE(frozen_model_config(c))
 seg = np.concatenate([np.ones((2, 40)), np.full((2, 24), 2)], axis=1)
 batch = {"tokens": jnp.asarray(np.arange(128).reshape(2, 64) % 259, jnp.int32),
          "segment_ids": jnp.asarray(seg, jnp.int32)}
-variables = nn.meta.unbox(model.init(jax.random.key(0), batch))
+variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
 loss = lambda p: (model.apply({**variables, "params": p}, batch)[0] ** 2).mean()
 l1, g1 = jax.jit(jax.value_and_grad(loss))(variables["params"])
 with jax.set_mesh(Mesh(np.array(jax.devices()).reshape(1, 1, 1, 1, 2), MESH_AXES)):

@@ -37,7 +37,7 @@ def _moe_cfg(**moe):
 
 
 def _init(cfg, x, seed=0):
-  variables = nn.meta.unbox(MoE(cfg).init(jax.random.key(seed), x))
+  variables = nn.meta.unbox(jax.jit(MoE(cfg).init)(jax.random.key(seed), x))
   # A bias that really moves selection: pushes expert 0 up, expert 1 down.
   bias = jnp.zeros(cfg.moe.num_experts).at[0].set(0.3).at[1].set(-0.3)
   return {**variables, "router": {**variables["router"], "bias": bias}}
@@ -370,7 +370,7 @@ def test_latent_moe_with_identity_projections_equals_the_standard_layer(dispatch
   x = jax.random.normal(jax.random.key(7), (2, 16, 32))
   x = x / jnp.sqrt(jnp.mean(x ** 2, -1, keepdims=True))
   std = _init(std_cfg, x)
-  lat = nn.meta.unbox(MoE(lat_cfg).init(jax.random.key(1), x))
+  lat = nn.meta.unbox(jax.jit(MoE(lat_cfg).init)(jax.random.key(1), x))
   p = dict(lat["params"])
   p.update({k: std["params"][k] for k in ("router_kernel", "gate_up", "down", "shared")})
   p["latent_down"] = {"kernel": jnp.eye(32)}

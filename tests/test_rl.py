@@ -294,7 +294,7 @@ def test_replay_runs_exactly_the_recorded_experts():
   cfg = frozen_model_config(c)
   x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model))
   layer = MoE(cfg)
-  v = nn.meta.unbox(layer.init(jax.random.key(1), x))
+  v = nn.meta.unbox(jax.jit(layer.init)(jax.random.key(1), x))
   forced = jax.random.randint(jax.random.key(2), (10, 2), 0, 8)
   forced = jnp.stack([forced[:, 0], (forced[:, 0] + 1 + forced[:, 1] % 7) % 8], 1)  # distinct
   y, stats = layer.apply({**v, "replay": {"topk": forced}}, x)

@@ -115,7 +115,7 @@ def test_extrapolation_evals():
   c = make_small_config()
   model = extrapolation.inference_model(c.model)
   example = {"tokens": np.zeros((1, 64), np.int32), "segment_ids": np.ones((1, 64), np.int32)}
-  variables = nn.meta.unbox(model.init(jax.random.key(0), example))
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), example))
   variables = {"params": variables["params"], "router": variables.get("router", {})}
   tokens = np.random.default_rng(0).integers(0, 256, size=(2, 256)).astype(np.int32)
   # Chunked inference scores the same tokens as one full forward pass.
@@ -160,7 +160,7 @@ def test_attention_entropy_reads_the_shared_key_dims():
                   "mla_rope_theta": 10_000.0, "dtype": "float32"})
   model = extrapolation.inference_model(c.model)
   example = {"tokens": np.zeros((1, 32), np.int32), "segment_ids": np.ones((1, 32), np.int32)}
-  variables = nn.meta.unbox(model.init(jax.random.key(0), example))
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), example))
   variables = {"params": variables["params"], "router": variables.get("router", {})}
   tokens = np.random.default_rng(0).integers(0, 256, size=(1, 64)).astype(np.int32)
   _, _, inter, cache = extrapolation.run_chunks(model, variables, tokens, 32, capture_last=True)
@@ -250,7 +250,7 @@ def test_passkey_accuracy_at_a_fixed_depth():
   c = make_small_config()
   model = extrapolation.inference_model(c.model)
   example = {"tokens": np.zeros((1, 64), np.int32), "segment_ids": np.ones((1, 64), np.int32)}
-  variables = nn.meta.unbox(model.init(jax.random.key(0), example))
+  variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), example))
   variables = {"params": variables["params"], "router": variables.get("router", {})}
   out = extrapolation.retrieval_accuracy(model, variables, "passkey", 128, 2, 64, c.data, 0.5)
   assert set(out) == {"passkey@0.5/token_acc", "passkey@0.5/row_acc"}
