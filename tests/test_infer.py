@@ -127,13 +127,17 @@ def test_greedy_batch_decode_equals_each_row_alone_and_the_full_forward(hybrid, 
     return np.asarray(out)
 
   together = run(np.arange(3))
+  # The full forward over each prompt and its tokens, the three rows in one batch (trailing
+  # padding, segment id 0, is inert): one compile, not one per length.
+  seqs = [np.concatenate([tokens[b, :prompt[b]], together[b]]) for b in range(3)]
+  full, seg = (np.zeros((3, max(map(len, seqs))), np.int32) for _ in range(2))
+  for b, seq in enumerate(seqs):
+    full[b, :len(seq)], seg[b, :len(seq)] = seq, 1
+  logits, _ = jax.jit(model.apply)(variables, {"tokens": full, "segment_ids": seg})
   for b in range(3):
     np.testing.assert_array_equal(together[b], run(np.array([b]))[0])
-    seq = np.concatenate([tokens[b, :prompt[b]], together[b]])[None]
-    logits, _ = jax.jit(model.apply)(variables, {"tokens": seq,
-                                                 "segment_ids": np.ones_like(seq)})
-    np.testing.assert_array_equal(np.asarray(logits[0, prompt[b] - 1:-1].argmax(-1)),
-                                  together[b])
+    np.testing.assert_array_equal(
+        np.asarray(logits[b, prompt[b] - 1:len(seqs[b]) - 1].argmax(-1)), together[b])
   assert all(bool(c) == kernels for c in calls)
 
 
