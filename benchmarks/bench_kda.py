@@ -115,29 +115,30 @@ def lower_bound():
 
 
 def knob_impl(spec):
-  """(implementation, module, settings) of a --knobs spec: 'triton:NAME=VALUE,...' sets
-  triton_gpu's knobs for a triton row, anything else pallas_gpu's."""
+  """(implementation, modules, settings) of a --knobs spec: 'triton:NAME=VALUE,...' sets
+  triton_gpu's or triton_gpu_stage1's knobs for a triton row, anything else pallas_gpu's."""
   if spec.startswith("triton:"):
-    from pallas_kernels.kda import triton_gpu
-    return "triton", triton_gpu, spec.removeprefix("triton:")
-  return "pallas_gpu", pallas_gpu, spec
+    from pallas_kernels.kda import triton_gpu, triton_gpu_stage1
+    return "triton", (triton_gpu, triton_gpu_stage1), spec.removeprefix("triton:")
+  return "pallas_gpu", (pallas_gpu,), spec
 
 
 def set_knobs(spec):
   """Applies 'NAME=VALUE,...' (NAME.key for a dict entry) to pallas_gpu, or with a
-  'triton:' prefix to triton_gpu, or to pallas_gpu where triton_gpu has no such knob (the
-  triton implementation runs pallas_gpu's op with its own stages, so pallas_gpu's
-  UNBOUNDED_STAGE1 applies to it too); returns an undo."""
+  'triton:' prefix to triton_gpu or triton_gpu_stage1, or to pallas_gpu where neither has
+  such a knob (the triton implementation runs pallas_gpu's op with its own stages, so
+  pallas_gpu's UNBOUNDED_STAGE1 applies to it too); returns an undo."""
   saved = []
-  _, module, spec = knob_impl(spec)
+  _, modules, spec = knob_impl(spec)
   for item in (x for x in spec.split(",") if x):
     name, value = item.split("=")
     name, _, key = name.partition(".")
-    owner = module if hasattr(module, name) or not hasattr(pallas_gpu, name) else pallas_gpu
+    owner = next((m for m in (*modules, pallas_gpu) if hasattr(m, name)), modules[0])
     holder = getattr(owner, name) if key else owner.__dict__
     key = key or name
     if key not in holder:
-      raise ValueError(f"--knobs: {module.__name__} has no {item.split('=')[0]!r}")
+      raise ValueError(f"--knobs: {' / '.join(m.__name__ for m in modules)} has no "
+                       f"{item.split('=')[0]!r}")
     saved.append((holder, key, holder[key]))
     holder[key] = ast.literal_eval(value)
   jax.clear_caches()   # knobs are read while tracing

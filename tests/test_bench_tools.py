@@ -68,7 +68,12 @@ undo = bench_kda.set_knobs("triton:WU_BLOCK=32,WU_LOW_DOTS=False")
 assert (triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K) == (32, False, before[2])
 undo()
 assert (triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K) == before
-with pytest.raises(ValueError, match="triton_gpu has no 'NOT_A_KNOB'"):
+from pallas_kernels.kda import triton_gpu_stage1
+undo = bench_kda.set_knobs("triton:STAGE1_FUSED=False")   # the fused stage 1's module
+assert triton_gpu_stage1.STAGE1_FUSED is False
+undo()
+assert triton_gpu_stage1.STAGE1_FUSED is True
+with pytest.raises(ValueError, match="triton_gpu / .*triton_gpu_stage1 has no 'NOT_A_KNOB'"):
   bench_kda.set_knobs("triton:NOT_A_KNOB=1")
 assert bench_kda.parse_shape("2x64x4") == (2, 64, 4, 128)
 assert bench_kda.parse_shape("2x64x4x64") == (2, 64, 4, 64)

@@ -16,7 +16,8 @@ import pytest
 from benchmarks.kernel_registers import triton_report
 from pallas_kernels import triton_launch
 from pallas_kernels.kda import (kda, pallas_gpu, pallas_gpu_prologue as prologue_gpu, reference,
-                                triton_gpu, triton_gpu_prologue as prologue_triton)
+                                triton_gpu, triton_gpu_prologue as prologue_triton,
+                                triton_gpu_stage1)
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
 from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,
@@ -159,6 +160,33 @@ def test_stage1_equals_the_pallas_kernels(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_stage1_equals_the_three_kernels(dtype):
+  """triton_gpu_stage1's one kernel against triton_gpu's three (tiles, Pallas solve, W/U)
+  on _tiles_bwd_inputs' chunks (gates near the bound in the first, a reset inside it):
+  every output and both residuals. Its solve is a product of Neumann factors where
+  the three kernels substitute row by row: T in fp32 differs by rounding, 1.4e-6 of its
+  largest entry measured here, under the 1e-5 bound; the rest to 1e-6 as above. Without
+  residuals: the same outputs, A and T not stored."""
+  B, Tp, H, K, V, C = 1, 128, 2, 64, 32, 64
+  rng = np.random.default_rng(0)
+  q, k, G, seg, *_ = _tiles_bwd_inputs(B, Tp, H, K, C, dtype, rng)
+  v = jnp.asarray(rng.normal(size=(B, Tp, H, V)) * 0.3, dtype)
+  beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
+  kw = dict(scale=K ** -0.5, chunk_size=C, interpret=True)
+  st, A, T = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
+  ours, A_ours, T_ours = triton_gpu_stage1.intra_fused(q, k, v, G, beta, seg, **kw)
+  assert float(jnp.abs(st["decay"]).max()) > 0.01
+  for name, a, b in [("A", A_ours, A), ("T", T_ours, T), *((n, ours[n], st[n]) for n in st)]:
+    tol = 1e-5 if name == "T" else 1e-6
+    _close(a, b, 2 ** -8 if a.dtype == jnp.bfloat16 else tol, name)
+  bare, A_none, T_none = triton_gpu_stage1.intra_fused(q, k, v, G, beta, seg, residuals=False, **kw)
+  assert A_none is None and T_none is None
+  for name in st:
+    np.testing.assert_array_equal(np.asarray(bare[name], np.float32),
+                                  np.asarray(ours[name], np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_prologue_equals_the_pallas_kernels(dtype):
   """prologue_triton's kernels against prologue_gpu's on the same inputs, forward (q̂, k̂,
   G) and backward (dq, dk, df and the per-chunk A_log / dt_bias sums), for each gate with
@@ -227,7 +255,15 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
              triton_gpu.PROLOGUE_BWD_WARPS)
   by_tile = (fwd_tiles[0], {n: v for n, v in fwd_tiles[1].items() if n != "BK"},
              triton_gpu.TILES_WARPS)
-  return {triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
+  # the fused stage 1 with its residuals (the training forward: A and T stored)
+  fused = ([rows(D), rows(D), rows(D), fp32, beta, tiles[3], rows(D), rows(D), rows(D), rows(D),
+            decay, rows(C), rows(C, jnp.float32), rows(C, jnp.float32)],
+           dict(Tp=Tp, H=H, K=D, V=D, BK=min(D, triton_gpu_stage1.STAGE1_BLOCK_K),
+                BW=min(D, triton_gpu_stage1.STAGE1_WU_BLOCK), SCALE=D ** -0.5, PREC="tf32",
+                SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS, RESIDUALS=True),
+           triton_gpu_stage1.STAGE1_WARPS)
+  return {triton_gpu_stage1._kda_stage1_triton: fused,
+          triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
           triton_gpu._kda_tiles_blocks_triton: by_tile,
           triton_gpu._kda_recurrence_triton: ([*st, S, rows(D), S, states],
                                               dict(meta, WITH_STATES=True), triton_gpu.WARPS),
@@ -266,6 +302,7 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
              triton_gpu._kda_wu_bwd_triton: triton_gpu.WU_BWD_STAGES,
              triton_gpu._kda_tiles_triton: triton_gpu.TILES_STAGES,
              triton_gpu._kda_tiles_blocks_triton: triton_gpu.TILES_STAGES,
+             triton_gpu_stage1._kda_stage1_triton: triton_gpu_stage1.STAGE1_STAGES,
              triton_gpu._kda_wu_triton: triton_gpu.WU_STAGES,   # stage 1's, as launched
              prologue_triton._kda_prologue_triton: 1,            # (no loop)
              prologue_triton._kda_prologue_bwd_triton: 1,

@@ -563,9 +563,10 @@ def tiles_bwd_call(q, k, G, seg, dA, dAqk, *, scale, chunk_size, interpret, boun
   )(q, k, G, seg, dA, dAqk)
 
 
-def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, bounded=True):
+def intra_pallas(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, bounded=True,
+                 residuals=True):
   """Stage 1: (outputs of reference.chunk_intra(bounded=bounded), A, T), the last two kept
-  for the backward pass."""
+  for the backward pass (made whatever `residuals` says: the solve and W/U read them)."""
   C = chunk_size
   A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=C, interpret=interpret,
                       bounded=bounded)
@@ -687,14 +688,15 @@ def _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=True):
 
 def intra_with_vjp(fwd_call, bwd_call):
   """Stage 1 (bounded gates) as a custom VJP. fwd_call(q, k, v, G, beta, seg, scale=,
-  chunk_size=, interpret=) -> (outputs, A, T) as intra_pallas; A and T are the residuals;
+  chunk_size=, interpret=, residuals=) -> (outputs, A, T) as intra_pallas; A and T are the
+  residuals, which the primal (no backward) asks not to be stored;
   bwd_call(q, k, v, G, beta, seg, A, T, d_st, scale=, chunk_size=, interpret=) -> (dq, dk,
   dv, dG, dβ), cast here to the inputs' dtypes."""
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
   def intra(q, k, v, G, beta, seg, scale, chunk_size, interpret):
     return fwd_call(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
-                    interpret=interpret)[0]
+                    interpret=interpret, residuals=False)[0]
 
   def fwd(q, k, v, G, beta, seg, scale, chunk_size, interpret):
     st, A, T = fwd_call(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,

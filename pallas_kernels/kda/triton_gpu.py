@@ -622,8 +622,10 @@ def wu_call(T, q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
                  stages=WU_STAGES)
 
 
-def intra_triton(q, k, v, G, beta, seg, *, scale, chunk_size, interpret):
-  """Stage 1's forward: (stage-1 outputs, A, T) as pallas_gpu.intra_pallas returns them."""
+def intra_triton(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, residuals=True):
+  """Stage 1's forward as three kernels: (stage-1 outputs, A, T) as pallas_gpu.intra_pallas
+  returns them (A and T whatever `residuals` says: the solve and W/U read them).
+  triton_gpu_stage1 fuses the three at chunk 64."""
   A, Aqk = tiles_call(q, k, G, seg, scale=scale, chunk_size=chunk_size, interpret=interpret)
   T = pallas_gpu.solve_call(A, beta, chunk_size=chunk_size, interpret=interpret)
   W, U0, Qg, Kd, decay = wu_call(T, q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
@@ -674,5 +676,6 @@ def intra_bwd_triton(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, in
   return dq, dk, dv, dG, dbeta
 
 
-# Stage 1: Triton's tiles and W/U kernels around pallas_gpu's solve, forward and backward.
+# Stage 1: Triton's tiles and W/U kernels around pallas_gpu's solve, forward and backward
+# (implementation="triton" takes triton_gpu_stage1.intra: its fused forward at chunk 64).
 intra = pallas_gpu.intra_with_vjp(intra_triton, intra_bwd_triton)
