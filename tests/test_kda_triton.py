@@ -20,7 +20,7 @@ from pallas_kernels.kda import (kda, pallas_gpu, pallas_gpu_prologue as prologue
                                 triton_gpu_stage1)
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
-from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,
+from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec, _spec_case,
                              check_gate_inside_the_op)
 
 
@@ -186,6 +186,48 @@ def test_fused_stage1_equals_the_three_kernels(dtype):
                                   np.asarray(ours[name], np.float32), err_msg=name)
 
 
+def test_fused_stage1_of_unbounded_gates_equals_pallas():
+  """Kimi's unbounded gates (steps to -120, so a 16-row block's exponents overflow e^{88}
+  from any one anchor): the fused kernel's diagonal blocks column by column against
+  pallas_gpu's unbounded stage 1, every output and both residuals, in fp32."""
+  B, Tp, H, K, V, C = 1, 128, 2, 32, 32, 64
+  rng = np.random.default_rng(3)
+  arr = lambda D, s=0.3: jnp.asarray(rng.normal(size=(B, Tp, H, D)) * s, jnp.float32)
+  g = -jnp.abs(arr(K, 1.0)) * 40.0 - 2.0
+  G = jnp.cumsum(g.reshape(B, Tp // C, C, H, K), axis=2).reshape(B, Tp, H, K)
+  reset = np.zeros((B, Tp), bool)
+  reset[:, [C + 21]] = True
+  seg = reference.chunk_segments(jnp.asarray(reset), C)
+  q, k, v = arr(K), arr(K), arr(V)
+  beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
+  kw = dict(scale=K ** -0.5, chunk_size=C, interpret=True, bounded=False)
+  st, A, T = pallas_gpu.intra_pallas(q, k, v, G, beta, seg, **kw)
+  ours, A_ours, T_ours = triton_gpu_stage1.intra_fused(q, k, v, G, beta, seg, **kw)
+  for name, a, b in [("A", A_ours, A), ("T", T_ours, T), *((n, ours[n], st[n]) for n in st)]:
+    assert np.isfinite(np.asarray(a)).all(), name
+    _close(a, b, 1e-5 if name == "T" else 1e-6, name)
+
+
+@pytest.mark.usefixtures("x64")
+def test_unbounded_gates_match_fp64_spec_with_gradients():
+  """implementation="triton" with Kimi's unbounded gates (the fused forward, pallas_gpu's
+  unbounded backward): outputs, final state and all six gradients against the fp64 spec,
+  gates far below any bound (-|x|·30 − 2) and near zero."""
+  B, T, H, K, V, chunk = 1, 130, 2, 32, 32, 64
+  (q, k, v, _, beta), S0, w_o, w_S, _, _ = _spec_case(B, T, H, K, V, T, 1)
+  rng = np.random.default_rng(T)
+  g = -jnp.abs(jnp.asarray(rng.normal(size=q.shape))) * 30.0 - 2.0
+  g = jnp.where(jnp.asarray(rng.random(q.shape) < 0.5), g, -jnp.abs(g) * 1e-3)
+  (o_ref, S_ref), ref_grads = _outputs_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+  (o, S), grads = _outputs_and_grads(_impl("triton", chunk, lower_bound=None), f32,
+                                     S0.astype(jnp.float32), w_o, w_S)
+  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+  for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
+    assert np.isfinite(np.asarray(a)).all(), name
+    assert rel_err(a, b) <= 1e-4, (name, rel_err(a, b))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_prologue_equals_the_pallas_kernels(dtype):
   """prologue_triton's kernels against prologue_gpu's on the same inputs, forward (q̂, k̂,
@@ -260,7 +302,8 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
             decay, rows(C), rows(C, jnp.float32), rows(C, jnp.float32)],
            dict(Tp=Tp, H=H, K=D, V=D, BK=min(D, triton_gpu_stage1.STAGE1_BLOCK_K),
                 BW=min(D, triton_gpu_stage1.STAGE1_WU_BLOCK), SCALE=D ** -0.5, PREC="tf32",
-                SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS, RESIDUALS=True),
+                SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS, RESIDUALS=True,
+                BOUNDED=True),
            triton_gpu_stage1.STAGE1_WARPS)
   return {triton_gpu_stage1._kda_stage1_triton: fused,
           triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,

@@ -732,13 +732,14 @@ UNBOUNDED_STAGE1 = "pallas"
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                    chunk_size=64, lower_bound=-5.0, A_log=None, dt_bias=None, qk_l2norm=False,
                    interpret=None, stage1=None, stage2=None, prologue=None,
-                   unbounded_stage1=None):
+                   unbounded_stage1=None, stage1_unbounded=None):
   """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take stage 1
-  `unbounded_stage1` (default UNBOUNDED_STAGE1): "pallas", intra_unbounded, or "xla", the
-  XLA stage 1 in fp32. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
+  `unbounded_stage1` (default UNBOUNDED_STAGE1): "pallas", stage1_unbounded (default
+  intra_unbounded), or "xla", the XLA stage 1 in fp32. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
   dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there.
-  stage1 / stage2 / prologue: another stage 1 (bounded gates) / stage 2 / prologue with
-  this module's `intra` / `recurrence` / pallas_gpu_prologue.prologue contract (triton_gpu's)."""
+  stage1 / stage1_unbounded / stage2 / prologue: another stage 1 (bounded gates) / stage 1
+  (unbounded) / stage 2 / prologue with this module's `intra` / `intra_unbounded` /
+  `recurrence` / pallas_gpu_prologue.prologue contract (triton's)."""
   unbounded_stage1 = unbounded_stage1 or UNBOUNDED_STAGE1
   if unbounded_stage1 not in ("xla", "pallas"):
     raise ValueError(f"unbounded_stage1 must be 'xla' or 'pallas', got {unbounded_stage1!r}")
@@ -750,6 +751,8 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
                   chunk_size=chunk_size, lower_bound=lower_bound, gate=gate,
                   qk_l2norm=qk_l2norm, interpret=interpret, unbounded_stage1=unbounded_stage1,
                   stage1=intra if stage1 is None else stage1,
+                  stage1_unbounded=(intra_unbounded if stage1_unbounded is None
+                                    else stage1_unbounded),
                   stage2=recurrence if stage2 is None else stage2,
                   prologue=pallas_gpu_prologue.prologue if prologue is None else prologue)
 
@@ -767,10 +770,11 @@ def _gate_params(A_log, dt_bias, H, K):
 # with the number of KDA layers.
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "lower_bound", "gate",
                                              "qk_l2norm", "interpret", "unbounded_stage1",
-                                             "stage1", "stage2", "prologue"))
+                                             "stage1", "stage1_unbounded", "stage2",
+                                             "prologue"))
 def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, scale,
              chunk_size, lower_bound, gate, qk_l2norm, interpret, unbounded_stage1, stage1,
-             stage2, prologue):
+             stage1_unbounded, stage2, prologue):
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -793,7 +797,7 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
   if lower_bound is not None:
     st = stage1(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   elif unbounded_stage1 == "pallas":   # diagonal tiles elementwise in the tiles kernels
-    st = intra_unbounded(q, k, v, G, beta, seg, scale, chunk_size, interpret)
+    st = stage1_unbounded(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   else:  # unbounded gates: diagonal tiles elementwise in fp32 (the safe path)
     st = _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=False)
   S0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)

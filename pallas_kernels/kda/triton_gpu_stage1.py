@@ -21,6 +21,8 @@ the chunk's 4×4 grid of [16, 16] blocks in registers:
 A and T leave the kernel only as the backward's residuals (RESIDUALS); the forward without
 a backward writes neither. Other chunk sizes take triton_gpu's three kernels."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import triton
@@ -28,7 +30,7 @@ import triton.language as tl
 
 from pallas_kernels import triton_launch
 from pallas_kernels.kda import pallas_gpu, triton_gpu
-from pallas_kernels.kda.triton_gpu import chunk_rows
+from pallas_kernels.kda.triton_gpu import chunk_rows, fp32_sum
 
 F32 = jnp.float32
 CHUNK = 64            # the one chunk size this kernel is written for (4 sub-chunks of 16)
@@ -36,7 +38,8 @@ CHUNK = 64            # the one chunk size this kernel is written for (4 sub-chu
 # Launch knobs (benchmarks/kda.md). Built for sm_90a in bf16 at K = V = 64 and 128, 4 warps
 # with 16-column tiles steps and 32-column W/U steps take 247-249 registers and spill
 # nothing; 32-column tiles steps spill 68-168 bytes a thread, 64-column W/U steps 8 at
-# K = 64, and one loop for all four block rows 300-1000.
+# K = 64, and one loop for all four block rows 300-1000. The unbounded gates' build (its
+# diagonal blocks column by column) spills 56 bytes a thread at 4 warps, 0-20 at 8.
 STAGE1_FUSED = True       # stage 1 as this kernel at chunk 64, else triton_gpu's three
 STAGE1_BLOCK_K = 16       # K columns per step of the tiles loops
 STAGE1_WU_BLOCK = 32      # K / V columns per step of the W/U loops
@@ -69,6 +72,37 @@ def _diagonal(q_a, k_a, G_a, mid_K, A_aa, Aqk_aa, PREC: tl.constexpr):
 
 
 @triton.jit
+def _diagonal_columns(q_a, k_a, G_a, k, G, row0, t, col, A_aa, Aqk_aa, H: tl.constexpr,
+                      K: tl.constexpr, BK: tl.constexpr):
+  """Block (a, a) column by column for unbounded gates (t = a's first row): column j is
+  Σ_k k_i k_j e^{G_i - G_j} over rows i ≥ j, every factor ≤ 1 whatever the gate, summed in
+  fp32 (pallas_gpu's _diagonal_columns)."""
+  i_L = tl.arange(0, 16)
+  for j in tl.range(0, 16):
+    k_j = _gate_row(k, row0, t + j, col, H, K, BK)
+    G_j = _gate_row(G, row0, t + j, col, H, K, BK)
+    seen = (i_L >= j)[:, None]
+    e = tl.where(seen, tl.exp(tl.where(seen, G_a - G_j[None, :], 0.0)), 0.0) * k_j[None, :]
+    at_j = (i_L == j)[None, :]
+    A_aa += tl.where(at_j, fp32_sum(k_a * e, 1)[:, None], 0.0)
+    Aqk_aa += tl.where(at_j, fp32_sum(q_a * e, 1)[:, None], 0.0)
+  return A_aa, Aqk_aa
+
+
+@triton.jit
+def _diagonal_block(q_a, k_a, G_a, k, G, row0, t, col, A_aa, Aqk_aa, H: tl.constexpr,
+                    K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                    BOUNDED: tl.constexpr):
+  """Block (a, a) of A and Aqk, one BK column block (t = a's first row): two dots on decays
+  anchored at a's middle row where the gate is bounded, else column by column."""
+  if BOUNDED:
+    return _diagonal(q_a, k_a, G_a, _gate_row(G, row0, t + 8, col, H, K, BK), A_aa, Aqk_aa,
+                     PREC)
+  else:
+    return _diagonal_columns(q_a, k_a, G_a, k, G, row0, t, col, A_aa, Aqk_aa, H, K, BK)
+
+
+@triton.jit
 def _below(kl_a, ql_a, first_K, k_c, G_c, A_ac, Aqk_ac, PREC: tl.constexpr):
   """Block (a, c < a), one BK column block: kl_a, ql_a are a's rows decayed to a's first
   row (first_K), k_c decayed from that row back to its own (both factors ≤ 1)."""
@@ -88,29 +122,31 @@ def _row_operands(q, k, G, row0, r, t, col, Tp: tl.constexpr, H: tl.constexpr,
 
 @triton.jit
 def _row0(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+          BK: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
+          NUM_STAGES: tl.constexpr):
   """Block (0, 0) of A and Aqk."""
   z = tl.full((16, 16), 0.0, tl.float32)
   A00, Q00 = z, z
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     q0, k0, G0, _ = _row_operands(q, k, G, row0, r0, t0, col, Tp, H, K, BK)
-    A00, Q00 = _diagonal(q0, k0, G0, _gate_row(G, row0, t0 + 8, col, H, K, BK), A00, Q00,
-                         PREC)
+    A00, Q00 = _diagonal_block(q0, k0, G0, k, G, row0, t0, col, A00, Q00, H, K,
+                               BK, PREC, BOUNDED)
   return A00, Q00
 
 
 @triton.jit
 def _row1(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+          BK: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
+          NUM_STAGES: tl.constexpr):
   """Blocks (1, 0) and (1, 1) of A and Aqk."""
   z = tl.full((16, 16), 0.0, tl.float32)
   A10, Q10, A11, Q11 = z, z, z, z
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     q1, k1, G1, f1 = _row_operands(q, k, G, row0, r0 + 1, t0 + 16, col, Tp, H, K, BK)
-    A11, Q11 = _diagonal(q1, k1, G1, _gate_row(G, row0, t0 + 24, col, H, K, BK), A11, Q11,
-                         PREC)
+    A11, Q11 = _diagonal_block(q1, k1, G1, k, G, row0, t0 + 16, col, A11, Q11, H, K,
+                               BK, PREC, BOUNDED)
     left = tl.exp(G1 - f1[None, :])
     A10, Q10 = _below(k1 * left, q1 * left, f1, _rows(k, row0, r0, col, Tp, H, K, BK),
                       _rows(G, row0, r0, col, Tp, H, K, BK), A10, Q10, PREC)
@@ -119,15 +155,16 @@ def _row1(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
 
 @triton.jit
 def _row2(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+          BK: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
+          NUM_STAGES: tl.constexpr):
   """Blocks (2, 0), (2, 1), (2, 2) of A and Aqk."""
   z = tl.full((16, 16), 0.0, tl.float32)
   A20, Q20, A21, Q21, A22, Q22 = z, z, z, z, z, z
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     q2, k2, G2, f2 = _row_operands(q, k, G, row0, r0 + 2, t0 + 32, col, Tp, H, K, BK)
-    A22, Q22 = _diagonal(q2, k2, G2, _gate_row(G, row0, t0 + 40, col, H, K, BK), A22, Q22,
-                         PREC)
+    A22, Q22 = _diagonal_block(q2, k2, G2, k, G, row0, t0 + 32, col, A22, Q22, H, K,
+                               BK, PREC, BOUNDED)
     left = tl.exp(G2 - f2[None, :])
     kl, ql = k2 * left, q2 * left
     A20, Q20 = _below(kl, ql, f2, _rows(k, row0, r0, col, Tp, H, K, BK),
@@ -139,15 +176,16 @@ def _row2(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
 
 @triton.jit
 def _row3(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, PREC: tl.constexpr, NUM_STAGES: tl.constexpr):
+          BK: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
+          NUM_STAGES: tl.constexpr):
   """Blocks (3, 0) … (3, 3) of A and Aqk."""
   z = tl.full((16, 16), 0.0, tl.float32)
   A30, Q30, A31, Q31, A32, Q32, A33, Q33 = z, z, z, z, z, z, z, z
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     q3, k3, G3, f3 = _row_operands(q, k, G, row0, r0 + 3, t0 + 48, col, Tp, H, K, BK)
-    A33, Q33 = _diagonal(q3, k3, G3, _gate_row(G, row0, t0 + 56, col, H, K, BK), A33, Q33,
-                         PREC)
+    A33, Q33 = _diagonal_block(q3, k3, G3, k, G, row0, t0 + 48, col, A33, Q33, H, K,
+                               BK, PREC, BOUNDED)
     left = tl.exp(G3 - f3[None, :])
     kl, ql = k3 * left, q3 * left
     A30, Q30 = _below(kl, ql, f3, _rows(k, row0, r0, col, Tp, H, K, BK),
@@ -219,7 +257,8 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
                        Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BW: tl.constexpr, SCALE: tl.constexpr,
                        PREC: tl.constexpr, SOLVE: tl.constexpr, LOW_DOTS: tl.constexpr,
-                       RESIDUALS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                       RESIDUALS: tl.constexpr, BOUNDED: tl.constexpr,
+                       NUM_STAGES: tl.constexpr):
   """One 64-row chunk (program id 0) of one (b, h) (id 1): the W/U kernel's outputs (W, U0,
   Qg, Kd in q's dtype, decay [B, N, H, K] fp32), Aqk (causal, scaled, q's dtype) and, with
   RESIDUALS, A (strictly causal, fp32, without β) and T (fp32), as triton_gpu.intra_triton
@@ -242,11 +281,13 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
   # 1. A and Aqk, one block row at a time (its blocks' accumulators alone are live), K in
   # BK-wide column blocks.
   z = tl.full((16, 16), 0.0, tl.float32)
-  A00, Q00 = _row0(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, NUM_STAGES)
-  A10, Q10, A11, Q11 = _row1(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, NUM_STAGES)
-  A20, Q20, A21, Q21, A22, Q22 = _row2(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, NUM_STAGES)
+  A00, Q00 = _row0(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, BOUNDED, NUM_STAGES)
+  A10, Q10, A11, Q11 = _row1(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, BOUNDED,
+                              NUM_STAGES)
+  A20, Q20, A21, Q21, A22, Q22 = _row2(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, BOUNDED,
+                                        NUM_STAGES)
   A30, Q30, A31, Q31, A32, Q32, A33, Q33 = _row3(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC,
-                                                 NUM_STAGES)
+                                                 BOUNDED, NUM_STAGES)
 
   # Masks: one segment, strictly causal for A, causal for Aqk; then Aqk's blocks (zeros
   # above the diagonal) and A's.
@@ -381,7 +422,7 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
                 (b3 * _rows(v, row0, r0 + 3, col, Tp, H, V, BW)).to(dot_dt), Tp, H, V, BW, PREC)
 
 
-def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret):
+def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret, bounded=True):
   """(W, U0, Qg, Kd, decay, Aqk, A, T) of chunk 64; A and T are (1,) placeholders without
   residuals. Grid (N, B·H)."""
   B, Tp, H, K = q.shape
@@ -393,7 +434,8 @@ def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret):
               rows(C), res, res]
   meta = dict(Tp=Tp, H=H, K=K, V=V, BK=min(K, STAGE1_BLOCK_K), BW=min(K, V, STAGE1_WU_BLOCK),
               SCALE=float(scale), PREC=triton_launch.fp32_dots(), SOLVE=STAGE1_SOLVE_PREC,
-              LOW_DOTS=bool(triton_gpu.WU_LOW_DOTS and dt != F32), RESIDUALS=residuals)
+              LOW_DOTS=bool(triton_gpu.WU_LOW_DOTS and dt != F32), RESIDUALS=residuals,
+              BOUNDED=bounded)
   W, U0, Qg, Kd, decay, Aqk, A, T = triton_launch.launch(
       _kda_stage1_triton, (N, B * H), (q, k, v, G, beta, seg.astype(jnp.int32)), out_type,
       meta, name="kda_stage1_triton", interpret=interpret, warps=STAGE1_WARPS,
@@ -401,17 +443,28 @@ def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret):
   return W, U0, Qg, Kd, decay, Aqk, A, T
 
 
-def intra_fused(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, residuals=True):
+def intra_fused(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, residuals=True,
+                bounded=True):
   """triton_gpu.intra_triton's contract (stage-1 outputs, A, T; A and T None without
-  residuals) from one kernel at chunk 64 (STAGE1_FUSED), from its three elsewhere."""
+  residuals) from one kernel at chunk 64 (STAGE1_FUSED), from its three elsewhere (for
+  unbounded gates, pallas_gpu.intra_pallas's)."""
   if not STAGE1_FUSED or chunk_size != CHUNK:
-    return triton_gpu.intra_triton(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
-                                   interpret=interpret)
+    three = (triton_gpu.intra_triton if bounded
+             else functools.partial(pallas_gpu.intra_pallas, bounded=False))
+    return three(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
+                 interpret=interpret)
   W, U0, Qg, Kd, decay, Aqk, A, T = stage1_call(q, k, v, G, beta, seg, scale=scale,
-                                                residuals=residuals, interpret=interpret)
+                                                residuals=residuals, interpret=interpret,
+                                                bounded=bounded)
   st = {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}
   return (st, A, T) if residuals else (st, None, None)
 
 
-# Stage 1 of implementation="triton": this forward, triton_gpu's backward.
+# Stage 1 of implementation="triton": this forward, triton_gpu's backward; for unbounded
+# gates (pallas_gpu.UNBOUNDED_STAGE1 "pallas"), this forward with its diagonal blocks column
+# by column and pallas_gpu's unbounded backward (triton_gpu's anchors its diagonal tiles at
+# their middle rows, safe only for bounded gates).
 intra = pallas_gpu.intra_with_vjp(intra_fused, triton_gpu.intra_bwd_triton)
+intra_unbounded = pallas_gpu.intra_with_vjp(
+    functools.partial(intra_fused, bounded=False),
+    functools.partial(pallas_gpu.intra_bwd_pallas, bounded=False))
