@@ -69,10 +69,11 @@ assert (triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K) == (32,
 undo()
 assert (triton_gpu.WU_BLOCK, triton_gpu.WU_LOW_DOTS, pallas_gpu.BLOCK_K) == before
 from pallas_kernels.kda import triton_gpu_stage1
-undo = bench_kda.set_knobs("triton:STAGE1_FUSED=False")   # the fused stage 1's module
-assert triton_gpu_stage1.STAGE1_FUSED is False
+fused = triton_gpu_stage1.STAGE1_FUSED
+undo = bench_kda.set_knobs(f"triton:STAGE1_FUSED={not fused}")   # the fused stage 1's module
+assert triton_gpu_stage1.STAGE1_FUSED is (not fused)
 undo()
-assert triton_gpu_stage1.STAGE1_FUSED is True
+assert triton_gpu_stage1.STAGE1_FUSED is fused
 with pytest.raises(ValueError, match="triton_gpu / .*triton_gpu_stage1 has no 'NOT_A_KNOB'"):
   bench_kda.set_knobs("triton:NOT_A_KNOB=1")
 assert bench_kda.parse_shape("2x64x4") == (2, 64, 4, 128)

@@ -24,11 +24,18 @@ from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec, _spec
                              check_gate_inside_the_op)
 
 
-@pytest.mark.usefixtures("x64")
+@pytest.fixture(params=[False, True], ids=["three_kernels", "fused"])
+def stage1_fused(request, monkeypatch):
+  """Stage 1's forward as triton_gpu's three kernels or triton_gpu_stage1's one."""
+  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED", request.param)
+  return request.param
+
+
+@pytest.mark.usefixtures("x64", "stage1_fused")
 def test_fp32_matches_fp64_spec_with_gradients():
   """Three chunks and a remainder, two V blocks (V 64 at BLOCK_V 32), K ≠ V, an initial
-  state; outputs, final state and all six gradients. (B = 2, chunk 32 and packed segments:
-  the bf16 test below.)"""
+  state; outputs, final state and all six gradients; stage 1's forward both ways. (B = 2,
+  chunk 32 and packed segments: the bf16 test below.)"""
   B, T, H, K, V, chunk = 1, 130, 2, 32, 64, 64
   (q, k, v, g, beta), S0, w_o, w_S, (o_ref, S_ref), ref_grads = _spec_case(B, T, H, K, V, T, 1)
   f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
@@ -160,13 +167,14 @@ def test_stage1_equals_the_pallas_kernels(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_stage1_equals_the_three_kernels(dtype):
+def test_fused_stage1_equals_the_three_kernels(dtype, monkeypatch):
   """triton_gpu_stage1's one kernel against triton_gpu's three (tiles, Pallas solve, W/U)
   on _tiles_bwd_inputs' chunks (gates near the bound in the first, a reset inside it):
   every output and both residuals. Its solve is a product of Neumann factors where
   the three kernels substitute row by row: T in fp32 differs by rounding, 1.4e-6 of its
   largest entry measured here, under the 1e-5 bound; the rest to 1e-6 as above. Without
   residuals: the same outputs, A and T not stored."""
+  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED", True)
   B, Tp, H, K, V, C = 1, 128, 2, 64, 32, 64
   rng = np.random.default_rng(0)
   q, k, G, seg, *_ = _tiles_bwd_inputs(B, Tp, H, K, C, dtype, rng)
@@ -186,10 +194,11 @@ def test_fused_stage1_equals_the_three_kernels(dtype):
                                   np.asarray(ours[name], np.float32), err_msg=name)
 
 
-def test_fused_stage1_of_unbounded_gates_equals_pallas():
+def test_fused_stage1_of_unbounded_gates_equals_pallas(monkeypatch):
   """Kimi's unbounded gates (steps to -120, so a 16-row block's exponents overflow e^{88}
   from any one anchor): the fused kernel's diagonal blocks column by column against
   pallas_gpu's unbounded stage 1, every output and both residuals, in fp32."""
+  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED", True)
   B, Tp, H, K, V, C = 1, 128, 2, 32, 32, 64
   rng = np.random.default_rng(3)
   arr = lambda D, s=0.3: jnp.asarray(rng.normal(size=(B, Tp, H, D)) * s, jnp.float32)
@@ -209,10 +218,11 @@ def test_fused_stage1_of_unbounded_gates_equals_pallas():
 
 
 @pytest.mark.usefixtures("x64")
-def test_unbounded_gates_match_fp64_spec_with_gradients():
+def test_unbounded_gates_match_fp64_spec_with_gradients(monkeypatch):
   """implementation="triton" with Kimi's unbounded gates (the fused forward, pallas_gpu's
   unbounded backward): outputs, final state and all six gradients against the fp64 spec,
   gates far below any bound (-|x|·30 − 2) and near zero."""
+  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED", True)
   B, T, H, K, V, chunk = 1, 130, 2, 32, 32, 64
   (q, k, v, _, beta), S0, w_o, w_S, _, _ = _spec_case(B, T, H, K, V, T, 1)
   rng = np.random.default_rng(T)
@@ -365,7 +375,7 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("x64")
+@pytest.mark.usefixtures("x64", "stage1_fused")
 @pytest.mark.parametrize("dtype,bound", [("bfloat16", 1e-2), ("float32", 1e-4)])
 def test_gpu_matches_fp64_spec(dtype, bound):
   """jax_triton on the GPU: 2 × 1000 × 16, K = V = 128, all six gradients."""
@@ -376,7 +386,7 @@ def test_gpu_matches_fp64_spec(dtype, bound):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("x64")
+@pytest.mark.usefixtures("x64", "stage1_fused")
 @pytest.mark.parametrize("gates", ["at_bound", "near_zero"])
 def test_gpu_extreme_gates(gates):
   (q, k, v, _, beta), S0 = _inputs(2, 500, 4, 64, 64, seed=7)
@@ -386,7 +396,7 @@ def test_gpu_extreme_gates(gates):
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("x64")
+@pytest.mark.usefixtures("x64", "stage1_fused")
 def test_gpu_training_path():
   check_gate_inside_the_op("triton", 2, 1000, 16, 128, 128, LB, jnp.bfloat16, 1e-2, 8, 64)
   # fla's benchmark setting: the gate-only prologue (no L2 norm, no padding)
@@ -396,7 +406,8 @@ def test_gpu_training_path():
 
 @pytest.mark.gpu
 def test_gpu_same_output_as_pallas_at_4x8192x16():
-  """The benchmark shape: forward output and final state within bf16 rounding of pallas_gpu."""
+  """The benchmark shape: forward output and final state within bf16 rounding of pallas_gpu,
+  stage 1's forward both ways."""
   B, T, H, D = 4, 8192, 16, 128
   ks = jax.random.split(jax.random.key(0), 5)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
@@ -407,6 +418,10 @@ def test_gpu_same_output_as_pallas_at_4x8192x16():
   args = [x.astype(jnp.bfloat16) for x in (q, k, v)] + [g, beta.astype(jnp.bfloat16)]
   run = lambda impl: kda(*args, lower_bound=LB, output_final_state=True, implementation=impl)
   (o, S), (o_ref, S_ref) = run("triton"), run("pallas_gpu")
+  with mock.patch.object(triton_gpu_stage1, "STAGE1_FUSED", not triton_gpu_stage1.STAGE1_FUSED):
+    o_other, S_other = run("triton")       # stage 1's forward the other way
+  assert rel_err(o_other.astype(jnp.float32), o.astype(jnp.float32)) <= 1e-2
+  assert rel_err(S_other, S) <= 1e-2
   assert np.isfinite(np.asarray(o, np.float32)).all()
   assert rel_err(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= 1e-2
   assert rel_err(S, S_ref) <= 1e-2

@@ -40,7 +40,8 @@ CHUNK = 64            # the one chunk size this kernel is written for (4 sub-chu
 # nothing; 32-column tiles steps spill 68-168 bytes a thread, 64-column W/U steps 8 at
 # K = 64, and one loop for all four block rows 300-1000. The unbounded gates' build (its
 # diagonal blocks column by column) spills 56 bytes a thread at 4 warps, 0-20 at 8.
-STAGE1_FUSED = True       # stage 1 as this kernel at chunk 64, else triton_gpu's three
+STAGE1_FUSED = False      # stage 1 as this kernel at chunk 64, else triton_gpu's three
+                          # (off until timed against them on a GPU: CPU-checked only)
 STAGE1_BLOCK_K = 16       # K columns per step of the tiles loops
 STAGE1_WU_BLOCK = 32      # K / V columns per step of the W/U loops
 STAGE1_WARPS = 4
