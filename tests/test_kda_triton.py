@@ -198,7 +198,7 @@ def test_fused_stage1_of_unbounded_gates_equals_pallas(monkeypatch):
   """Kimi's unbounded gates (steps to -120, so a 16-row block's exponents overflow e^{88}
   from any one anchor): the fused kernel's diagonal blocks column by column against
   pallas_gpu's unbounded stage 1, every output and both residuals, in fp32."""
-  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED", True)
+  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED_UNBOUNDED", True)
   B, Tp, H, K, V, C = 1, 128, 2, 32, 32, 64
   rng = np.random.default_rng(3)
   arr = lambda D, s=0.3: jnp.asarray(rng.normal(size=(B, Tp, H, D)) * s, jnp.float32)
@@ -222,7 +222,7 @@ def test_unbounded_gates_match_fp64_spec_with_gradients(monkeypatch):
   """implementation="triton" with Kimi's unbounded gates (the fused forward, pallas_gpu's
   unbounded backward): outputs, final state and all six gradients against the fp64 spec,
   gates far below any bound (-|x|·30 − 2) and near zero."""
-  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED", True)
+  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED_UNBOUNDED", True)
   B, T, H, K, V, chunk = 1, 130, 2, 32, 32, 64
   (q, k, v, _, beta), S0, w_o, w_S, _, _ = _spec_case(B, T, H, K, V, T, 1)
   rng = np.random.default_rng(T)

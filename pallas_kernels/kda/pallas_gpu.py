@@ -721,8 +721,9 @@ def intra_with_vjp(fwd_call, bwd_call):
 intra = intra_with_vjp(intra_pallas, intra_bwd_pallas)
 intra_unbounded = intra_with_vjp(functools.partial(intra_pallas, bounded=False),
                                  functools.partial(intra_bwd_pallas, bounded=False))
-# Stage 1 of unbounded gates (Kimi's) in every implementation: "pallas" (intra_unbounded) or
-# "xla" (reference.chunk_intra in fp32). At 1×8192×32, K = V = 128 on an H100, pallas_gpu on
+# Stage 1 of unbounded gates (Kimi's) in every implementation: "pallas" (the kernels:
+# intra_unbounded here, triton_gpu_stage1.intra_unbounded for triton, which passes it as
+# stage1_unbounded) or "xla" (reference.chunk_intra in fp32). At 1×8192×32, K = V = 128 on an H100, pallas_gpu on
 # the Pallas stage 1 took 3.56 / 12.49 ms forward / forward+backward, triton (its faster
 # stage 2) on XLA's 5.29 / 22.52 (benchmarks/kda.md, 2026-12-06); tests/test_kda.py checks
 # both against the fp64 spec.

@@ -19,7 +19,8 @@ the chunk's 4×4 grid of [16, 16] blocks in registers:
      decay, as the W/U kernel computes them.
 
 A and T leave the kernel only as the backward's residuals (RESIDUALS); the forward without
-a backward writes neither. Other chunk sizes take triton_gpu's three kernels."""
+a backward writes neither. Other chunk sizes take triton_gpu's three kernels, and so do
+bounded gates by default (STAGE1_FUSED below: the three are faster there)."""
 
 import functools
 
@@ -40,8 +41,12 @@ CHUNK = 64            # the one chunk size this kernel is written for (4 sub-chu
 # nothing; 32-column tiles steps spill 68-168 bytes a thread, 64-column W/U steps 8 at
 # K = 64, and one loop for all four block rows 300-1000. The unbounded gates' build (its
 # diagonal blocks column by column) spills 56 bytes a thread at 4 warps, 0-20 at 8.
-STAGE1_FUSED = False      # stage 1 as this kernel at chunk 64, else triton_gpu's three
-                          # (off until timed against them on a GPU: CPU-checked only)
+# Bounded gates: triton_gpu's three kernels, 1.35-1.52x faster forward on an H100 (this
+# kernel's long dependent chain of [16, 16] dots runs at 12.5% occupancy, 252 registers).
+# Unbounded gates: this kernel, 1.28x faster forward than pallas_gpu's three (its
+# diagonal tiles elementwise) at 1x8192x32. benchmarks/kda.md, 2026-12-07.
+STAGE1_FUSED = False            # bounded gates: stage 1 as this kernel at chunk 64
+STAGE1_FUSED_UNBOUNDED = True   # unbounded gates: likewise
 STAGE1_BLOCK_K = 16       # K columns per step of the tiles loops
 STAGE1_WU_BLOCK = 32      # K / V columns per step of the W/U loops
 STAGE1_WARPS = 4
@@ -447,9 +452,9 @@ def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret, bounded=T
 def intra_fused(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, residuals=True,
                 bounded=True):
   """triton_gpu.intra_triton's contract (stage-1 outputs, A, T; A and T None without
-  residuals) from one kernel at chunk 64 (STAGE1_FUSED), from its three elsewhere (for
-  unbounded gates, pallas_gpu.intra_pallas's)."""
-  if not STAGE1_FUSED or chunk_size != CHUNK:
+  residuals) from one kernel at chunk 64 (STAGE1_FUSED, STAGE1_FUSED_UNBOUNDED), from its
+  three elsewhere (for unbounded gates, pallas_gpu.intra_pallas's)."""
+  if not (STAGE1_FUSED if bounded else STAGE1_FUSED_UNBOUNDED) or chunk_size != CHUNK:
     three = (triton_gpu.intra_triton if bounded
              else functools.partial(pallas_gpu.intra_pallas, bounded=False))
     return three(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
