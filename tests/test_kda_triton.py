@@ -194,6 +194,7 @@ def test_fused_stage1_equals_the_three_kernels(dtype, monkeypatch):
                                   np.asarray(ours[name], np.float32), err_msg=name)
 
 
+@pytest.mark.slow   # 8 s; the first tier has the unbounded fp64 spec test below
 def test_fused_stage1_of_unbounded_gates_equals_pallas(monkeypatch):
   """Kimi's unbounded gates (steps to -120, so a 16-row block's exponents overflow e^{88}
   from any one anchor): the fused kernel's diagonal blocks column by column against
