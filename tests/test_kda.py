@@ -179,9 +179,14 @@ def pallas_unbounded_stage1(monkeypatch):
     CASES[5]], ids=lambda c: "B{}T{}H{}K{}V{}C{}".format(*c))
 def test_unbounded_pallas_stage1_matches_fp64_spec_with_gradients(case):
   """Kimi's unbounded gates on the Pallas tiles kernels, whose diagonal 16×16 tiles are
-  summed elementwise: outputs, final state and all six gradients against the fp64 spec,
-  with gates of every size, including far below any bound (-|x|·30 − 2: exponents that
-  overflow e^{40} within one sub-chunk)."""
+  summed elementwise (check_unbounded_spec)."""
+  check_unbounded_spec("pallas_gpu", case)
+
+
+def check_unbounded_spec(impl, case):
+  """impl with lower_bound=None: outputs, final state and all six gradients against the
+  fp64 spec, with gates of every size, including far below any bound (-|x|·30 − 2:
+  exponents that overflow e^{40} within one sub-chunk) and near zero."""
   B, T, H, K, V, chunk = case
   (q, k, v, _, beta), S0, w_o, w_S, _, _ = _spec_case(B, T, H, K, V, T, 1)
   rng = np.random.default_rng(T)
@@ -189,7 +194,7 @@ def test_unbounded_pallas_stage1_matches_fp64_spec_with_gradients(case):
   g = jnp.where(jnp.asarray(rng.random(q.shape) < 0.5), g, -jnp.abs(g) * 1e-3)
   (o_ref, S_ref), ref_grads = _outputs_and_grads(_spec, (q, k, v, g, beta), S0, w_o, w_S)
   f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
-  (o, S), grads = _outputs_and_grads(_impl("pallas_gpu", chunk, lower_bound=None), f32,
+  (o, S), grads = _outputs_and_grads(_impl(impl, chunk, lower_bound=None), f32,
                                      S0.astype(jnp.float32), w_o, w_S)
   assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
   for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):

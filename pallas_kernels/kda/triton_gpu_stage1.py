@@ -211,6 +211,29 @@ def _store_block(x, row0, r, c, val, Tp: tl.constexpr, H: tl.constexpr, C: tl.co
 
 
 @triton.jit
+def _store_lower(x, row0, r0, X00, X10, X11, X20, X21, X22, X30, X31, X32, X33,
+                 Tp: tl.constexpr, H: tl.constexpr):
+  """A chunk's [64, 64] block lower-triangular matrix (zeros above) into rows r0 … r0 + 3
+  (sub-chunks) of a [B, Tp, H, 64] array."""
+  z = tl.full((16, 16), 0.0, tl.float32)
+  _store_block(x, row0, r0, 0, X00, Tp, H, 64)
+  for c in tl.static_range(1, 4):
+    _store_block(x, row0, r0, c, z, Tp, H, 64)
+  _store_block(x, row0, r0 + 1, 0, X10, Tp, H, 64)
+  _store_block(x, row0, r0 + 1, 1, X11, Tp, H, 64)
+  _store_block(x, row0, r0 + 1, 2, z, Tp, H, 64)
+  _store_block(x, row0, r0 + 1, 3, z, Tp, H, 64)
+  _store_block(x, row0, r0 + 2, 0, X20, Tp, H, 64)
+  _store_block(x, row0, r0 + 2, 1, X21, Tp, H, 64)
+  _store_block(x, row0, r0 + 2, 2, X22, Tp, H, 64)
+  _store_block(x, row0, r0 + 2, 3, z, Tp, H, 64)
+  _store_block(x, row0, r0 + 3, 0, X30, Tp, H, 64)
+  _store_block(x, row0, r0 + 3, 1, X31, Tp, H, 64)
+  _store_block(x, row0, r0 + 3, 2, X32, Tp, H, 64)
+  _store_block(x, row0, r0 + 3, 3, X33, Tp, H, 64)
+
+
+@triton.jit
 def _inverse(N, eye, PREC: tl.constexpr):
   """(I + N)^-1 for a strictly lower-triangular [16, 16] N: Σ_{j<16} (-N)^j as
   (I + M)(I + M²)(I + M⁴)(I + M⁸), M = -N."""
@@ -286,7 +309,6 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
 
   # 1. A and Aqk, one block row at a time (its blocks' accumulators alone are live), K in
   # BK-wide column blocks.
-  z = tl.full((16, 16), 0.0, tl.float32)
   A00, Q00 = _row0(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, BOUNDED, NUM_STAGES)
   A10, Q10, A11, Q11 = _row1(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, BOUNDED,
                               NUM_STAGES)
@@ -309,47 +331,19 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
   A31 = tl.where(seg3[:, None] == seg1[None, :], A31, 0.0)
   A32 = tl.where(seg3[:, None] == seg2[None, :], A32, 0.0)
   causal = i_L[:, None] >= i_L[None, :]
-  _store_block(Aqk, row0, r0, 0,
-               tl.where((seg0[:, None] == seg0[None, :]) & causal, Q00 * SCALE, 0.0), Tp, H, C)
-  _store_block(Aqk, row0, r0 + 1, 0, tl.where(seg1[:, None] == seg0[None, :], Q10 * SCALE, 0.0),
-               Tp, H, C)
-  _store_block(Aqk, row0, r0 + 1, 1,
-               tl.where((seg1[:, None] == seg1[None, :]) & causal, Q11 * SCALE, 0.0), Tp, H, C)
-  _store_block(Aqk, row0, r0 + 2, 0, tl.where(seg2[:, None] == seg0[None, :], Q20 * SCALE, 0.0),
-               Tp, H, C)
-  _store_block(Aqk, row0, r0 + 2, 1, tl.where(seg2[:, None] == seg1[None, :], Q21 * SCALE, 0.0),
-               Tp, H, C)
-  _store_block(Aqk, row0, r0 + 2, 2,
-               tl.where((seg2[:, None] == seg2[None, :]) & causal, Q22 * SCALE, 0.0), Tp, H, C)
-  _store_block(Aqk, row0, r0 + 3, 0, tl.where(seg3[:, None] == seg0[None, :], Q30 * SCALE, 0.0),
-               Tp, H, C)
-  _store_block(Aqk, row0, r0 + 3, 1, tl.where(seg3[:, None] == seg1[None, :], Q31 * SCALE, 0.0),
-               Tp, H, C)
-  _store_block(Aqk, row0, r0 + 3, 2, tl.where(seg3[:, None] == seg2[None, :], Q32 * SCALE, 0.0),
-               Tp, H, C)
-  _store_block(Aqk, row0, r0 + 3, 3,
-               tl.where((seg3[:, None] == seg3[None, :]) & causal, Q33 * SCALE, 0.0), Tp, H, C)
-  for c in tl.static_range(1, 4):
-    _store_block(Aqk, row0, r0, c, z, Tp, H, C)
-  _store_block(Aqk, row0, r0 + 1, 2, z, Tp, H, C)
-  _store_block(Aqk, row0, r0 + 1, 3, z, Tp, H, C)
-  _store_block(Aqk, row0, r0 + 2, 3, z, Tp, H, C)
+  _store_lower(Aqk, row0, r0,
+               tl.where((seg0[:, None] == seg0[None, :]) & causal, Q00 * SCALE, 0.0),
+               tl.where(seg1[:, None] == seg0[None, :], Q10 * SCALE, 0.0),
+               tl.where((seg1[:, None] == seg1[None, :]) & causal, Q11 * SCALE, 0.0),
+               tl.where(seg2[:, None] == seg0[None, :], Q20 * SCALE, 0.0),
+               tl.where(seg2[:, None] == seg1[None, :], Q21 * SCALE, 0.0),
+               tl.where((seg2[:, None] == seg2[None, :]) & causal, Q22 * SCALE, 0.0),
+               tl.where(seg3[:, None] == seg0[None, :], Q30 * SCALE, 0.0),
+               tl.where(seg3[:, None] == seg1[None, :], Q31 * SCALE, 0.0),
+               tl.where(seg3[:, None] == seg2[None, :], Q32 * SCALE, 0.0),
+               tl.where((seg3[:, None] == seg3[None, :]) & causal, Q33 * SCALE, 0.0), Tp, H)
   if RESIDUALS:
-    _store_block(A, row0, r0, 0, A00, Tp, H, C)
-    _store_block(A, row0, r0 + 1, 0, A10, Tp, H, C)
-    _store_block(A, row0, r0 + 1, 1, A11, Tp, H, C)
-    _store_block(A, row0, r0 + 2, 0, A20, Tp, H, C)
-    _store_block(A, row0, r0 + 2, 1, A21, Tp, H, C)
-    _store_block(A, row0, r0 + 2, 2, A22, Tp, H, C)
-    _store_block(A, row0, r0 + 3, 0, A30, Tp, H, C)
-    _store_block(A, row0, r0 + 3, 1, A31, Tp, H, C)
-    _store_block(A, row0, r0 + 3, 2, A32, Tp, H, C)
-    _store_block(A, row0, r0 + 3, 3, A33, Tp, H, C)
-    for c in tl.static_range(1, 4):
-      _store_block(A, row0, r0, c, z, Tp, H, C)
-    _store_block(A, row0, r0 + 1, 2, z, Tp, H, C)
-    _store_block(A, row0, r0 + 1, 3, z, Tp, H, C)
-    _store_block(A, row0, r0 + 2, 3, z, Tp, H, C)
+    _store_lower(A, row0, r0, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, Tp, H)
 
   # 2. T = (I + Diag(β)A)^-1, block by block.
   b0 = tl.load(beta + (b * Tp + t0 + i_L) * H + h).to(tl.float32)[:, None]
@@ -373,21 +367,7 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
   acc = tl.dot(N31, T10, acc=tl.dot(N30, T00, input_precision=SOLVE), input_precision=SOLVE)
   T30 = -tl.dot(T33, tl.dot(N32, T20, acc=acc, input_precision=SOLVE), input_precision=SOLVE)
   if RESIDUALS:
-    _store_block(T, row0, r0, 0, T00, Tp, H, C)
-    _store_block(T, row0, r0 + 1, 0, T10, Tp, H, C)
-    _store_block(T, row0, r0 + 1, 1, T11, Tp, H, C)
-    _store_block(T, row0, r0 + 2, 0, T20, Tp, H, C)
-    _store_block(T, row0, r0 + 2, 1, T21, Tp, H, C)
-    _store_block(T, row0, r0 + 2, 2, T22, Tp, H, C)
-    _store_block(T, row0, r0 + 3, 0, T30, Tp, H, C)
-    _store_block(T, row0, r0 + 3, 1, T31, Tp, H, C)
-    _store_block(T, row0, r0 + 3, 2, T32, Tp, H, C)
-    _store_block(T, row0, r0 + 3, 3, T33, Tp, H, C)
-    for c in tl.static_range(1, 4):
-      _store_block(T, row0, r0, c, z, Tp, H, C)
-    _store_block(T, row0, r0 + 1, 2, z, Tp, H, C)
-    _store_block(T, row0, r0 + 1, 3, z, Tp, H, C)
-    _store_block(T, row0, r0 + 2, 3, z, Tp, H, C)
+    _store_lower(T, row0, r0, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp, H)
 
   # 3. W = T·Diag(β)(K⊙Γ), Qg, Kd, decay; U0 = T·Diag(β)V. LOW_DOTS: operands in q's dtype.
   dot_dt = q.dtype.element_ty if LOW_DOTS else tl.float32
