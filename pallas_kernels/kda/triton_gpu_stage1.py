@@ -47,6 +47,11 @@ CHUNK = 64            # the one chunk size this kernel is written for (4 sub-chu
 # diagonal tiles elementwise) at 1x8192x32. benchmarks/kda.md, 2026-12-07.
 STAGE1_FUSED = False            # bounded gates: stage 1 as this kernel at chunk 64
 STAGE1_FUSED_UNBOUNDED = True   # unbounded gates: likewise
+STAGE1_SOLVE_WU = False         # bounded gates, not fused: the tiles kernel, then the solve
+                                # and W/U as one kernel (_kda_solve_wu_triton: the Pallas
+                                # solve's launch and T's round trip gone); not yet timed
+STAGE1_SOLVE_WU_WARPS = 8       # 170-201 registers, no spills at K = V = 64 / 128 (4 warps:
+                                # 236-245)
 STAGE1_BLOCK_K = 16       # K columns per step of the tiles loops
 STAGE1_WU_BLOCK = 32      # K / V columns per step of the W/U loops
 STAGE1_WARPS = 4
@@ -292,20 +297,8 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
   Qg, Kd in q's dtype, decay [B, N, H, K] fp32), Aqk (causal, scaled, q's dtype) and, with
   RESIDUALS, A (strictly causal, fp32, without β) and T (fp32), as triton_gpu.intra_triton
   returns them. q, k, G [B, Tp, H, K]; v [B, Tp, H, V]; beta [B, Tp, H] fp32; seg [B, Tp]."""
-  C: tl.constexpr = 64
-  N: tl.constexpr = Tp // C
-  n = tl.program_id(0)
-  bh = tl.program_id(1).to(tl.int64)
-  b, h = bh // H, bh % H
-  row0 = b * Tp * H + h
-  r0 = n * 4                                   # the chunk's first sub-chunk
-  t0 = n * C                                   # ... and first row
+  n, b, h, row0, r0, t0, seg0, seg1, seg2, seg3, seg_end = _chunk(seg, Tp, H)
   i_L = tl.arange(0, 16)
-  seg0 = tl.load(seg + b * Tp + t0 + i_L)
-  seg1 = tl.load(seg + b * Tp + t0 + 16 + i_L)
-  seg2 = tl.load(seg + b * Tp + t0 + 32 + i_L)
-  seg3 = tl.load(seg + b * Tp + t0 + 48 + i_L)
-  seg_end = tl.load(seg + b * Tp + t0 + C - 1)
 
   # 1. A and Aqk, one block row at a time (its blocks' accumulators alone are live), K in
   # BK-wide column blocks.
@@ -345,11 +338,76 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
   if RESIDUALS:
     _store_lower(A, row0, r0, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, Tp, H)
 
-  # 2. T = (I + Diag(β)A)^-1, block by block.
-  b0 = tl.load(beta + (b * Tp + t0 + i_L) * H + h).to(tl.float32)[:, None]
-  b1 = tl.load(beta + (b * Tp + t0 + 16 + i_L) * H + h).to(tl.float32)[:, None]
-  b2 = tl.load(beta + (b * Tp + t0 + 32 + i_L) * H + h).to(tl.float32)[:, None]
-  b3 = tl.load(beta + (b * Tp + t0 + 48 + i_L) * H + h).to(tl.float32)[:, None]
+  # 2. T = (I + Diag(β)A)^-1; 3. W, U0, Qg, Kd, decay.
+  T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = _solve(
+      beta, b, h, t0, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, Tp, H, SOLVE)
+  if RESIDUALS:
+    _store_lower(T, row0, r0, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp, H)
+  _wu(q, k, v, G, beta, W, U0, Qg, Kd, decay, b, h, n, row0, seg0, seg1, seg2, seg3, seg_end,
+      T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp, H, K, V, BW, SCALE, PREC, LOW_DOTS,
+      NUM_STAGES)
+
+
+@triton.jit
+def _kda_solve_wu_triton(A, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, T,
+                         Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BW: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
+                         SOLVE: tl.constexpr, LOW_DOTS: tl.constexpr, RESIDUALS: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
+  """_kda_stage1_triton's steps 2 and 3 on the tiles kernel's A [B, Tp, H, 64] (masked,
+  without β): the solve in registers and the W/U outputs, T stored only with RESIDUALS.
+  The pallas solve and the W/U kernel in one launch, T never written for a forward alone."""
+  n, b, h, row0, r0, t0, seg0, seg1, seg2, seg3, seg_end = _chunk(seg, Tp, H)
+  T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = _solve(
+      beta, b, h, t0, _block(A, row0, r0, 0, Tp, H), _block(A, row0, r0 + 1, 0, Tp, H),
+      _block(A, row0, r0 + 1, 1, Tp, H), _block(A, row0, r0 + 2, 0, Tp, H),
+      _block(A, row0, r0 + 2, 1, Tp, H), _block(A, row0, r0 + 2, 2, Tp, H),
+      _block(A, row0, r0 + 3, 0, Tp, H), _block(A, row0, r0 + 3, 1, Tp, H),
+      _block(A, row0, r0 + 3, 2, Tp, H), _block(A, row0, r0 + 3, 3, Tp, H), Tp, H, SOLVE)
+  if RESIDUALS:
+    _store_lower(T, row0, r0, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp, H)
+  _wu(q, k, v, G, beta, W, U0, Qg, Kd, decay, b, h, n, row0, seg0, seg1, seg2, seg3, seg_end,
+      T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp, H, K, V, BW, SCALE, PREC, LOW_DOTS,
+      NUM_STAGES)
+
+
+@triton.jit
+def _chunk(seg, Tp: tl.constexpr, H: tl.constexpr):
+  """A one-chunk program's chunk n (program id 0), b, h (id 1 is b·H + h), row0 =
+  b·Tp·H + h, first sub-chunk r0 and row t0, its sub-chunks' segment ids [16] and its last
+  row's."""
+  n = tl.program_id(0)
+  bh = tl.program_id(1).to(tl.int64)
+  b, h = bh // H, bh % H
+  t0 = n * 64
+  rows = seg + b * Tp + t0 + tl.arange(0, 16)
+  return (n, b, h, b * Tp * H + h, n * 4, t0, tl.load(rows), tl.load(rows + 16),
+          tl.load(rows + 32), tl.load(rows + 48), tl.load(seg + b * Tp + t0 + 63))
+
+
+@triton.jit
+def _block(x, row0, r, c, Tp: tl.constexpr, H: tl.constexpr):
+  """Block (sub-chunk r's rows, columns c·16 …) of a [B, Tp, H, 64] fp32 array."""
+  return tl.load(chunk_rows(x, row0, r, c * 16, Tp, H, 64, 16, 16))
+
+
+@triton.jit
+def _betas(beta, b, h, t0, Tp: tl.constexpr, H: tl.constexpr):
+  """β of the chunk's four sub-chunks as [16, 1] fp32 columns."""
+  i_L = tl.arange(0, 16)
+  rows = beta + (b * Tp + t0 + i_L) * H + h
+  return (tl.load(rows).to(tl.float32)[:, None], tl.load(rows + 16 * H).to(tl.float32)[:, None],
+          tl.load(rows + 32 * H).to(tl.float32)[:, None],
+          tl.load(rows + 48 * H).to(tl.float32)[:, None])
+
+
+@triton.jit
+def _solve(beta, b, h, t0, A00, A10, A11, A20, A21, A22, A30, A31, A32, A33,
+           Tp: tl.constexpr, H: tl.constexpr, SOLVE: tl.constexpr):
+  """T = (I + Diag(β)A)^-1 of one chunk, block by block: the diagonal blocks by _inverse,
+  then T_ab = -T_aa Σ_{b≤c<a} N_ac T_cb with N = Diag(β)A, as fla merges them."""
+  b0, b1, b2, b3 = _betas(beta, b, h, t0, Tp, H)
+  i_L = tl.arange(0, 16)
   eye = tl.where(i_L[:, None] == i_L[None, :], 1.0, 0.0)
   T00 = _inverse(b0 * A00, eye, SOLVE)
   T11 = _inverse(b1 * A11, eye, SOLVE)
@@ -366,10 +424,19 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
   T31 = -tl.dot(T33, acc, input_precision=SOLVE)
   acc = tl.dot(N31, T10, acc=tl.dot(N30, T00, input_precision=SOLVE), input_precision=SOLVE)
   T30 = -tl.dot(T33, tl.dot(N32, T20, acc=acc, input_precision=SOLVE), input_precision=SOLVE)
-  if RESIDUALS:
-    _store_lower(T, row0, r0, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp, H)
+  return T00, T10, T11, T20, T21, T22, T30, T31, T32, T33
 
-  # 3. W = T·Diag(β)(K⊙Γ), Qg, Kd, decay; U0 = T·Diag(β)V. LOW_DOTS: operands in q's dtype.
+
+@triton.jit
+def _wu(q, k, v, G, beta, W, U0, Qg, Kd, decay, b, h, n, row0, seg0, seg1, seg2, seg3, seg_end,
+        T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp: tl.constexpr, H: tl.constexpr,
+        K: tl.constexpr, V: tl.constexpr, BW: tl.constexpr, SCALE: tl.constexpr,
+        PREC: tl.constexpr, LOW_DOTS: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """W = T·Diag(β)(K⊙Γ), Qg, Kd and the decay over BW-wide column blocks of K, then
+  U0 = T·Diag(β)V over those of V. LOW_DOTS: the dots' operands in q's dtype."""
+  N: tl.constexpr = Tp // 64
+  r0, t0 = n * 4, n * 64
+  b0, b1, b2, b3 = _betas(beta, b, h, t0, Tp, H)
   dot_dt = q.dtype.element_ty if LOW_DOTS else tl.float32
   T00, T11, T22, T33 = T00.to(dot_dt), T11.to(dot_dt), T22.to(dot_dt), T33.to(dot_dt)
   T10, T20, T21 = T10.to(dot_dt), T20.to(dot_dt), T21.to(dot_dt)
@@ -377,7 +444,7 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
   dt = Qg.dtype.element_ty
   for ik in tl.range(0, K // BW, num_stages=NUM_STAGES):
     col = ik * BW
-    G_end = _gate_row(G, row0, t0 + C - 1, col, H, K, BW)
+    G_end = _gate_row(G, row0, t0 + 63, col, H, K, BW)
     k0, Qg0, Kd0, g0 = _decayed(q, k, G, seg0, seg_end, G_end, row0, r0, col, SCALE, Tp, H,
                                 K, BW)
     k1, Qg1, Kd1, g1 = _decayed(q, k, G, seg1, seg_end, G_end, row0, r0 + 1, col, SCALE, Tp,
@@ -429,19 +496,45 @@ def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret, bounded=T
   return W, U0, Qg, Kd, decay, Aqk, A, T
 
 
+def solve_wu_call(A, q, k, v, G, beta, seg, *, scale, residuals, interpret):
+  """(W, U0, Qg, Kd, decay, T) of chunk 64 from the tiles kernel's A; T is a (1,)
+  placeholder without residuals. Grid (N, B·H)."""
+  B, Tp, H, K = q.shape
+  V = v.shape[-1]
+  N, dt = Tp // CHUNK, q.dtype
+  rows = lambda D, dtype=dt: jax.ShapeDtypeStruct((B, Tp, H, D), dtype)
+  out_type = [rows(K), rows(V), rows(K), rows(K), jax.ShapeDtypeStruct((B, N, H, K), F32),
+              rows(CHUNK, F32) if residuals else jax.ShapeDtypeStruct((1,), F32)]
+  meta = dict(Tp=Tp, H=H, K=K, V=V, BW=min(K, V, STAGE1_WU_BLOCK), SCALE=float(scale),
+              PREC=triton_launch.fp32_dots(), SOLVE=STAGE1_SOLVE_PREC,
+              LOW_DOTS=bool(triton_gpu.WU_LOW_DOTS and dt != F32), RESIDUALS=residuals)
+  return triton_launch.launch(
+      _kda_solve_wu_triton, (N, B * H), (A, q, k, v, G, beta, seg.astype(jnp.int32)),
+      out_type, meta, name="kda_solve_wu_triton", interpret=interpret,
+      warps=STAGE1_SOLVE_WU_WARPS, max_stages=STAGE1_STAGES, stages=STAGE1_STAGES)
+
+
 def intra_fused(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, residuals=True,
                 bounded=True):
   """triton_gpu.intra_triton's contract (stage-1 outputs, A, T; A and T None without
-  residuals) from one kernel at chunk 64 (STAGE1_FUSED, STAGE1_FUSED_UNBOUNDED), from its
-  three elsewhere (for unbounded gates, pallas_gpu.intra_pallas's)."""
-  if not (STAGE1_FUSED if bounded else STAGE1_FUSED_UNBOUNDED) or chunk_size != CHUNK:
+  residuals) at chunk 64 from one kernel (STAGE1_FUSED, STAGE1_FUSED_UNBOUNDED) or from the
+  tiles kernel and one solve + W/U kernel (STAGE1_SOLVE_WU, bounded gates); else from the
+  three kernels (for unbounded gates, pallas_gpu.intra_pallas's)."""
+  fused = STAGE1_FUSED if bounded else STAGE1_FUSED_UNBOUNDED
+  if chunk_size == CHUNK and fused:
+    W, U0, Qg, Kd, decay, Aqk, A, T = stage1_call(q, k, v, G, beta, seg, scale=scale,
+                                                  residuals=residuals, interpret=interpret,
+                                                  bounded=bounded)
+  elif chunk_size == CHUNK and bounded and STAGE1_SOLVE_WU:
+    A, Aqk = triton_gpu.tiles_call(q, k, G, seg, scale=scale, chunk_size=CHUNK,
+                                   interpret=interpret)
+    W, U0, Qg, Kd, decay, T = solve_wu_call(A, q, k, v, G, beta, seg, scale=scale,
+                                            residuals=residuals, interpret=interpret)
+  else:
     three = (triton_gpu.intra_triton if bounded
              else functools.partial(pallas_gpu.intra_pallas, bounded=False))
     return three(q, k, v, G, beta, seg, scale=scale, chunk_size=chunk_size,
                  interpret=interpret)
-  W, U0, Qg, Kd, decay, Aqk, A, T = stage1_call(q, k, v, G, beta, seg, scale=scale,
-                                                residuals=residuals, interpret=interpret,
-                                                bounded=bounded)
   st = {"W": W, "U0": U0, "Qg": Qg, "Kd": Kd, "Aqk": Aqk, "decay": decay}
   return (st, A, T) if residuals else (st, None, None)
 
