@@ -221,10 +221,14 @@ def test_fused_stage1_of_unbounded_gates_equals_pallas(monkeypatch):
 
 
 @pytest.mark.usefixtures("x64")
-def test_unbounded_gates_match_fp64_spec_with_gradients(monkeypatch):
-  """implementation="triton" with Kimi's unbounded gates (the fused forward, pallas_gpu's
-  unbounded backward) against the fp64 spec with all gradients (check_unbounded_spec)."""
+@pytest.mark.parametrize("wu_bwd", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["pallas_wu_bwd", "triton_wu_bwd"])   # non-default: second tier
+def test_unbounded_gates_match_fp64_spec_with_gradients(wu_bwd, monkeypatch):
+  """implementation="triton" with Kimi's unbounded gates (the fused forward; the backward
+  pallas_gpu's, or with triton_gpu's W/U backward) against the fp64 spec with all
+  gradients (check_unbounded_spec)."""
   monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED_UNBOUNDED", True)
+  monkeypatch.setattr(triton_gpu_stage1, "UNBOUNDED_WU_BWD", wu_bwd)
   check_unbounded_spec("triton", (1, 70, 2, 16, 16, 64))
 
 

@@ -50,6 +50,10 @@ STAGE1_FUSED_UNBOUNDED = True   # unbounded gates: likewise
 STAGE1_SOLVE_WU = False         # bounded gates, not fused: the tiles kernel, then the solve
                                 # and W/U as one kernel (_kda_solve_wu_triton: the Pallas
                                 # solve's launch and T's round trip gone); not yet timed
+UNBOUNDED_WU_BWD = False        # unbounded gates' backward: triton_gpu's W/U backward (its
+                                # factors are all ≤ 1, safe for any gate; 1.68 against the
+                                # Pallas one's 2.19 ms alone at 4×8192×16, kda.md) before
+                                # pallas_gpu's unbounded tiles backward; not yet timed in the op
 STAGE1_SOLVE_WU_WARPS = 8       # 170-201 registers, no spills at K = V = 64 / 128 (4 warps:
                                 # 236-245)
 STAGE1_BLOCK_K = 16       # K columns per step of the tiles loops
@@ -539,11 +543,21 @@ def intra_fused(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, residual
   return (st, A, T) if residuals else (st, None, None)
 
 
+def intra_bwd_unbounded(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
+  """Stage 1's backward for unbounded gates: pallas_gpu's, or with UNBOUNDED_WU_BWD
+  triton_gpu's W/U backward before pallas_gpu's unbounded tiles backward (triton_gpu's
+  tiles backward anchors its diagonal tiles at their middle rows: bounded gates only)."""
+  kw = dict(scale=scale, chunk_size=chunk_size, interpret=interpret)
+  if not UNBOUNDED_WU_BWD:
+    return pallas_gpu.intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, bounded=False, **kw)
+  dA, dq0, dk0, dv, dbeta, dG0 = triton_gpu.wu_bwd_call(T, A, q, k, v, G, beta, seg, d_st, **kw)
+  dq1, dk1, dG1 = pallas_gpu.tiles_bwd_call(q, k, G, seg, dA, d_st["Aqk"], bounded=False, **kw)
+  return dq0 + dq1, dk0 + dk1, dv, dG0 + dG1, dbeta
+
+
 # Stage 1 of implementation="triton": this forward, triton_gpu's backward; for unbounded
 # gates (pallas_gpu.UNBOUNDED_STAGE1 "pallas"), this forward with its diagonal blocks column
-# by column and pallas_gpu's unbounded backward (triton_gpu's anchors its diagonal tiles at
-# their middle rows, safe only for bounded gates).
+# by column and intra_bwd_unbounded.
 intra = pallas_gpu.intra_with_vjp(intra_fused, triton_gpu.intra_bwd_triton)
-intra_unbounded = pallas_gpu.intra_with_vjp(
-    functools.partial(intra_fused, bounded=False),
-    functools.partial(pallas_gpu.intra_bwd_pallas, bounded=False))
+intra_unbounded = pallas_gpu.intra_with_vjp(functools.partial(intra_fused, bounded=False),
+                                            intra_bwd_unbounded)
