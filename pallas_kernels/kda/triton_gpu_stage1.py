@@ -1,4 +1,6 @@
-"""Stage 1's forward as one Triton kernel a chunk (implementation="triton", chunk 64).
+"""Stage 1 of implementation="triton" at chunk 64: its forward as one Triton kernel a chunk
+(_kda_stage1_triton), or the tiles kernel then the solve and W/U as one
+(_kda_solve_wu_triton); and the unbounded gates' backward (intra_bwd_unbounded).
 
 triton_gpu.intra_triton runs stage 1 as three launches: the tiles kernel writes A (fp32)
 and Aqk, pallas_gpu's solve reads A and writes T = (I + Diag(β)A)^-1 (fp32), and the W/U
@@ -8,8 +10,9 @@ kernel reads T, q, k, v and G again. At 8×4096×32 (K = V = 128, H200) those to
 the chunk's 4×4 grid of [16, 16] blocks in registers:
 
   1. A and Aqk block by block over K: a diagonal block on decays anchored at its middle
-     row (both factors ≤ e^40 at the gate's bound), an off-diagonal block (a, c < a) at
-     the first row of a (both factors ≤ 1: e^{G_r - G_a0} and e^{G_a0 - G_j}).
+     row (both factors ≤ e^40 at the gate's bound; unbounded gates: column by column,
+     every factor ≤ 1), an off-diagonal block (a, c < a) at the first row of a (both
+     factors ≤ 1: e^{G_r - G_a0} and e^{G_a0 - G_j}).
   2. The solve in registers: each diagonal block (I + N)^-1 = (I - N)(I + N²)(I + N⁴)(I + N⁸)
      for the strictly lower N = Diag(β)A_aa (N^16 = 0): six dependent [16, 16] dots, where
      row-by-row substitution takes fifteen steps (the reason a solve fused into the W/U
