@@ -24,7 +24,8 @@ from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,
                              check_gate_inside_the_op, check_unbounded_spec)
 
 
-@pytest.fixture(params=[False, True], ids=["three_kernels", "fused"])
+@pytest.fixture(params=[False, pytest.param(True, marks=pytest.mark.slow)],
+                ids=["three_kernels", "fused"])   # the fused form (not the default): second tier
 def stage1_fused(request, monkeypatch):
   """Stage 1's forward as triton_gpu's three kernels or triton_gpu_stage1's one."""
   monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED", request.param)
@@ -166,6 +167,7 @@ def test_stage1_equals_the_pallas_kernels(dtype):
     assert np.abs(a - b).max() <= tol * np.abs(b).max(), name
 
 
+@pytest.mark.slow   # bounded gates' non-default forms: second tier (14 s on 2 cores)
 @pytest.mark.parametrize("knob", ["STAGE1_FUSED", "STAGE1_SOLVE_WU"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fused_stage1_equals_the_three_kernels(dtype, knob, monkeypatch):
