@@ -75,7 +75,8 @@ def _rows(x, row0, r, col, Tp: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
 
 @triton.jit
 def _gate_row(G, row0, t, col, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-  """Row t of G, columns col … col + BK, as [BK] fp32 (an anchor)."""
+  """Row t, columns col … col + BK, of a [B, Tp, H, K] array as [BK] fp32: an anchor row of
+  G, or one row of k or G in the unbounded diagonal's column loop."""
   return tl.load(G + (row0 + t * H) * K + col + tl.arange(0, BK)).to(tl.float32)
 
 
