@@ -308,8 +308,8 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
             decay, rows(C), rows(C, jnp.float32), rows(C, jnp.float32)],
            dict(Tp=Tp, H=H, K=D, V=D, BK=min(D, triton_gpu_stage1.STAGE1_BLOCK_K),
                 BW=min(D, triton_gpu_stage1.STAGE1_WU_BLOCK), SCALE=D ** -0.5, PREC="tf32",
-                SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS, RESIDUALS=True,
-                BOUNDED=True),
+                SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS,
+                RESIDUALS=True, BOUNDED=True),
            triton_gpu_stage1.STAGE1_WARPS)
   solve_wu = ([rows(C, jnp.float32), rows(D), rows(D), rows(D), fp32, beta, tiles[3], rows(D),
                rows(D), rows(D), rows(D), decay, rows(C, jnp.float32)],

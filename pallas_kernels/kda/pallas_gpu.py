@@ -723,10 +723,10 @@ intra_unbounded = intra_with_vjp(functools.partial(intra_pallas, bounded=False),
                                  functools.partial(intra_bwd_pallas, bounded=False))
 # Stage 1 of unbounded gates (Kimi's) in every implementation: "pallas" (the kernels:
 # intra_unbounded here, triton_gpu_stage1.intra_unbounded for triton, which passes it as
-# stage1_unbounded) or "xla" (reference.chunk_intra in fp32). At 1×8192×32, K = V = 128 on an H100, pallas_gpu on
-# the Pallas stage 1 took 3.56 / 12.49 ms forward / forward+backward, triton (its faster
-# stage 2) on XLA's 5.29 / 22.52 (benchmarks/kda.md, 2026-12-06); tests/test_kda.py checks
-# both against the fp64 spec.
+# stage1_unbounded) or "xla" (reference.chunk_intra in fp32). At 1×8192×32, K = V = 128
+# on an H100, pallas_gpu on the Pallas stage 1 took 3.56 / 12.49 ms forward /
+# forward+backward, triton (its faster stage 2) on XLA's 5.29 / 22.52 (benchmarks/kda.md,
+# 2026-12-06); tests/test_kda.py checks both against the fp64 spec.
 UNBOUNDED_STAGE1 = "pallas"
 
 
@@ -736,8 +736,9 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
                    unbounded_stage1=None, stage1_unbounded=None):
   """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take stage 1
   `unbounded_stage1` (default UNBOUNDED_STAGE1): "pallas", stage1_unbounded (default
-  intra_unbounded), or "xla", the XLA stage 1 in fp32. With A_log and dt_bias, g is the gate's input and kda_gate(g, A_log,
-  dt_bias, lower_bound) runs in the prologue kernel; qk_l2norm normalises q and k there.
+  intra_unbounded), or "xla", the XLA stage 1 in fp32. With A_log and dt_bias, g is the
+  gate's input and kda_gate(g, A_log, dt_bias, lower_bound) runs in the prologue kernel;
+  qk_l2norm normalises q and k there.
   stage1 / stage1_unbounded / stage2 / prologue: another stage 1 (bounded gates) / stage 1
   (unbounded) / stage 2 / prologue with this module's `intra` / `intra_unbounded` /
   `recurrence` / pallas_gpu_prologue.prologue contract (triton's)."""

@@ -675,7 +675,3 @@ def intra_bwd_triton(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, in
                               chunk_size=chunk_size, interpret=interpret)
   return dq, dk, dv, dG, dbeta
 
-
-# Stage 1: Triton's tiles and W/U kernels around pallas_gpu's solve, forward and backward
-# (implementation="triton" takes triton_gpu_stage1.intra: its fused forward at chunk 64).
-intra = pallas_gpu.intra_with_vjp(intra_triton, intra_bwd_triton)
