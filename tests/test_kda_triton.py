@@ -17,7 +17,7 @@ from benchmarks.kernel_registers import triton_report
 from pallas_kernels import triton_launch
 from pallas_kernels.kda import (kda, pallas_gpu, pallas_gpu_prologue as prologue_gpu, reference,
                                 triton_gpu, triton_gpu_prologue as prologue_triton,
-                                triton_gpu_stage1)
+                                triton_gpu_stage1, triton_gpu_wu_recurrence)
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
 from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,
@@ -196,6 +196,63 @@ def test_fused_stage1_equals_the_three_kernels(dtype, knob, monkeypatch):
   for name in st:
     np.testing.assert_array_equal(np.asarray(bare[name], np.float32),
                                   np.asarray(ours[name], np.float32), err_msg=name)
+
+
+def test_wu_in_recurrence_equals_the_wu_and_recurrence_kernels():
+  """triton_gpu_wu_recurrence's kernel (W/U inside the recurrence) against the W/U kernel
+  then the recurrence kernel on the same T and Aqk (_tiles_bwd_inputs' chunks: gates near
+  the bound, a reset inside the first chunk; two V blocks), fp32: the residuals it writes
+  are the W/U kernel's bit for bit (the same formulas and dots), O and the final state
+  agree to rounding (the state's K halves are two dots where the recurrence has one).
+  Without residuals: the same O and state, nothing else returned."""
+  B, Tp, H, K, V, C = 1, 128, 2, 32, 64, 64
+  rng = np.random.default_rng(0)
+  q, k, G, seg, *_ = _tiles_bwd_inputs(B, Tp, H, K, C, jnp.float32, rng)
+  v = jnp.asarray(rng.normal(size=(B, Tp, H, V)), jnp.float32)
+  beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
+  S0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
+  kw = dict(scale=K ** -0.5, chunk_size=C, interpret=True)
+  st, _, T = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
+  O_ref, S_ref = triton_gpu._recurrence_call(st, S0, chunk_size=C, with_states=False,
+                                             interpret=True)
+  O, S, ours = triton_gpu_wu_recurrence.call(T, st["Aqk"], q, k, v, G, beta, seg, S0,
+                                             residuals=True, **kw)
+  assert float(jnp.abs(st["decay"]).max()) > 0.01
+  for name in st:
+    np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(st[name]), err_msg=name)
+  _close(O, O_ref, 1e-6, "O")
+  _close(S, S_ref, 1e-6, "S")
+  O_bare, S_bare, none = triton_gpu_wu_recurrence.call(T, st["Aqk"], q, k, v, G, beta, seg,
+                                                       S0, residuals=False, **kw)
+  assert none is None
+  np.testing.assert_array_equal(np.asarray(O_bare), np.asarray(O))
+  np.testing.assert_array_equal(np.asarray(S_bare), np.asarray(S))
+
+
+@pytest.mark.slow   # the non-default forward through the op: second tier
+@pytest.mark.usefixtures("x64")
+def test_wu_in_recurrence_matches_fp64_spec_with_gradients(monkeypatch):
+  """implementation="triton" with WU_IN_RECURRENCE (the forward as tiles, solve and
+  triton_gpu_wu_recurrence's kernel; its custom VJP's backward the unfused one's): outputs,
+  final state and all six gradients against the fp64 spec, and the bf16 training path
+  (gate and L2 norm in the op, packed segments) within 1e-2; the launches are the fused
+  kernel's, not the W/U kernel's or the plain recurrence's forward."""
+  monkeypatch.setattr(triton_gpu_wu_recurrence, "WU_IN_RECURRENCE", True)
+  B, T, H, K, V, chunk = 1, 130, 2, 32, 64, 64
+  (q, k, v, g, beta), S0, w_o, w_S, (o_ref, S_ref), ref_grads = _spec_case(B, T, H, K, V, T, 1)
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+  with mock.patch.object(triton_launch, "launch", wraps=triton_launch.launch) as launch:
+    (o, S), grads = _outputs_and_grads(_impl("triton", chunk), f32, S0.astype(jnp.float32),
+                                       w_o, w_S)
+    primal = _impl("triton", chunk)(*f32, S0.astype(jnp.float32))
+  names = [c.kwargs["name"] for c in launch.call_args_list]
+  assert names.count("kda_wu_recurrence_triton") == 2 and "kda_wu_triton" not in names, names
+  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+  assert rel_err(primal[0], o_ref) <= 1e-4 and rel_err(primal[1], S_ref) <= 1e-4
+  for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
+    assert np.isfinite(np.asarray(a)).all(), name
+    assert rel_err(a, b) <= 1e-4, name
+  check_gate_inside_the_op("triton", 2, 100, 2, 32, 32, LB, jnp.bfloat16, 1e-2, 8, 32)
 
 
 @pytest.mark.slow   # 8 s; the first tier has the unbounded fp64 spec test below
