@@ -17,7 +17,7 @@ from benchmarks.kernel_registers import triton_report
 from pallas_kernels import triton_launch
 from pallas_kernels.kda import (kda, pallas_gpu, pallas_gpu_prologue as prologue_gpu, reference,
                                 triton_gpu, triton_gpu_prologue as prologue_triton,
-                                triton_gpu_stage1, triton_gpu_wu_recurrence)
+                                triton_gpu_stage1)
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
 from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,
@@ -167,18 +167,17 @@ def test_stage1_equals_the_pallas_kernels(dtype):
     assert np.abs(a - b).max() <= tol * np.abs(b).max(), name
 
 
-@pytest.mark.slow   # bounded gates' non-default forms: second tier (14 s on 2 cores)
-@pytest.mark.parametrize("knob", ["STAGE1_FUSED", "STAGE1_SOLVE_WU"])
+@pytest.mark.slow   # bounded gates' non-default form: second tier (7 s on 2 cores)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_stage1_equals_the_three_kernels(dtype, knob, monkeypatch):
-  """triton_gpu_stage1's one kernel, and its solve + W/U kernel after the tiles kernel,
-  against triton_gpu's three (tiles, Pallas solve, W/U) on _tiles_bwd_inputs' chunks
+def test_fused_stage1_equals_the_three_kernels(dtype, monkeypatch):
+  """triton_gpu_stage1's one kernel against triton_gpu's three (tiles, Pallas solve, W/U)
+  on _tiles_bwd_inputs' chunks
   (gates near the bound in the first, a reset inside it): every output and both
   residuals. Their solve is a product of Neumann factors where the three kernels
   substitute row by row: T in fp32 differs by rounding, 1.4e-6 of its largest entry
   measured here, under the 1e-5 bound; the rest to 1e-6 as above. Without residuals: the
   same outputs, A and T not returned."""
-  monkeypatch.setattr(triton_gpu_stage1, knob, True)
+  monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED", True)
   B, Tp, H, K, V, C = 1, 128, 2, 64, 32, 64
   rng = np.random.default_rng(0)
   q, k, G, seg, *_ = _tiles_bwd_inputs(B, Tp, H, K, C, dtype, rng)
@@ -196,63 +195,6 @@ def test_fused_stage1_equals_the_three_kernels(dtype, knob, monkeypatch):
   for name in st:
     np.testing.assert_array_equal(np.asarray(bare[name], np.float32),
                                   np.asarray(ours[name], np.float32), err_msg=name)
-
-
-def test_wu_in_recurrence_equals_the_wu_and_recurrence_kernels():
-  """triton_gpu_wu_recurrence's kernel (W/U inside the recurrence) against the W/U kernel
-  then the recurrence kernel on the same T and Aqk (_tiles_bwd_inputs' chunks: gates near
-  the bound, a reset inside the first chunk; two V blocks), fp32: the residuals it writes
-  are the W/U kernel's bit for bit (the same formulas and dots), O and the final state
-  agree to rounding (the state's K halves are two dots where the recurrence has one).
-  Without residuals: the same O and state, nothing else returned."""
-  B, Tp, H, K, V, C = 1, 128, 2, 32, 64, 64
-  rng = np.random.default_rng(0)
-  q, k, G, seg, *_ = _tiles_bwd_inputs(B, Tp, H, K, C, jnp.float32, rng)
-  v = jnp.asarray(rng.normal(size=(B, Tp, H, V)), jnp.float32)
-  beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
-  S0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
-  kw = dict(scale=K ** -0.5, chunk_size=C, interpret=True)
-  st, _, T = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
-  O_ref, S_ref = triton_gpu._recurrence_call(st, S0, chunk_size=C, with_states=False,
-                                             interpret=True)
-  O, S, ours = triton_gpu_wu_recurrence.call(T, st["Aqk"], q, k, v, G, beta, seg, S0,
-                                             residuals=True, **kw)
-  assert float(jnp.abs(st["decay"]).max()) > 0.01
-  for name in st:
-    np.testing.assert_array_equal(np.asarray(ours[name]), np.asarray(st[name]), err_msg=name)
-  _close(O, O_ref, 1e-6, "O")
-  _close(S, S_ref, 1e-6, "S")
-  O_bare, S_bare, none = triton_gpu_wu_recurrence.call(T, st["Aqk"], q, k, v, G, beta, seg,
-                                                       S0, residuals=False, **kw)
-  assert none is None
-  np.testing.assert_array_equal(np.asarray(O_bare), np.asarray(O))
-  np.testing.assert_array_equal(np.asarray(S_bare), np.asarray(S))
-
-
-@pytest.mark.slow   # the non-default forward through the op: second tier
-@pytest.mark.usefixtures("x64")
-def test_wu_in_recurrence_matches_fp64_spec_with_gradients(monkeypatch):
-  """implementation="triton" with WU_IN_RECURRENCE (the forward as tiles, solve and
-  triton_gpu_wu_recurrence's kernel; its custom VJP's backward the unfused one's): outputs,
-  final state and all six gradients against the fp64 spec, and the bf16 training path
-  (gate and L2 norm in the op, packed segments) within 1e-2; the launches are the fused
-  kernel's, not the W/U kernel's or the plain recurrence's forward."""
-  monkeypatch.setattr(triton_gpu_wu_recurrence, "WU_IN_RECURRENCE", True)
-  B, T, H, K, V, chunk = 1, 130, 2, 32, 64, 64
-  (q, k, v, g, beta), S0, w_o, w_S, (o_ref, S_ref), ref_grads = _spec_case(B, T, H, K, V, T, 1)
-  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
-  with mock.patch.object(triton_launch, "launch", wraps=triton_launch.launch) as launch:
-    (o, S), grads = _outputs_and_grads(_impl("triton", chunk), f32, S0.astype(jnp.float32),
-                                       w_o, w_S)
-    primal = _impl("triton", chunk)(*f32, S0.astype(jnp.float32))
-  names = [c.kwargs["name"] for c in launch.call_args_list]
-  assert names.count("kda_wu_recurrence_triton") == 2 and "kda_wu_triton" not in names, names
-  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
-  assert rel_err(primal[0], o_ref) <= 1e-4 and rel_err(primal[1], S_ref) <= 1e-4
-  for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
-    assert np.isfinite(np.asarray(a)).all(), name
-    assert rel_err(a, b) <= 1e-4, name
-  check_gate_inside_the_op("triton", 2, 100, 2, 32, 32, LB, jnp.bfloat16, 1e-2, 8, 32)
 
 
 @pytest.mark.slow   # 8 s; the first tier has the unbounded fp64 spec test below
@@ -280,12 +222,12 @@ def test_fused_stage1_of_unbounded_gates_equals_pallas(monkeypatch):
 
 
 @pytest.mark.usefixtures("x64")
-@pytest.mark.parametrize("wu_bwd", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["pallas_wu_bwd", "triton_wu_bwd"])   # non-default: second tier
+@pytest.mark.parametrize("wu_bwd", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["triton_wu_bwd", "pallas_wu_bwd"])   # non-default: second tier
 def test_unbounded_gates_match_fp64_spec_with_gradients(wu_bwd, monkeypatch):
   """implementation="triton" with Kimi's unbounded gates (the fused forward; the backward
-  pallas_gpu's, or with triton_gpu's W/U backward) against the fp64 spec with all
-  gradients (check_unbounded_spec)."""
+  triton_gpu's W/U backward then pallas_gpu's unbounded tiles backward, the default, or
+  pallas_gpu's whole) against the fp64 spec with all gradients (check_unbounded_spec)."""
   monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED_UNBOUNDED", True)
   monkeypatch.setattr(triton_gpu_stage1, "UNBOUNDED_WU_BWD", wu_bwd)
   check_unbounded_spec("triton", (1, 70, 2, 16, 16, 64))
@@ -368,12 +310,7 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
                 SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS,
                 RESIDUALS=True, BOUNDED=True),
            triton_gpu_stage1.STAGE1_WARPS)
-  solve_wu = ([rows(C, jnp.float32), rows(D), rows(D), rows(D), fp32, beta, tiles[3], rows(D),
-               rows(D), rows(D), rows(D), decay, rows(C, jnp.float32)],
-              {n: v for n, v in fused[1].items() if n not in ("BK", "BOUNDED")},
-              triton_gpu_stage1.STAGE1_SOLVE_WU_WARPS)
   return {triton_gpu_stage1._kda_stage1_triton: fused,
-          triton_gpu_stage1._kda_solve_wu_triton: solve_wu,
           triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
           triton_gpu._kda_tiles_blocks_triton: by_tile,
           triton_gpu._kda_recurrence_triton: ([*st, S, rows(D), S, states],
@@ -414,7 +351,6 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
              triton_gpu._kda_tiles_triton: triton_gpu.TILES_STAGES,
              triton_gpu._kda_tiles_blocks_triton: triton_gpu.TILES_STAGES,
              triton_gpu_stage1._kda_stage1_triton: triton_gpu_stage1.STAGE1_STAGES,
-             triton_gpu_stage1._kda_solve_wu_triton: triton_gpu_stage1.STAGE1_STAGES,
              triton_gpu._kda_wu_triton: triton_gpu.WU_STAGES,   # stage 1's, as launched
              prologue_triton._kda_prologue_triton: 1,            # (no loop)
              prologue_triton._kda_prologue_bwd_triton: 1,

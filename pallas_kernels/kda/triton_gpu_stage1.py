@@ -1,6 +1,5 @@
 """Stage 1 of implementation="triton" at chunk 64: its forward as one Triton kernel a chunk
-(_kda_stage1_triton), or the tiles kernel then the solve and W/U as one
-(_kda_solve_wu_triton); and the unbounded gates' backward (intra_bwd_unbounded).
+(_kda_stage1_triton), and the unbounded gates' backward (intra_bwd_unbounded).
 
 triton_gpu.intra_triton runs stage 1 as three launches: the tiles kernel writes A (fp32)
 and Aqk, pallas_gpu's solve reads A and writes T = (I + Diag(β)A)^-1 (fp32), and the W/U
@@ -50,15 +49,10 @@ CHUNK = 64            # the one chunk size this kernel is written for (4 sub-chu
 # diagonal tiles elementwise) at 1x8192x32. benchmarks/kda.md, 2026-12-07.
 STAGE1_FUSED = False            # bounded gates: stage 1 as this kernel at chunk 64
 STAGE1_FUSED_UNBOUNDED = True   # unbounded gates: likewise
-STAGE1_SOLVE_WU = False         # bounded gates, not fused: the tiles kernel, then the solve
-                                # and W/U as one kernel (_kda_solve_wu_triton: the Pallas
-                                # solve's launch and T's round trip gone); not yet timed
-UNBOUNDED_WU_BWD = False        # unbounded gates' backward: triton_gpu's W/U backward (its
-                                # factors are all ≤ 1, safe for any gate; 1.68 against the
-                                # Pallas one's 2.19 ms alone at 4×8192×16, kda.md) before
-                                # pallas_gpu's unbounded tiles backward; not yet timed in the op
-STAGE1_SOLVE_WU_WARPS = 8       # 170-201 registers, no spills at K = V = 64 / 128 (4 warps:
-                                # 236-245)
+UNBOUNDED_WU_BWD = True         # unbounded gates' backward: triton_gpu's W/U backward (its
+                                # factors are all ≤ 1, safe for any gate) before pallas_gpu's
+                                # unbounded tiles backward; else pallas_gpu's whole backward
+                                # (1x8192x32 fwd+bwd 9.79 against 10.05 ms on an H100, kda.md)
 STAGE1_BLOCK_K = 16       # K columns per step of the tiles loops
 STAGE1_WU_BLOCK = 32      # K / V columns per step of the W/U loops
 STAGE1_WARPS = 4
@@ -357,29 +351,6 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
 
 
 @triton.jit
-def _kda_solve_wu_triton(A, q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, T,
-                         Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BW: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
-                         SOLVE: tl.constexpr, LOW_DOTS: tl.constexpr, RESIDUALS: tl.constexpr,
-                         NUM_STAGES: tl.constexpr):
-  """_kda_stage1_triton's steps 2 and 3 on the tiles kernel's A [B, Tp, H, 64] (masked,
-  without β): the solve in registers and the W/U outputs, T stored only with RESIDUALS.
-  The pallas solve and the W/U kernel in one launch, T never written for a forward alone."""
-  n, b, h, row0, r0, t0, seg0, seg1, seg2, seg3, seg_end = _chunk(seg, Tp, H)
-  T00, T10, T11, T20, T21, T22, T30, T31, T32, T33 = _solve(
-      beta, b, h, t0, _block(A, row0, r0, 0, Tp, H), _block(A, row0, r0 + 1, 0, Tp, H),
-      _block(A, row0, r0 + 1, 1, Tp, H), _block(A, row0, r0 + 2, 0, Tp, H),
-      _block(A, row0, r0 + 2, 1, Tp, H), _block(A, row0, r0 + 2, 2, Tp, H),
-      _block(A, row0, r0 + 3, 0, Tp, H), _block(A, row0, r0 + 3, 1, Tp, H),
-      _block(A, row0, r0 + 3, 2, Tp, H), _block(A, row0, r0 + 3, 3, Tp, H), Tp, H, SOLVE)
-  if RESIDUALS:
-    _store_lower(T, row0, r0, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp, H)
-  _wu(q, k, v, G, beta, W, U0, Qg, Kd, decay, b, h, n, row0, seg0, seg1, seg2, seg3, seg_end,
-      T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, Tp, H, K, V, BW, SCALE, PREC, LOW_DOTS,
-      NUM_STAGES)
-
-
-@triton.jit
 def _chunk(seg, Tp: tl.constexpr, H: tl.constexpr):
   """A one-chunk program's chunk n (program id 0), b, h (id 1 is b·H + h), row0 =
   b·Tp·H + h, first sub-chunk r0 and row t0, its sub-chunks' segment ids [16] and its last
@@ -391,12 +362,6 @@ def _chunk(seg, Tp: tl.constexpr, H: tl.constexpr):
   rows = seg + b * Tp + t0 + tl.arange(0, 16)
   return (n, b, h, b * Tp * H + h, n * 4, t0, tl.load(rows), tl.load(rows + 16),
           tl.load(rows + 32), tl.load(rows + 48), tl.load(seg + b * Tp + t0 + 63))
-
-
-@triton.jit
-def _block(x, row0, r, c, Tp: tl.constexpr, H: tl.constexpr):
-  """Block (sub-chunk r's rows, columns c·16 …) of a [B, Tp, H, 64] fp32 array."""
-  return tl.load(chunk_rows(x, row0, r, c * 16, Tp, H, 64, 16, 16))
 
 
 @triton.jit
@@ -504,40 +469,16 @@ def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret, bounded=T
   return W, U0, Qg, Kd, decay, Aqk, A, T
 
 
-def solve_wu_call(A, q, k, v, G, beta, seg, *, scale, residuals, interpret):
-  """(W, U0, Qg, Kd, decay, T) of chunk 64 from the tiles kernel's A; T is a (1,)
-  placeholder without residuals. Grid (N, B·H)."""
-  B, Tp, H, K = q.shape
-  V = v.shape[-1]
-  N, dt = Tp // CHUNK, q.dtype
-  rows = lambda D, dtype=dt: jax.ShapeDtypeStruct((B, Tp, H, D), dtype)
-  out_type = [rows(K), rows(V), rows(K), rows(K), jax.ShapeDtypeStruct((B, N, H, K), F32),
-              rows(CHUNK, F32) if residuals else jax.ShapeDtypeStruct((1,), F32)]
-  meta = dict(Tp=Tp, H=H, K=K, V=V, BW=min(K, V, STAGE1_WU_BLOCK), SCALE=float(scale),
-              PREC=triton_launch.fp32_dots(), SOLVE=STAGE1_SOLVE_PREC,
-              LOW_DOTS=bool(triton_gpu.WU_LOW_DOTS and dt != F32), RESIDUALS=residuals)
-  return triton_launch.launch(
-      _kda_solve_wu_triton, (N, B * H), (A, q, k, v, G, beta, seg.astype(jnp.int32)),
-      out_type, meta, name="kda_solve_wu_triton", interpret=interpret,
-      warps=STAGE1_SOLVE_WU_WARPS, max_stages=STAGE1_STAGES, stages=STAGE1_STAGES)
-
-
 def intra_fused(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, residuals=True,
                 bounded=True):
   """triton_gpu.intra_triton's contract (stage-1 outputs, A, T; A and T None without
-  residuals) at chunk 64 from one kernel (STAGE1_FUSED, STAGE1_FUSED_UNBOUNDED) or from the
-  tiles kernel and one solve + W/U kernel (STAGE1_SOLVE_WU, bounded gates); else from the
-  three kernels (for unbounded gates, pallas_gpu.intra_pallas's)."""
+  residuals) at chunk 64 from one kernel (STAGE1_FUSED, STAGE1_FUSED_UNBOUNDED), else from
+  the three kernels (for unbounded gates, pallas_gpu.intra_pallas's)."""
   fused = STAGE1_FUSED if bounded else STAGE1_FUSED_UNBOUNDED
   if chunk_size == CHUNK and fused:
     W, U0, Qg, Kd, decay, Aqk, A, T = stage1_call(q, k, v, G, beta, seg, scale=scale,
                                                   residuals=residuals, interpret=interpret,
                                                   bounded=bounded)
-  elif chunk_size == CHUNK and bounded and STAGE1_SOLVE_WU:
-    A, Aqk = triton_gpu.tiles_call(q, k, G, seg, scale=scale, chunk_size=CHUNK,
-                                   interpret=interpret)
-    W, U0, Qg, Kd, decay, T = solve_wu_call(A, q, k, v, G, beta, seg, scale=scale,
-                                            residuals=residuals, interpret=interpret)
   else:
     three = (triton_gpu.intra_triton if bounded
              else functools.partial(pallas_gpu.intra_pallas, bounded=False))
@@ -548,9 +489,9 @@ def intra_fused(q, k, v, G, beta, seg, *, scale, chunk_size, interpret, residual
 
 
 def intra_bwd_unbounded(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size, interpret):
-  """Stage 1's backward for unbounded gates: pallas_gpu's, or with UNBOUNDED_WU_BWD
-  triton_gpu's W/U backward before pallas_gpu's unbounded tiles backward (triton_gpu's
-  tiles backward anchors its diagonal tiles at their middle rows: bounded gates only)."""
+  """Stage 1's backward for unbounded gates: with UNBOUNDED_WU_BWD triton_gpu's W/U
+  backward before pallas_gpu's unbounded tiles backward (triton_gpu's tiles backward
+  anchors its diagonal tiles at their middle rows: bounded gates only), else pallas_gpu's."""
   kw = dict(scale=scale, chunk_size=chunk_size, interpret=interpret)
   if not UNBOUNDED_WU_BWD:
     return pallas_gpu.intra_bwd_pallas(q, k, v, G, beta, seg, A, T, d_st, bounded=False, **kw)
