@@ -116,18 +116,21 @@ def lower_bound():
 
 def knob_impl(spec):
   """(implementation, modules, settings) of a --knobs spec: 'triton:NAME=VALUE,...' sets
-  triton_gpu's or triton_gpu_stage1's knobs for a triton row, anything else pallas_gpu's."""
+  triton_gpu's, triton_gpu_stage1's or triton_gpu_fwd16's knobs for a triton row, anything
+  else pallas_gpu's."""
   if spec.startswith("triton:"):
-    from pallas_kernels.kda import triton_gpu, triton_gpu_stage1
-    return "triton", (triton_gpu, triton_gpu_stage1), spec.removeprefix("triton:")
+    from pallas_kernels.kda import triton_gpu, triton_gpu_fwd16, triton_gpu_stage1
+    return ("triton", (triton_gpu, triton_gpu_stage1, triton_gpu_fwd16),
+            spec.removeprefix("triton:"))
   return "pallas_gpu", (pallas_gpu,), spec
 
 
 def set_knobs(spec):
   """Applies 'NAME=VALUE,...' (NAME.key for a dict entry) to pallas_gpu, or with a
-  'triton:' prefix to triton_gpu or triton_gpu_stage1, or to pallas_gpu where neither has
-  such a knob (the triton implementation runs pallas_gpu's op with its own stages, so
-  pallas_gpu's UNBOUNDED_STAGE1 applies to it too); returns an undo."""
+  'triton:' prefix to whichever of triton_gpu, triton_gpu_stage1 and triton_gpu_fwd16 has
+  it, or to pallas_gpu where none has such a knob (the triton implementation runs
+  pallas_gpu's op with its own stages, so pallas_gpu's UNBOUNDED_STAGE1 applies to it too);
+  returns an undo."""
   saved = []
   _, modules, spec = knob_impl(spec)
   for item in (x for x in spec.split(",") if x):

@@ -16,8 +16,8 @@ import pytest
 from benchmarks.kernel_registers import triton_report
 from pallas_kernels import triton_launch
 from pallas_kernels.kda import (kda, pallas_gpu, pallas_gpu_prologue as prologue_gpu, reference,
-                                triton_gpu, triton_gpu_prologue as prologue_triton,
-                                triton_gpu_stage1)
+                                triton_gpu, triton_gpu_fwd16,
+                                triton_gpu_prologue as prologue_triton, triton_gpu_stage1)
 from tests.conftest import rel_err
 from tests.test_gpu_kernels import _check_kda
 from tests.test_kda import (LB, _impl, _inputs, _outputs_and_grads, _spec_case,
@@ -195,6 +195,61 @@ def test_fused_stage1_equals_the_three_kernels(dtype, monkeypatch):
   for name in st:
     np.testing.assert_array_equal(np.asarray(bare[name], np.float32),
                                   np.asarray(ours[name], np.float32), err_msg=name)
+
+
+@pytest.mark.parametrize("C", [64, 32])
+def test_fwd16_equals_the_chunked_forward(C):
+  """triton_gpu_fwd16's two kernels (16-row steps) against triton_gpu's stage 1 and
+  recurrence at chunk C, fp32, on _tiles_bwd_inputs' chunks (gates near the bound in the
+  first, a reset inside it; two V blocks, an initial state): O and the final state to
+  rounding. Every 16-row tile's gates restart from the row before it, inside a chunk or at
+  its start."""
+  B, Tp, H, K, V = 1, 128, 2, 32, 64
+  rng = np.random.default_rng(0)
+  q, k, G, seg, *_ = _tiles_bwd_inputs(B, Tp, H, K, C, jnp.float32, rng)
+  v = jnp.asarray(rng.normal(size=(B, Tp, H, V)), jnp.float32)
+  beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
+  S0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
+  kw = dict(scale=K ** -0.5, chunk_size=C, interpret=True)
+  st, _, _ = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
+  O_ref, S_ref = triton_gpu._recurrence_call(st, S0, chunk_size=C, with_states=False,
+                                             interpret=True)
+  O, S = triton_gpu_fwd16.forward_call(q, k, v, G, beta, seg, S0, **kw)
+  assert float(jnp.abs(st["decay"]).max()) > 0.01
+  _close(O, O_ref, 2e-6, "O")
+  _close(S, S_ref, 2e-6, "S")
+
+
+@pytest.mark.slow   # the non-default forward through the op: second tier
+@pytest.mark.usefixtures("x64")
+def test_fwd16_matches_fp64_spec_and_keeps_the_training_path(monkeypatch):
+  """implementation="triton" with FWD16: the forward without a backward runs the two
+  16-row kernels and matches the fp64 spec (outputs and final state; in bf16 within 1e-2);
+  with a backward the forward is triton_gpu's (its residuals) and all six gradients match
+  the spec."""
+  monkeypatch.setattr(triton_gpu_fwd16, "FWD16", True)
+  B, T, H, K, V, chunk = 1, 130, 2, 32, 64, 64
+  (q, k, v, g, beta), S0, w_o, w_S, (o_ref, S_ref), ref_grads = _spec_case(B, T, H, K, V, T, 1)
+  f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+  with mock.patch.object(triton_launch, "launch", wraps=triton_launch.launch) as launch:
+    o, S = _impl("triton", chunk)(*f32, S0.astype(jnp.float32))
+  names = {c.kwargs["name"] for c in launch.call_args_list}
+  assert {"kda16_prepare_triton", "kda16_recurrence_triton"} <= names, names
+  assert not names & {"kda_tiles_triton", "kda_wu_triton", "kda_recurrence_triton"}, names
+  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+  with mock.patch.object(triton_launch, "launch", wraps=triton_launch.launch) as launch:
+    (o, S), grads = _outputs_and_grads(_impl("triton", chunk), f32, S0.astype(jnp.float32),
+                                       w_o, w_S)
+  names = {c.kwargs["name"] for c in launch.call_args_list}
+  assert "kda16_recurrence_triton" not in names and "kda_wu_bwd_triton" in names, names
+  assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
+  for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads, ref_grads):
+    assert np.isfinite(np.asarray(a)).all(), name
+    assert rel_err(a, b) <= 1e-4, name
+  bf = (*(x.astype(jnp.bfloat16) for x in (q, k, v)), g.astype(jnp.float32),
+        beta.astype(jnp.float32))
+  o, S = _impl("triton", chunk)(*bf, S0.astype(jnp.float32))
+  assert o.dtype == jnp.bfloat16 and rel_err(o, o_ref) <= 1e-2 and rel_err(S, S_ref) <= 1e-2
 
 
 @pytest.mark.slow   # 8 s; the first tier has the unbounded fp64 spec test below
@@ -403,7 +458,7 @@ def test_gpu_training_path():
 @pytest.mark.gpu
 def test_gpu_same_output_as_pallas_at_4x8192x16():
   """The benchmark shape: forward output and final state within bf16 rounding of pallas_gpu,
-  stage 1's forward both ways."""
+  stage 1's forward both ways and the 16-row forward (FWD16)."""
   B, T, H, D = 4, 8192, 16, 128
   ks = jax.random.split(jax.random.key(0), 5)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
@@ -418,6 +473,10 @@ def test_gpu_same_output_as_pallas_at_4x8192x16():
     o_other, S_other = run("triton")       # stage 1's forward the other way
   assert rel_err(o_other.astype(jnp.float32), o.astype(jnp.float32)) <= 1e-2
   assert rel_err(S_other, S) <= 1e-2
+  with mock.patch.object(triton_gpu_fwd16, "FWD16", True):
+    o16, S16 = run("triton")
+  assert rel_err(o16.astype(jnp.float32), o.astype(jnp.float32)) <= 1e-2
+  assert rel_err(S16, S) <= 1e-2
   assert np.isfinite(np.asarray(o, np.float32)).all()
   assert rel_err(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= 1e-2
   assert rel_err(S, S_ref) <= 1e-2

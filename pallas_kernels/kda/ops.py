@@ -133,11 +133,13 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
                                      qk_l2norm=qk_l2norm, **kw)
   elif impl == "triton":     # pallas_gpu's algorithm, main kernels in Triton
     # (these need the triton package)
-    from pallas_kernels.kda import triton_gpu, triton_gpu_prologue, triton_gpu_stage1
+    from pallas_kernels.kda import (triton_gpu, triton_gpu_fwd16, triton_gpu_prologue,
+                                    triton_gpu_stage1)
     prologue = triton_gpu_prologue.prologue if triton_gpu.PROLOGUE else pallas_gpu_prologue.prologue
+    core = triton_gpu_fwd16.core if triton_gpu_fwd16.FWD16 else None
     o, S = pallas_gpu.kda_pallas_gpu(q, k, v, g, beta, stage1=triton_gpu_stage1.intra,
                                      stage1_unbounded=triton_gpu_stage1.intra_unbounded,
-                                     stage2=triton_gpu.recurrence, prologue=prologue,
+                                     stage2=triton_gpu.recurrence, prologue=prologue, core=core,
                                      chunk_size=chunk_size, lower_bound=lower_bound,
                                      A_log=A_log, dt_bias=dt_bias, qk_l2norm=qk_l2norm, **kw)
   elif impl == "pallas_tpu":

@@ -733,7 +733,7 @@ UNBOUNDED_STAGE1 = "pallas"
 def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None,
                    chunk_size=64, lower_bound=-5.0, A_log=None, dt_bias=None, qk_l2norm=False,
                    interpret=None, stage1=None, stage2=None, prologue=None,
-                   unbounded_stage1=None, stage1_unbounded=None):
+                   unbounded_stage1=None, stage1_unbounded=None, core=None):
   """Chunked KDA on the Pallas kernels. Unbounded gates (lower_bound None) take stage 1
   `unbounded_stage1` (default UNBOUNDED_STAGE1): "pallas", stage1_unbounded (default
   intra_unbounded), or "xla", the XLA stage 1 in fp32. With A_log and dt_bias, g is the
@@ -741,7 +741,10 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
   qk_l2norm normalises q and k there.
   stage1 / stage1_unbounded / stage2 / prologue: another stage 1 (bounded gates) / stage 1
   (unbounded) / stage 2 / prologue with this module's `intra` / `intra_unbounded` /
-  `recurrence` / pallas_gpu_prologue.prologue contract (triton's)."""
+  `recurrence` / pallas_gpu_prologue.prologue contract (triton's).
+  core: bounded gates' stages 1 and 2 as one op, core(q̂, k̂, v, G, β, seg, S0, scale,
+  chunk_size, interpret) -> (O, S_final) (triton_gpu_fwd16.core), instead of
+  stage2(stage1(...))."""
   unbounded_stage1 = unbounded_stage1 or UNBOUNDED_STAGE1
   if unbounded_stage1 not in ("xla", "pallas"):
     raise ValueError(f"unbounded_stage1 must be 'xla' or 'pallas', got {unbounded_stage1!r}")
@@ -756,7 +759,8 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
                   stage1_unbounded=(intra_unbounded if stage1_unbounded is None
                                     else stage1_unbounded),
                   stage2=recurrence if stage2 is None else stage2,
-                  prologue=pallas_gpu_prologue.prologue if prologue is None else prologue)
+                  prologue=pallas_gpu_prologue.prologue if prologue is None else prologue,
+                  core=core)
 
 
 def _gate_params(A_log, dt_bias, H, K):
@@ -773,10 +777,10 @@ def _gate_params(A_log, dt_bias, H, K):
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "lower_bound", "gate",
                                              "qk_l2norm", "interpret", "unbounded_stage1",
                                              "stage1", "stage1_unbounded", "stage2",
-                                             "prologue"))
+                                             "prologue", "core"))
 def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, scale,
              chunk_size, lower_bound, gate, qk_l2norm, interpret, unbounded_stage1, stage1,
-             stage1_unbounded, stage2, prologue):
+             stage1_unbounded, stage2, prologue, core):
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = chunk_size
@@ -796,12 +800,15 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
   q, k, G = prologue(q, k, g, a_HK, bias_HK, live_BxT, dt, gate, lower_bound, qk_l2norm, C,
                      interpret, qk)
   seg = reference.chunk_segments(reset_BxT, C)
+  S0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
+  if lower_bound is not None and core is not None:
+    O, S = core(q, k, v, G, beta, seg, S0, scale, chunk_size, interpret)
+    return O[:, :T], S
   if lower_bound is not None:
     st = stage1(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   elif unbounded_stage1 == "pallas":   # diagonal tiles elementwise in the tiles kernels
     st = stage1_unbounded(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   else:  # unbounded gates: diagonal tiles elementwise in fp32 (the safe path)
     st = _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=False)
-  S0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
   O, S = stage2(st, S0, chunk_size, interpret)
   return O[:, :T], S
