@@ -8,17 +8,18 @@ by one program, with every exponential and the tile's solve:
 
   Γ_i = e^{G_i - G_base} (0 past a reset)   Kd_i = k_i e^{G_end - G_i}   decay = e^{G_end - G_base}
   A = strictly lower (k_i · k_j e^{G_i - G_j}), Aqk = scale · lower (q_i · k_j e^{G_i - G_j})
-  Tβ = (I + Diag(β) A)^-1 Diag(β)
+  Tβ = (I + Diag(β) A)^-1 Diag(β)     M = Aqk Tβ     Kt = Tβᵀ Kd
 
 (G_base: the row before the tile, or the chunk start; every pair of rows in one segment,
 each [16, 16] block anchored at the tile's middle row: factors ≤ e^{40} at the bound 5),
-stored as Kg = K⊙Γ, Qg = scale·Q⊙Γ, Kd (q's dtype), decay (fp32), Tβ and Aqk. The
-recurrence program of one (V block, batch·head) then does per tile only
+stored as Kg = K⊙Γ, Qg = scale·Q⊙Γ, Kt (q's dtype), decay (fp32) and M. The chunked delta
+rule at chunk 16 (U = Tβ (V - Kg S), O = Qg S + Aqk U, S <- decay ⊙ S + Kdᵀ U) with U
+folded into M and Kt leaves the recurrence program of one (V block, batch·head) per tile
 
-  U = Tβ (V - Kg S)    O = Qg S + Aqk U    S <- decay ⊙ S + Kdᵀ U
+  X = V - Kg S     O = Qg S + M X     S <- decay ⊙ S + Ktᵀ X
 
-the chunked delta rule at chunk 16 with U computed from the state directly (no W). The
-op's forward without a backward takes this path (core's primal); the training forward is
+two dependent dots on the state's chain (Kg S, then Ktᵀ X) and two beside it. The op's
+forward without a backward takes this path (core's primal); the training forward is
 triton_gpu's, whose residuals the backward kernels read (core's VJP)."""
 
 import functools
@@ -40,20 +41,21 @@ L = tl.constexpr(ROWS)   # (the kernels' copy)
 
 FWD16 = False              # bounded gates' forward without a backward at a 16-row step; not
                            # yet timed against triton_gpu's
-FWD16_PREPARE_WARPS = 4    # sm_90a, bf16: 174 registers at K = 64; 255 and 8 bytes of spill at
-                           # K = 128 (1 warp: 1082 bytes, 2: 448, 8: 8)
-FWD16_WARPS = 4            # the recurrence: 95 / 125 registers at K = V = 64 / 128, 3 stages
+FWD16_PREPARE_WARPS = 4    # sm_90a, bf16: 166 / 248 registers at K = 64 / 128, no spills (2
+                           # warps spill 144 bytes at 128)
+FWD16_WARPS = 4            # the recurrence: 89 / 123 registers at K = V = 64 / 128, 3 stages
+                           # (BV 64: 120 / 178)
 FWD16_BLOCK_V = 32         # V columns a recurrence program (triton_gpu.BLOCK_V's reason)
 
 
 @triton.jit
-def _kda16_prepare_triton(q, k, G, beta, seg, Kg, Qg, Kd, decay, Tb, Aqk,
+def _kda16_prepare_triton(q, k, G, beta, seg, Kg, Qg, Kt, decay, M,
                           Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                           C: tl.constexpr, SCALE: tl.constexpr, PREC: tl.constexpr,
                           SOLVE: tl.constexpr, NUM_STAGES: tl.constexpr):
   """Tile r (program id 0; 16 rows) of (b, h) (id 1): q, k, G [B, Tp, H, K] (G the cumsum
   in chunks of C); β [B, Tp, H] fp32; seg [B, Tp] int32 (chunk-local segment ids). Writes
-  Kg, Qg, Kd [B, Tp, H, K] and Tb, Aqk [B, Tp, H, 16] in Kg's dtype, decay [B, Tp/16, H, K]
+  Kg, Qg, Kt [B, Tp, H, K] and M [B, Tp, H, 16] in Kg's dtype, decay [B, Tp/16, H, K]
   fp32."""
   r = tl.program_id(0)
   bh = tl.program_id(1).to(tl.int64)
@@ -80,28 +82,29 @@ def _kda16_prepare_triton(q, k, G, beta, seg, Kg, Qg, Kd, decay, Tb, Aqk,
   Aqk_LL = tl.dot(q_LK * left, right_t, input_precision=PREC)
   same = seg_L[:, None] == seg_L[None, :]
   A_LL = tl.where(same & (i_L[:, None] > i_L[None, :]), A_LL, 0.0)
-  tl.store(chunk_rows(Aqk, row0, r, 0, Tp, H, L, L, L),
-           tl.where(same & (i_L[:, None] >= i_L[None, :]), Aqk_LL * SCALE, 0.0).to(dt))
+  Aqk_LL = tl.where(same & (i_L[:, None] >= i_L[None, :]), Aqk_LL * SCALE, 0.0)
   eye = tl.where(i_L[:, None] == i_L[None, :], 1.0, 0.0)
-  T_LL = _inverse(beta_L[:, None] * A_LL, eye, SOLVE)
-  tl.store(chunk_rows(Tb, row0, r, 0, Tp, H, L, L, L), (T_LL * beta_L[None, :]).to(dt))
+  Tb_LL = _inverse(beta_L[:, None] * A_LL, eye, SOLVE) * beta_L[None, :]
+  tl.store(chunk_rows(M, row0, r, 0, Tp, H, L, L, L),
+           tl.dot(Aqk_LL, Tb_LL, input_precision=SOLVE).to(dt))
   # the state's reach: rows the tile's start state reaches, rows that reach its end
   gamma = tl.where((seg_L == seg_base)[:, None], tl.exp(G_LK - G_base_K[None, :]), 0.0)
   to_end = tl.where((seg_L == seg_end)[:, None], tl.exp(G_end_K[None, :] - G_LK), 0.0)
   tl.store(chunk_rows(Kg, row0, r, 0, Tp, H, K, L, K), (k_LK * gamma).to(dt))
   tl.store(chunk_rows(Qg, row0, r, 0, Tp, H, K, L, K), (q_LK * gamma * SCALE).to(dt))
-  tl.store(chunk_rows(Kd, row0, r, 0, Tp, H, K, L, K), (k_LK * to_end).to(dt))
+  tl.store(chunk_rows(Kt, row0, r, 0, Tp, H, K, L, K),
+           tl.dot(tl.trans(Tb_LL), k_LK * to_end, input_precision=PREC).to(dt))
   tl.store(decay + ((b * (Tp // L) + r) * H + h) * K + k_K,
            tl.where(seg_end == seg_base, tl.exp(G_end_K - G_base_K), 0.0))
 
 
 @triton.jit
-def _kda16_recurrence_triton(Kg, Qg, Kd, decay, Tb, Aqk, v, S0, O, SN,
+def _kda16_recurrence_triton(Kg, Qg, Kt, decay, M, v, S0, O, SN,
                              Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
                              V: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
                              NUM_STAGES: tl.constexpr):
   """The state S [K, BV] of V block iv (program id 0) and (b, h) (id 1) in registers across
-  all 16-row tiles: U = Tβ (V - Kg S), O = Qg S + Aqk U, S <- decay ⊙ S + Kdᵀ U. S0, SN
+  all 16-row tiles: X = V - Kg S, O = Qg S + M X, S <- decay ⊙ S + Ktᵀ X. S0, SN
   [B, H, K, V] fp32; O [B, Tp, H, V] in v's dtype."""
   iv = tl.program_id(0)
   bh = tl.program_id(1).to(tl.int64)
@@ -116,16 +119,15 @@ def _kda16_recurrence_triton(Kg, Qg, Kd, decay, Tb, Aqk, v, S0, O, SN,
     Kg_LK = tl.load(chunk_rows(Kg, row0, r, 0, Tp, H, K, L, K))
     v_LV = tl.load(chunk_rows(v, row0, r, iv * BV, Tp, H, V, L, BV)).to(tl.float32)
     X_d = (v_LV - tl.dot(Kg_LK, S_d, input_precision=PREC)).to(dt)
-    Tb_LL = tl.load(chunk_rows(Tb, row0, r, 0, Tp, H, L, L, L))
-    U_d = tl.dot(Tb_LL, X_d, input_precision=PREC).to(dt)
+    Kt_LK = tl.load(chunk_rows(Kt, row0, r, 0, Tp, H, K, L, K))
+    decay_K = tl.load(decay + ((b * N + r) * H + h) * K + k_K)
+    S_next = tl.dot(tl.trans(Kt_LK), X_d, acc=S_KV * decay_K[:, None], input_precision=PREC)
     Qg_LK = tl.load(chunk_rows(Qg, row0, r, 0, Tp, H, K, L, K))
-    A_LL = tl.load(chunk_rows(Aqk, row0, r, 0, Tp, H, L, L, L))
-    O_LV = tl.dot(A_LL, U_d, acc=tl.dot(Qg_LK, S_d, input_precision=PREC),
+    M_LL = tl.load(chunk_rows(M, row0, r, 0, Tp, H, L, L, L))
+    O_LV = tl.dot(M_LL, X_d, acc=tl.dot(Qg_LK, S_d, input_precision=PREC),
                   input_precision=PREC)
     tl.store(chunk_rows(O, row0, r, iv * BV, Tp, H, V, L, BV), O_LV.to(O.dtype.element_ty))
-    Kd_LK = tl.load(chunk_rows(Kd, row0, r, 0, Tp, H, K, L, K))
-    decay_K = tl.load(decay + ((b * N + r) * H + h) * K + k_K)
-    S_KV = tl.dot(tl.trans(Kd_LK), U_d, acc=S_KV * decay_K[:, None], input_precision=PREC)
+    S_KV = S_next
   tl.store(_state(SN, bh, iv, K, V, BV), S_KV)
 
 
@@ -139,14 +141,14 @@ def forward_call(q, k, v, G, beta, seg, S0, *, scale, chunk_size, interpret):
   prec = triton_launch.fp32_dots()
   meta = dict(Tp=Tp, H=H, K=K, C=chunk_size, SCALE=float(scale), PREC=prec,
               SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC)
-  Kg, Qg, Kd, decay, Tb, Aqk = triton_launch.launch(
+  Kg, Qg, Kt, decay, M = triton_launch.launch(
       _kda16_prepare_triton, (N, B * H), (q, k, G, beta, seg.astype(jnp.int32)),
-      [rows(K), rows(K), rows(K), jax.ShapeDtypeStruct((B, N, H, K), F32), rows(ROWS), rows(ROWS)],
+      [rows(K), rows(K), rows(K), jax.ShapeDtypeStruct((B, N, H, K), F32), rows(ROWS)],
       meta, name="kda16_prepare_triton", interpret=interpret, warps=FWD16_PREPARE_WARPS,
       max_stages=1, stages=1)
   BV = min(V, FWD16_BLOCK_V)
   O, SN = triton_launch.launch(
-      _kda16_recurrence_triton, (V // BV, B * H), (Kg, Qg, Kd, decay, Tb, Aqk, v, S0),
+      _kda16_recurrence_triton, (V // BV, B * H), (Kg, Qg, Kt, decay, M, v, S0),
       [rows(V), jax.ShapeDtypeStruct((B, H, K, V), F32)],
       dict(Tp=Tp, H=H, K=K, V=V, BV=BV, PREC=prec), name="kda16_recurrence_triton",
       interpret=interpret, warps=FWD16_WARPS, max_stages=triton_gpu.STAGES)
