@@ -365,7 +365,18 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
                 SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS,
                 RESIDUALS=True, BOUNDED=True),
            triton_gpu_stage1.STAGE1_WARPS)
-  return {triton_gpu_stage1._kda_stage1_triton: fused,
+  # the 16-row forward (triton_gpu_fwd16): its prepare kernel and its recurrence
+  tiles16 = jax.ShapeDtypeStruct((B, Tp // 16, H, D), jnp.float32)
+  prepare16 = ([rows(D), rows(D), fp32, beta, tiles[3], rows(D), rows(D), rows(D), tiles16,
+                rows(16)], dict(Tp=Tp, H=H, K=D, C=C, SCALE=D ** -0.5, PREC="tf32",
+                                SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC),
+               triton_gpu_fwd16.FWD16_PREPARE_WARPS)
+  recurrence16 = ([rows(D), rows(D), rows(D), tiles16, rows(16), rows(D), S, rows(D), S],
+                  dict(Tp=Tp, H=H, K=D, V=D, BV=min(D, triton_gpu_fwd16.FWD16_BLOCK_V),
+                       PREC="tf32"), triton_gpu_fwd16.FWD16_WARPS)
+  return {triton_gpu_fwd16._kda16_prepare_triton: prepare16,
+          triton_gpu_fwd16._kda16_recurrence_triton: recurrence16,
+          triton_gpu_stage1._kda_stage1_triton: fused,
           triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
           triton_gpu._kda_tiles_blocks_triton: by_tile,
           triton_gpu._kda_recurrence_triton: ([*st, S, rows(D), S, states],
@@ -390,7 +401,8 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
 # make test builds the seeds' head dims (128); long_context_1b's 64 in the second tier (15 s)
 @pytest.mark.parametrize("D", [pytest.param(64, marks=pytest.mark.slow), 128])
 def test_compiles_for_h200_within_registers_and_shared_memory(D):
-  """The kernels in bf16, built as jax_triton builds them for sm_90a (Triton 3.6, the GPU
+  """The kernels in bf16 (the optional forms' too: the fused stage 1, the 16-row forward),
+  built as jax_triton builds them for sm_90a (Triton 3.6, the GPU
   machine's, and ptxas) at the shipped knobs and pipeline depths (stage 1's fixed, the
   recurrences' as fitting_stages picks them): within the H200's 227 KB of shared memory
   (3 stages of the K = V = 128 backward asked for 237 KB and failed to launch; shared_for,
@@ -411,7 +423,8 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
              prologue_triton._kda_prologue_triton: 1,            # (no loop)
              prologue_triton._kda_prologue_bwd_triton: 1,
              prologue_triton._kda_gate_triton: 1,
-             prologue_triton._kda_gate_bwd_triton: 1}
+             prologue_triton._kda_gate_bwd_triton: 1,
+             triton_gpu_fwd16._kda16_prepare_triton: 1}
     stages = fixed.get(kernel) or triton_launch.fitting_stages(kernel, arrays, meta, warps,
                                                                triton_gpu.STAGES)
     compiled = triton_launch.build(kernel, arrays, meta, stages, warps)
