@@ -197,27 +197,31 @@ def test_fused_stage1_equals_the_three_kernels(dtype, monkeypatch):
                                   np.asarray(ours[name], np.float32), err_msg=name)
 
 
-@pytest.mark.parametrize("C", [64, 32])
-def test_fwd16_equals_the_chunked_forward(C):
-  """triton_gpu_fwd16's two kernels (16-row steps) against triton_gpu's stage 1 and
-  recurrence at chunk C, fp32, on _tiles_bwd_inputs' chunks (gates near the bound in the
-  first, a reset inside it; two V blocks, an initial state): O and the final state to
-  rounding. Every 16-row tile's gates restart from the row before it, inside a chunk or at
-  its start."""
-  B, Tp, H, K, V = 1, 128, 2, 32, 64
+@pytest.mark.parametrize("l2_segments", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["plain", "l2norm_segments"])   # plain: second tier
+def test_fwd16_equals_the_chunked_forward(l2_segments, monkeypatch):
+  """The op's forward without a backward through triton_gpu_fwd16 (its prepare kernel doing
+  the prologue's work, 16-row steps) against the prologue and triton_gpu's stages, fp32,
+  the gate inside the op, an initial state: O and the final state to rounding. plain: T a
+  whole chunk, no L2 norm (fla's benchmark setting); else the L2 norm inside the op, three
+  packed documents and padding in row 0, T = 100 (padded to 128)."""
   rng = np.random.default_rng(0)
-  q, k, G, seg, *_ = _tiles_bwd_inputs(B, Tp, H, K, C, jnp.float32, rng)
-  v = jnp.asarray(rng.normal(size=(B, Tp, H, V)), jnp.float32)
-  beta = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, Tp, H)), jnp.float32)
-  S0 = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
-  kw = dict(scale=K ** -0.5, chunk_size=C, interpret=True)
-  st, _, _ = triton_gpu.intra_triton(q, k, v, G, beta, seg, **kw)
-  O_ref, S_ref = triton_gpu._recurrence_call(st, S0, chunk_size=C, with_states=False,
-                                             interpret=True)
-  O, S = triton_gpu_fwd16.forward_call(q, k, v, G, beta, seg, S0, **kw)
-  assert float(jnp.abs(st["decay"]).max()) > 0.01
-  _close(O, O_ref, 2e-6, "O")
-  _close(S, S_ref, 2e-6, "S")
+  B, T, H, K, V = 2, 100 if l2_segments else 64, 2, 32, 64
+  x = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  q, k, v, f, beta = x(B, T, H, K), x(B, T, H, K), x(B, T, H, V), x(B, T, H, K), x(B, T, H)
+  seg = np.ones((B, T), np.int32)
+  seg[0, 30:], seg[0, 60:], seg[0, 90:] = 2, 3, 0
+  kw = dict(A_log=x(H), dt_bias=x(H * K), lower_bound=LB, qk_l2norm=l2_segments,
+            segment_ids=jnp.asarray(seg) if l2_segments else None, initial_state=x(B, H, K, V),
+            output_final_state=True, implementation="triton", chunk_size=64)
+  args = (q, k, v, f, jax.nn.sigmoid(beta))
+  o_ref, S_ref = kda(*args, **kw)
+  monkeypatch.setattr(triton_gpu_fwd16, "FWD16", True)
+  with mock.patch.object(triton_launch, "launch", wraps=triton_launch.launch) as launch:
+    o, S = kda(*args, **kw)
+  names = {c.kwargs["name"] for c in launch.call_args_list}
+  assert names == {"kda16_prepare_triton", "kda16_recurrence_triton"}, names
+  assert rel_err(o, o_ref) <= 2e-6 and rel_err(S, S_ref) <= 2e-6
 
 
 @pytest.mark.slow   # the non-default forward through the op: second tier
@@ -234,8 +238,7 @@ def test_fwd16_matches_fp64_spec_and_keeps_the_training_path(monkeypatch):
   with mock.patch.object(triton_launch, "launch", wraps=triton_launch.launch) as launch:
     o, S = _impl("triton", chunk)(*f32, S0.astype(jnp.float32))
   names = {c.kwargs["name"] for c in launch.call_args_list}
-  assert {"kda16_prepare_triton", "kda16_recurrence_triton"} <= names, names
-  assert not names & {"kda_tiles_triton", "kda_wu_triton", "kda_recurrence_triton"}, names
+  assert names == {"kda16_prepare_triton", "kda16_recurrence_triton"}, names
   assert rel_err(o, o_ref) <= 1e-4 and rel_err(S, S_ref) <= 1e-4
   with mock.patch.object(triton_launch, "launch", wraps=triton_launch.launch) as launch:
     (o, S), grads = _outputs_and_grads(_impl("triton", chunk), f32, S0.astype(jnp.float32),
@@ -365,12 +368,15 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
                 SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS,
                 RESIDUALS=True, BOUNDED=True),
            triton_gpu_stage1.STAGE1_WARPS)
-  # the 16-row forward (triton_gpu_fwd16): its prepare kernel and its recurrence
+  # the 16-row forward (triton_gpu_fwd16): its prepare kernel (the gate and L2 norm in it)
+  # and its recurrence
   tiles16 = jax.ShapeDtypeStruct((B, Tp // 16, H, D), jnp.float32)
-  prepare16 = ([rows(D), rows(D), fp32, beta, tiles[3], rows(D), rows(D), rows(D), tiles16,
-                rows(16)], dict(Tp=Tp, H=H, K=D, C=C, SCALE=D ** -0.5, PREC="tf32",
-                                SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC),
-               triton_gpu_fwd16.FWD16_PREPARE_WARPS)
+  per_head16 = jax.ShapeDtypeStruct((H, D), jnp.float32)
+  prepare16 = ([rows(D), rows(D), rows(D), per_head16, per_head16, tiles[3], beta, tiles[3],
+                rows(D), rows(D), rows(D), tiles16, rows(16)],
+               dict(Tp=Tp, H=H, K=D, C=C, SCALE=D ** -0.5, PREC="tf32",
+                    SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, GATE=1, LOWER=-5.0,
+                    L2NORM=True), triton_gpu_fwd16.FWD16_PREPARE_WARPS)
   recurrence16 = ([rows(D), rows(D), rows(D), tiles16, rows(16), rows(D), S, rows(D), S],
                   dict(Tp=Tp, H=H, K=D, V=D, BV=min(D, triton_gpu_fwd16.FWD16_BLOCK_V),
                        PREC="tf32"), triton_gpu_fwd16.FWD16_WARPS)

@@ -742,9 +742,10 @@ def kda_pallas_gpu(q, k, v, g, beta, *, scale=None, initial_state=None, segment_
   stage1 / stage1_unbounded / stage2 / prologue: another stage 1 (bounded gates) / stage 1
   (unbounded) / stage 2 / prologue with this module's `intra` / `intra_unbounded` /
   `recurrence` / pallas_gpu_prologue.prologue contract (triton's).
-  core: bounded gates' stages 1 and 2 as one op, core(q̂, k̂, v, G, β, seg, S0, scale,
-  chunk_size, interpret) -> (O, S_final) (triton_gpu_fwd16.core), instead of
-  stage2(stage1(...))."""
+  core: bounded gates' prologue and stages 1 and 2 as one op (triton_gpu_fwd16.core):
+  core(staged, q, k, v, g, β, seg, S0, exp(A_log), dt_bias, live, scale, chunk_size,
+  interpret, gate, lower_bound, qk_l2norm) -> (O, S_final) on chunk-padded inputs, where
+  `staged` is the prologue and stages this op runs otherwise (its backward's forward)."""
   unbounded_stage1 = unbounded_stage1 or UNBOUNDED_STAGE1
   if unbounded_stage1 not in ("xla", "pallas"):
     raise ValueError(f"unbounded_stage1 must be 'xla' or 'pallas', got {unbounded_stage1!r}")
@@ -797,18 +798,31 @@ def _kda_jit(q, k, v, g, beta, initial_state, segment_ids, A_log, dt_bias, *, sc
   a_HK, bias_HK = _gate_params(A_log, dt_bias, H, K)
   # q̂ = q and k̂ = k without the L2 norm and padding: the prologue need not copy them.
   qk = qk_l2norm or segment_ids is not None or T % C != 0
-  q, k, G = prologue(q, k, g, a_HK, bias_HK, live_BxT, dt, gate, lower_bound, qk_l2norm, C,
-                     interpret, qk)
   seg = reference.chunk_segments(reset_BxT, C)
   S0 = jnp.zeros((B, H, K, V), F32) if initial_state is None else initial_state.astype(F32)
+  staged = functools.partial(
+      _stages, scale=scale, chunk_size=chunk_size, lower_bound=lower_bound, gate=gate,
+      qk_l2norm=qk_l2norm, qk=qk, interpret=interpret, unbounded_stage1=unbounded_stage1,
+      stage1=stage1, stage1_unbounded=stage1_unbounded, stage2=stage2, prologue=prologue)
+  args = (q, k, v, g, beta, seg, S0, a_HK, bias_HK, live_BxT)
   if lower_bound is not None and core is not None:
-    O, S = core(q, k, v, G, beta, seg, S0, scale, chunk_size, interpret)
-    return O[:, :T], S
+    O, S = core(staged, *args, scale, chunk_size, interpret, gate, lower_bound, qk_l2norm)
+  else:
+    O, S = staged(*args)
+  return O[:, :T], S
+
+
+def _stages(q, k, v, g, beta, seg, S0, a_HK, bias_HK, live_BxT, *, scale, chunk_size,
+            lower_bound, gate, qk_l2norm, qk, interpret, unbounded_stage1, stage1,
+            stage1_unbounded, stage2, prologue):
+  """The prologue, stage 1 and stage 2 on chunk-padded inputs: (O [B, Tp, H, V], S)."""
+  dt = q.dtype
+  q, k, G = prologue(q, k, g, a_HK, bias_HK, live_BxT, dt, gate, lower_bound, qk_l2norm,
+                     chunk_size, interpret, qk)
   if lower_bound is not None:
     st = stage1(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   elif unbounded_stage1 == "pallas":   # diagonal tiles elementwise in the tiles kernels
     st = stage1_unbounded(q, k, v, G, beta, seg, scale, chunk_size, interpret)
   else:  # unbounded gates: diagonal tiles elementwise in fp32 (the safe path)
     st = _intra_xla(q, k, v, G, beta, seg, scale, chunk_size, bounded=False)
-  O, S = stage2(st, S0, chunk_size, interpret)
-  return O[:, :T], S
+  return stage2(st, S0, chunk_size, interpret)
