@@ -1,11 +1,15 @@
 """The grouped matmul's three products on the GPU, side by side: tokamax's y and dx and
-pallas_kernels/moe/pallas_gpu_grouped_dw.py's dw (the `tokamax` path) against the Mosaic GPU
-kernels of pallas_kernels/moe/mosaic_gpu_grouped.py (the `mosaic` path), each checked against an fp32
-per-group reference. With --tune it times every candidate tile config of the Mosaic kernels
-per product and writes the fastest correct one to --table (mosaic_gpu_grouped_tuned.json, which
-the kernels read at import).
+pallas_kernels/moe/pallas_gpu_grouped_dw.py's dw (the `tokamax` path), the Mosaic GPU
+kernels of pallas_kernels/moe/mosaic_gpu_grouped.py (the `mosaic` path) and the Triton
+kernels of pallas_kernels/moe/triton_gpu_grouped.py (the `triton` path, --triton), each
+checked against an fp32 per-group reference, in one process. With --tune it times every
+candidate tile config of the Mosaic kernels per product and writes the fastest correct one
+to --table (mosaic_gpu_grouped_tuned.json, which the kernels read at import); with
+--tune_triton, the Triton kernels' candidate tiles (recorded, not written to a table).
 
   python -m benchmarks.bench_grouped_matmul --tune --out=$OUT     # long_context_1b's shapes
+  python -m benchmarks.bench_grouped_matmul --shapes=2048x2048,1024x2048 --rows=98304 \
+      --tune_triton --out=$OUT                                    # single_h200's
 
 bf16, --rows rows (long_context_1b: 4 × 8192 tokens × top-4) in --experts groups, sizes
 Dirichlet(0.5)-skewed with one empty group and 100 padding rows (NaN) past the groups.
@@ -25,6 +29,7 @@ from absl import app, flags
 
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import mosaic_gpu_grouped as gm
+from pallas_kernels.moe import triton_gpu_grouped as tg
 from benchmarks import timing
 
 _ROWS = flags.DEFINE_integer("rows", 131072, "Rows (tokens × top-k) of the timed products.")
@@ -41,7 +46,11 @@ _XLA = flags.DEFINE_bool("xla", False, "Also time XLA's own ragged_dot for each 
                          "cuDNN's grouped matmul where XLA_FLAGS holds "
                          "--xla_gpu_experimental_use_ragged_dot_fusion=true; without it XLA "
                          "emulates it densely, G times the FLOPs).")
-_PEAK_FLOPS = 762e12  # bf16 matmul through JAX, measured on this H200 (shared/device/README.md)
+_TRITON = flags.DEFINE_bool("triton", True, "Also time the Triton kernels at their default "
+                            "tile (triton_gpu_grouped.default_config).")
+_TUNE_TRITON = flags.DEFINE_bool("tune_triton", False, "Time the Triton kernels' candidate "
+                                 "tiles (_TRITON_TILES), within --budget_s per product.")
+_PEAK_FLOPS = 989e12  # the H100/H200 dense bf16 spec peak, as the field reports it
 
 
 def _inputs(M, E, seed=7):
@@ -98,6 +107,25 @@ def _candidates(product, K, N):
 
 _PRODUCTS = ("y", "dx", "dw")
 
+# Triton tiles (block_m, block_n, block_k, warps, stages, group_m): 8 warps hold a 128 × 256
+# fp32 accumulator at 128 registers a thread; 4 warps a 128 × 128 one.
+_TRITON_TILES = ((128, 256, 64, 8, 3, 8), (128, 256, 64, 8, 4, 8), (128, 128, 64, 4, 4, 8),
+                 (128, 128, 64, 8, 4, 8), (256, 128, 64, 8, 3, 8), (128, 256, 32, 8, 5, 8),
+                 (64, 256, 64, 4, 4, 8), (128, 128, 128, 8, 3, 8), (128, 256, 64, 8, 3, 1),
+                 (128, 64, 64, 4, 5, 8))
+
+
+def _triton_candidates(product, K, N):
+  """Triton tiles to time for one product (y, dx: block_k must divide the contraction K)."""
+  return [tg.Config(block_m=bm, block_n=bn, block_k=bk, warps=wp, stages=st, group_m=gm_)
+          for bm, bn, bk, wp, st, gm_ in _TRITON_TILES if product == "dw" or K % bk == 0]
+
+
+def _triton_fn(product, config):
+  fn = {"y": tg.ragged_dot, "dx": functools.partial(tg.ragged_dot, transpose_rhs=True),
+        "dw": tg.ragged_dw}[product]
+  return jax.jit(functools.partial(fn, config=config))
+
 
 def _mosaic_fn(product, config):
   """grouped_mgpu's kernel for the product at a tile config. (The `mosaic` path's dx takes
@@ -133,6 +161,17 @@ def _xla_cell(x, pct):
   if "error" in x:
     return "failed: " + x["error"][:80].replace("|", "/")
   return f"{x['ms']:.3f} ({x['tflops']:.0f}, {pct(x['tflops']):.0f}%, {x['err']:.1e})"
+
+
+def _triton_cell(t, pct, with_config):
+  if t is None:
+    return "—"
+  cell = f"{t['ms']:.3f} ({t['tflops']:.0f}, {pct(t['tflops']):.0f}%, {t['err']:.1e})"
+  if with_config:
+    c = t["config"]
+    cell += (f" ({c['block_m']}, {c['block_n']}, {c['block_k']}, {c['warps']}, "
+             f"{c['stages']}, {c['group_m']})")
+  return cell
 
 
 def main(_):
@@ -176,6 +215,29 @@ def main(_):
       row["mosaic_default"] = {"config": dataclasses.asdict(default), "ms": ms,
                                "tflops": flops / ms / 1e9, "err": err}
       best = (ms, default) if err < 1e-2 else (float("inf"), None)
+      if _TRITON.value or _TUNE_TRITON.value:
+        t_default = tg.default_config(product, *key_KN)
+        ms, err = timed(_triton_fn(product, t_default))
+        row["triton_default"] = {"config": dataclasses.asdict(t_default), "ms": ms,
+                                 "tflops": flops / ms / 1e9, "err": err}
+        print(f"  {row['key']} triton {t_default}: {ms:.3f} ms, err {err:.1e}", flush=True)
+      if _TUNE_TRITON.value:
+        t_best, tried, t0 = row["triton_default"], [], time.time()
+        for cfg in _triton_candidates(product, *key_KN):
+          if time.time() - t0 > _BUDGET.value:
+            break
+          try:
+            ms, err = timed(_triton_fn(product, cfg))
+          except Exception as e:  # noqa: BLE001 — e.g. shared memory exceeded: skip it
+            tried.append({"config": dataclasses.asdict(cfg), "error": str(e)[:200]})
+            print(f"  {row['key']} triton {cfg}: {str(e)[:120]}", flush=True)
+            continue
+          tried.append({"config": dataclasses.asdict(cfg), "ms": ms, "err": err})
+          print(f"  {row['key']} triton {cfg}: {ms:.3f} ms, err {err:.1e}", flush=True)
+          if err < 1e-2 and ms < t_best["ms"]:
+            t_best = {"config": dataclasses.asdict(cfg), "ms": ms, "tflops": flops / ms / 1e9,
+                      "err": err}
+        row["triton_tried"], row["triton_tuned"] = tried, t_best
       if _XLA.value:
         try:
           ms, err = timed(_xla_fn(product))
@@ -204,7 +266,7 @@ def main(_):
           row["mosaic_tuned"] = {"config": tuned[row["key"]], "ms": best[0],
                                  "tflops": flops / best[0] / 1e9}
       records.append(row)
-      print(json.dumps({k: v for k, v in row.items() if k != "tried"}), flush=True)
+      print(json.dumps({k: v for k, v in row.items() if not k.endswith("tried")}), flush=True)
 
   if _TUNE.value and tuned:   # merged into the table: other shapes' entries stay
     table = {"configs": {}}
@@ -216,10 +278,11 @@ def main(_):
     with open(_TABLE.value, "w") as fh:
       json.dump(table, fh, indent=1)
   pct = lambda t: 100 * t * 1e12 / _PEAK_FLOPS
-  lines = ["| product | baseline | ms (TFLOP/s, % peak) | mosaic, default tile | "
+  lines = ["| product | baseline | ms (TFLOP/s, % of 989) | mosaic, default tile | "
            "mosaic, tuned tile | tuned config (m, n, k, stages, grid_n) | err vs fp32 | "
-           "XLA ragged_dot ms (TFLOP/s, % peak, err) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "XLA ragged_dot ms (TFLOP/s, % peak, err) | triton, default tile | "
+           "triton, best tile (m, n, k, warps, stages, group_m) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     b, d, t = r["baseline"], r["mosaic_default"], r.get("mosaic_tuned")
     tc = t["config"] if t else None
@@ -229,7 +292,9 @@ def main(_):
         + (f"{t['ms']:.3f} ({t['tflops']:.0f}, {pct(t['tflops']):.0f}%) | "
            f"{tc['block_m']}, {tc['block_n']}, {tc['block_k']}, {tc['stages']}, "
            f"{tc['grid_block_n']} |" if t else "— | — |")
-        + f" {b['err']:.1e} / {d['err']:.1e} | {_xla_cell(r.get('xla'), pct)} |")
+        + f" {b['err']:.1e} / {d['err']:.1e} | {_xla_cell(r.get('xla'), pct)} |"
+        + f" {_triton_cell(r.get('triton_default'), pct, False)} |"
+        + f" {_triton_cell(r.get('triton_tuned'), pct, True)} |")
   table = "\n".join(lines)
   if _OUT.value:
     os.makedirs(_OUT.value, exist_ok=True)

@@ -23,7 +23,7 @@ ROUTER_SCORES = ("sigmoid", "softmax")
 ROUTER_DTYPES = ("", "float32", "bfloat16")   # model.moe.router_dtype; "" = model.dtype
 DISPATCH = ("dropless", "capacity")
 DECODE_DISPATCH = ("auto", "gather", "grouped", "fused", "layer")
-GROUPED_MATMULS = ("", "xla", "tokamax", "mosaic")
+GROUPED_MATMULS = ("", "xla", "tokamax", "mosaic", "triton")
 REMAT_POLICIES = ("full", "dots", "kernels", "residuals",   # model/remat.py
                   "residuals_recompute_prologue")
 MIN_VOCAB = 259  # byte tokenizer: 256 bytes + BOS/EOS/PAD

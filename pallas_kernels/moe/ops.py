@@ -9,7 +9,10 @@ GPU/TPU use kernels for bf16/fp16:
   (only 64-wide tiles fit), tokamax's dx instead;
 * `tokamax`: `tokamax.ragged_dot` (its sm90 Mosaic kernel, fixed 64×64 tiles) for y and dx;
   its weight gradient comes from pallas_gpu_grouped_dw.py instead, as tokamax 0.0.17's is
-  wrong on the H200.
+  wrong on the H200;
+* `triton`: the native Triton kernels of triton_gpu_grouped.py for all three products
+  (two-warpgroup 128 × 256 tiles, columns masked: any dims that are multiples of 16);
+  opt-in until timed against `mosaic` (benchmarks/bench_grouped_matmul.py).
 The GPU kernels take no float32, so float32 models (debugging, numerics checks) take XLA's
 ragged_dot on GPU: exact, but dense in E. On TPU it is tokamax's Mosaic TPU kernel
 (`implementation="mosaic_tpu"`, megablox-style gmm / tgmm, forward and backward), named
@@ -26,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import jax_triton_compat, platform
-from pallas_kernels.moe import pallas_gpu_grouped_dw, mosaic_gpu_grouped
+from pallas_kernels.moe import pallas_gpu_grouped_dw, mosaic_gpu_grouped, triton_gpu_grouped
 # Decoding (a few tokens): the routed experts (pallas_gpu_decode_experts.py) or the whole
 # layer, router and shared expert included (pallas_gpu_decode_layer.py), as Pallas kernels:
 # Triton on GPU, interpret elsewhere.
@@ -36,7 +39,7 @@ from pallas_kernels.moe.pallas_gpu_decode_layer import (  # noqa: F401 — re-ex
     fits as decode_layer_fits, moe_layer as decode_layer, route as decode_route,
     route_steps as decode_route_steps)
 
-GROUPED_MATMULS = ("xla", "tokamax", "mosaic")
+GROUPED_MATMULS = ("xla", "tokamax", "mosaic", "triton")
 _HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None   # looked up, not imported
 
 
@@ -75,6 +78,15 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
                        f"with both dims multiples of 64, got {x_MxK.dtype} [{K}, {N}]; use '' "
                        f"(xla for float32, tokamax for other dims)")
     return _gpu_grouped_jit(x_MxK, w_GxKxN, group_sizes_G, "mosaic")
+  if implementation == "triton":
+    if platform.target() == "tpu":
+      raise ValueError("model.moe.grouped_matmul='triton' is the Triton GPU kernels; on TPU "
+                       "use '' or 'tokamax'")
+    if not _tokamax_gpu_dtype(x_MxK.dtype) or not triton_gpu_grouped.fits(K, N):
+      raise ValueError(f"model.moe.grouped_matmul='triton' takes bfloat16/float16 experts "
+                       f"with both dims multiples of 16, got {x_MxK.dtype} [{K}, {N}]; use '' "
+                       f"(xla for float32)")
+    return _gpu_grouped_jit(x_MxK, w_GxKxN, group_sizes_G, "triton")
   if implementation == "tokamax":
     target = platform.target()
     on_gpu = target == "gpu"
@@ -140,6 +152,9 @@ def _mosaic_dx(dy_MxN, w_GxKxN, group_sizes_G):
 GPU_PRODUCTS = {
     "tokamax": (_tokamax_y, _tokamax_dx, _tokamax_dw),
     "mosaic": (mosaic_gpu_grouped.ragged_dot, _mosaic_dx, mosaic_gpu_grouped.ragged_dw),
+    "triton": (triton_gpu_grouped.ragged_dot,
+               functools.partial(triton_gpu_grouped.ragged_dot, transpose_rhs=True),
+               triton_gpu_grouped.ragged_dw),
 }
 
 

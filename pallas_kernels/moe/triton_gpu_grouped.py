@@ -1,0 +1,233 @@
+"""The grouped (ragged) matmul's three products as native Triton kernels (Hopper: Triton
+pipelines the K loop's loads with cp.async and multiplies with wgmma):
+
+  ragged_dot(x, w, sizes)                  y[rows of g] = x[rows of g] · w[g]
+  ragged_dot(dy, w, sizes, transpose_rhs)  dx[rows of g] = dy[rows of g] · w[g]ᵀ (no wᵀ copy)
+  ragged_dw(x, dy, sizes)                  dw[g] = x[rows of g]ᵀ · dy[rows of g]
+
+mosaic_gpu_grouped.py's contract (rows sorted by group; rows past sum(sizes) are padding,
+left unwritten in y and dx and never read into dw), with what that kernel lacks: a
+two-warpgroup tile (8 warps, 128 × 256 outputs), output tiles walked in L2-friendly
+bands (`group_m` row tiles at a time, as Triton's matmul tutorial), and columns masked,
+so no dim needs to divide the tile (long_context_1b's 704-wide experts take full tiles).
+
+y and dx: program t of the row-tile axis finds its (group, row block) from the group sizes
+itself (a vector search over the G groups: no metadata kernels a call), multiplies the
+whole row block unmasked (rows of a neighbouring group only feed output rows it does not
+store; rows past M are clamped to row M-1) and stores its group's rows. A group takes each
+row block it touches, so there are at most cdiv(M, block_m) + G - 1 row tiles.
+dw: one program per (group, output tile), its loop over the group's rows in block_k steps,
+rows outside the group masked to 0 at the load (a padding row may hold NaN).
+
+Launched by pallas_kernels/triton_launch.py: jax_triton on a GPU, Triton's interpreter on
+host arrays elsewhere (CPU tests). benchmarks/bench_grouped_matmul.py times them beside
+the Mosaic kernels.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels import platform, triton_launch
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One program's tile: block_m × block_n outputs, block_k deep per pipeline step, at most
+  `stages` steps in flight, `warps` warps (8: two warpgroups share the tile's rows), and
+  group_m row tiles walked together (y, dx: the w[g] tile stays in L2 across them)."""
+  block_m: int = 128
+  block_n: int = 256
+  block_k: int = 64
+  warps: int = 8
+  stages: int = 3
+  group_m: int = 8
+
+
+def default_config(product: str, K: int, N: int) -> Config:
+  """K: the contracted width of y and dx, the rows of dw's output; N: the output columns.
+  128 × 256 tiles at 8 warps and 3 stages (Triton's Hopper matmul tutorial's best tile),
+  128-wide where N is 128 or less; block_k the widest of 64/32/16 that divides the
+  contraction (y, dx; dw's contraction is the rows, masked)."""
+  block_n = 256 if N > 128 else 128
+  if product == "dw":
+    return Config(block_n=block_n)
+  return Config(block_n=block_n, block_k=next(b for b in (64, 32, 16) if K % b == 0))
+
+
+def fits(K: int, N: int) -> bool:
+  """Both dims multiples of 16 (a bf16 row of 32 bytes: cp.async's 16-byte copies)."""
+  return K % 16 == 0 and N % 16 == 0
+
+
+def _check(name, a, b, sizes):
+  if a.dtype not in (jnp.bfloat16, jnp.float16) or b.dtype != a.dtype:
+    raise ValueError(f"{name} takes bfloat16/float16 operands of one dtype, got {a.dtype} and "
+                     f"{b.dtype}")
+  if not jnp.issubdtype(sizes.dtype, jnp.integer):
+    raise ValueError(f"{name}: group sizes must be integers, got {sizes.dtype}")
+
+
+@triton.jit
+def _isum(x):
+  """Sum of an int32 vector (tl.reduce: tl.sum is a library function Triton's interpreter
+  runs only under TRITON_INTERPRET=1)."""
+  return tl.reduce(x, 0, tl.standard._sum_combine)
+
+
+@triton.jit
+def _group_bounds(sizes, G: tl.constexpr, GP: tl.constexpr):
+  """Index i (GP-wide), each group's first row and its row past the end, as [GP] int32."""
+  i = tl.arange(0, GP)
+  size_G = tl.load(sizes + i, mask=i < G, other=0)
+  end_G = tl.associative_scan(size_G, 0, tl.standard._sum_combine)
+  return i, end_G - size_G, end_G
+
+
+@triton.jit
+def _band(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+  """(row tile, column tile) of program pid: group_m row tiles' column tiles in turn."""
+  in_band = GROUP_M * tiles_n
+  first = (pid // in_band) * GROUP_M
+  rows = tl.minimum(tiles_m - first, GROUP_M)
+  return first + (pid % in_band) % rows, (pid % in_band) // rows
+
+
+@triton.jit
+def _grouped_dot_triton(sizes, x, w, y, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                        G: tl.constexpr, GP: tl.constexpr, TRANSPOSE: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """y [M, N] = x [M, K] times w[g] ([G, K, N]; [G, N, K] read transposed with TRANSPOSE)
+  over the rows of each group g; one program per (row tile, column tile)."""
+  tiles_m: tl.constexpr = (M + BM - 1) // BM + G - 1
+  tiles_n: tl.constexpr = (N + BN - 1) // BN
+  t, pn = _band(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
+  i, start_G, end_G = _group_bounds(sizes, G, GP)
+  # The row blocks group i touches are tiles cum_i - nb_i … cum_i - 1.
+  nb_G = tl.where(end_G > start_G, (tl.maximum(end_G, 1) - 1) // BM - start_G // BM + 1, 0)
+  cum_G = tl.associative_scan(nb_G, 0, tl.standard._sum_combine)
+  mine = (cum_G - nb_G <= t) & (t < cum_G)
+  if _isum(mine.to(tl.int32)) == 0:       # past the last group's last block
+    return
+  g = _isum(tl.where(mine, i, 0))
+  start = _isum(tl.where(mine, start_G, 0))
+  end = _isum(tl.where(mine, end_G, 0))
+  block = start // BM + t - _isum(tl.where(mine, cum_G - nb_G, 0))
+  rows = block * BM + tl.arange(0, BM)
+  cols = pn * BN + tl.arange(0, BN)
+  ks = tl.arange(0, BK)
+  x_rows = x + tl.minimum(rows, M - 1).to(tl.int64)[:, None] * K + ks[None, :]
+  w_g = w + g.to(tl.int64) * K * N
+  col_ok = cols < N
+  if TRANSPOSE:
+    w_cols = w_g + cols[None, :] * K + ks[:, None]
+  else:
+    w_cols = w_g + ks[:, None] * N + cols[None, :]
+  acc = tl.full((BM, BN), 0.0, tl.float32)
+  for kb in tl.range(0, K // BK, num_stages=NUM_STAGES):
+    a = tl.load(x_rows + kb * BK)
+    # Columns past N are masked, not clamped: N a multiple of 16, so the mask is constant
+    # over each 16-byte run and the loads stay vector copies (a clamp would hide that).
+    if TRANSPOSE:
+      b = tl.load(w_cols + kb * BK, mask=col_ok[None, :], other=0.0)
+    else:
+      b = tl.load(w_cols + kb * BK * N, mask=col_ok[None, :], other=0.0)
+    acc = tl.dot(a, b, acc)
+  own = (rows >= start) & (rows < end)
+  tl.store(y + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty),
+           mask=own[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grouped_dw_triton(sizes, x, dy, dw, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                       G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """dw [G, K, N] = x[rows of g]ᵀ · dy[rows of g]: program (g, output tile) loops over its
+  group's rows BK at a time; an empty group's tiles get zeros."""
+  g = tl.program_id(0)
+  tiles_n: tl.constexpr = (N + BN - 1) // BN
+  pm, pn = tl.program_id(1) // tiles_n, tl.program_id(1) % tiles_n
+  i, start_G, end_G = _group_bounds(sizes, G, GP)
+  start = _isum(tl.where(i == g, start_G, 0))
+  end = _isum(tl.where(i == g, end_G, 0))
+  kr = pm * BM + tl.arange(0, BM)
+  cols = pn * BN + tl.arange(0, BN)
+  kr_ok, col_ok = kr < K, cols < N          # masked, not clamped: as in _grouped_dot_triton
+  acc = tl.full((BM, BN), 0.0, tl.float32)
+  for r0 in tl.range(start, end, BK, num_stages=NUM_STAGES):
+    rows = r0 + tl.arange(0, BK)
+    ok = rows < end
+    rows64 = rows.to(tl.int64)
+    a = tl.load(x + rows64[None, :] * K + kr[:, None], mask=kr_ok[:, None] & ok[None, :],
+                other=0.0)
+    b = tl.load(dy + rows64[:, None] * N + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                other=0.0)
+    acc = tl.dot(a, b, acc)
+  out = dw + g.to(tl.int64) * K * N + kr[:, None] * N + cols[None, :]
+  tl.store(out, acc.to(dw.dtype.element_ty), mask=kr_ok[:, None] & col_ok[None, :])
+
+
+def _interpret(interpret) -> bool:
+  """None: the kernels where the target platform is a GPU, else Triton's interpreter."""
+  return platform.target() != "gpu" if interpret is None else interpret
+
+
+def _groups_padded(G: int) -> int:
+  return max(16, triton.next_power_of_2(G))
+
+
+def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
+               transpose_rhs: bool = False, interpret: bool | None = None):
+  """[M, N] (x's dtype, fp32 accumulation): row block g of x times w[g] (w[g]ᵀ with
+  transpose_rhs, w then [G, N, K]). Rows past sum(sizes) are left unwritten."""
+  _check("ragged_dot", x_MxK, w_GxKxN, sizes_G)
+  M, K = x_MxK.shape
+  G = w_GxKxN.shape[0]
+  N = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
+  Kw = w_GxKxN.shape[2] if transpose_rhs else w_GxKxN.shape[1]
+  c = config or default_config("dx" if transpose_rhs else "y", K, N)
+  if Kw != K or sizes_G.shape != (G,):
+    raise ValueError(f"ragged_dot: x {x_MxK.shape}, w {w_GxKxN.shape} (transpose_rhs="
+                     f"{transpose_rhs}) and sizes {sizes_G.shape} do not agree")
+  if K % c.block_k:
+    raise ValueError(f"ragged_dot: the contracted width K={K} must be a multiple of "
+                     f"block_k={c.block_k}")
+  tiles = (pl_cdiv(M, c.block_m) + G - 1) * pl_cdiv(N, c.block_n)
+  meta = dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), TRANSPOSE=bool(transpose_rhs),
+              BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m)
+  (y,) = triton_launch.launch(
+      _grouped_dot_triton, (tiles,), (sizes_G.astype(jnp.int32), x_MxK, w_GxKxN),
+      [jax.ShapeDtypeStruct((M, N), x_MxK.dtype)], meta,
+      name=f"grouped_triton_{'dx' if transpose_rhs else 'y'}_{K}x{N}",
+      interpret=_interpret(interpret), warps=c.warps, max_stages=c.stages, stages=c.stages)
+  return y
+
+
+def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
+              interpret: bool | None = None):
+  """[G, K, N] (x's dtype, fp32 accumulation): dw[g] = x[rows of g]ᵀ · dy[rows of g]. Rows
+  past sum(sizes) never reach a sum, whatever they hold; an empty group gets zeros."""
+  _check("ragged_dw", x_MxK, dy_MxN, sizes_G)
+  if dy_MxN.shape[0] != x_MxK.shape[0]:
+    raise ValueError(f"ragged_dw: x {x_MxK.shape} and dy {dy_MxN.shape} differ in rows")
+  M, K = x_MxK.shape
+  N = dy_MxN.shape[1]
+  G = sizes_G.shape[0]
+  c = config or default_config("dw", K, N)
+  meta = dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), BM=c.block_m, BN=c.block_n,
+              BK=c.block_k)
+  (dw,) = triton_launch.launch(
+      _grouped_dw_triton, (G, pl_cdiv(K, c.block_m) * pl_cdiv(N, c.block_n)),
+      (sizes_G.astype(jnp.int32), x_MxK, dy_MxN),
+      [jax.ShapeDtypeStruct((G, K, N), x_MxK.dtype)], meta,
+      name=f"grouped_triton_dw_{K}x{N}", interpret=_interpret(interpret), warps=c.warps,
+      max_stages=c.stages, stages=c.stages)
+  return dw
+
+
+def pl_cdiv(a: int, b: int) -> int:
+  return -(-a // b)

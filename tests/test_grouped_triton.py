@@ -1,0 +1,140 @@
+"""The Triton grouped-matmul kernels (pallas_kernels/moe/triton_gpu_grouped.py) in Triton's
+interpreter here (natively in the GPU suite): y, dx (w transposed in place) and dw against
+an fp64 per-group reference, with empty groups, a group of one row, groups over several
+row blocks, a group on a block boundary, NaN in the padding rows past the groups, and
+output dims that the tile does not divide (masked columns); the model's custom VJP
+(`grouped_matmul(..., "triton")`) against jax.lax.ragged_dot; bad input; and the kernels'
+sm_90a builds at the shipped tiles (registers, spills, shared memory)."""
+
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.kernel_registers import triton_report
+from pallas_kernels import triton_launch
+from pallas_kernels.moe import ops as moe_ops
+from pallas_kernels.moe import triton_gpu_grouped as tg
+
+INTERPRET = jax.default_backend() != "gpu"
+SMALL = tg.Config(block_m=64, block_n=64, block_k=32, warps=4, stages=2, group_m=2)
+SIZES = [0, 70, 1, 0, 129, 64]   # 264 rows used of 300: empty, one row, 3 blocks, aligned
+
+
+def _operands(M, K, N, sizes, seed=0):
+  rng = np.random.default_rng(seed)
+  used = sum(sizes)
+  x = rng.normal(size=(M, K))
+  dy = rng.normal(size=(M, N))
+  x[used:], dy[used:] = np.nan, np.nan     # the grouped matmul leaves such rows unwritten
+  w = rng.normal(size=(len(sizes), K, N)) / np.sqrt(K)
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  return bf(x), bf(dy), bf(w)
+
+
+def _per_group(sizes, fn):
+  ends = np.cumsum(sizes)
+  return [fn(g, slice(s, e)) for g, (s, e) in enumerate(zip(ends - np.asarray(sizes), ends))]
+
+
+def _f64(a):
+  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _rel(a, b):
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+# N = 80: the 64-wide tile's second column block is a quarter full (masked loads and stores)
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("N", [128, 80])
+def test_ragged_dot_matches_per_group_products(transpose_rhs, N):
+  M, K = 300, 96
+  lhs, _, w = _operands(M, K, N, SIZES)
+  if transpose_rhs:          # as dx: w [G, N_out, K_contracted], read transposed in place
+    w = jnp.swapaxes(w, 1, 2)
+  used = sum(SIZES)
+  got = tg.ragged_dot(lhs, w, jnp.asarray(SIZES), config=SMALL, transpose_rhs=transpose_rhs,
+                      interpret=INTERPRET)
+  assert got.shape == (M, N) and got.dtype == jnp.bfloat16
+  w64 = _f64(w)
+  ref = np.concatenate(_per_group(SIZES, lambda g, r: _f64(lhs)[r] @ (
+      w64[g].T if transpose_rhs else w64[g])))
+  got = _f64(got)[:used]
+  assert np.isfinite(got).all()
+  assert _rel(got, ref) < 4e-3      # bf16 output rounding (measured 1.7e-3)
+
+
+@pytest.mark.parametrize("K,N", [(96, 128), (80, 48)])
+def test_ragged_dw_matches_per_group_products_and_ignores_padding(K, N):
+  """(80, 48): neither output dim divides the 64 × 64 tile."""
+  M = 300
+  x, dy, _ = _operands(M, K, N, SIZES, seed=1)
+  got = _f64(tg.ragged_dw(x, dy, jnp.asarray(SIZES), config=SMALL, interpret=INTERPRET))
+  ref = np.stack(_per_group(SIZES, lambda g, r: _f64(x)[r].T @ _f64(dy)[r]))
+  assert got.shape == (len(SIZES), K, N) and np.isfinite(got).all()
+  assert _rel(got, ref) < 4e-3
+  assert not got[np.asarray(SIZES) == 0].any()     # empty groups: exact zeros
+
+
+def test_model_vjp_matches_xla_ragged_dot():
+  """moe_ops.grouped_matmul(..., "triton") at the shipped tiles (default_config): y and
+  both gradients against XLA's ragged_dot in fp32 (the same bf16-rounded operands)."""
+  M, K, N = 200, 64, 144
+  sizes = jnp.asarray([100, 0, 35, 65], jnp.int32)
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.normal(size=(M, K)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(4, K, N)) / 8, jnp.bfloat16)
+  ct = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)
+
+  def run(impl, x, w):
+    y, vjp = jax.vjp(lambda x, w: moe_ops.grouped_matmul(x, w, sizes, impl), x, w)
+    return (y, *vjp(ct.astype(y.dtype)))
+
+  got = run("triton", x, w)
+  with jax.default_matmul_precision("highest"):
+    ref = run("xla", x.astype(jnp.float32), w.astype(jnp.float32))
+  for name, a, b in zip(("y", "dx", "dw"), got, ref):
+    a, b = _f64(a), _f64(b)
+    assert a.shape == b.shape and np.isfinite(a).all(), name
+    assert _rel(a, b) < 1e-2, name
+
+
+def test_bad_input_is_named():
+  x = jnp.ones((64, 96), jnp.bfloat16)
+  with pytest.raises(ValueError, match="K=96 must be a multiple of block_k=64"):
+    tg.ragged_dot(x, jnp.ones((1, 96, 64), jnp.bfloat16), jnp.array([64]),
+                  config=tg.Config(block_k=64), interpret=True)
+  with pytest.raises(ValueError, match="bfloat16/float16 operands"):
+    tg.ragged_dw(jnp.ones((64, 64)), jnp.ones((64, 64)), jnp.array([64]), interpret=True)
+  with pytest.raises(ValueError, match=r"grouped_matmul='triton' takes .* multiples of 16, "
+                                       r"got bfloat16 \[40, 64\]"):
+    moe_ops.grouped_matmul(jnp.ones((8, 40), jnp.bfloat16), jnp.ones((2, 40, 64), jnp.bfloat16),
+                           jnp.array([4, 4]), "triton")
+
+
+# single_h200's experts (d 2048, 2 × 1024 gate/up) and long_context_1b's (1024, 2 × 704)
+@pytest.mark.parametrize("K,N", [(2048, 2048), (704, 1024)])
+def test_compiles_for_h200_within_registers_and_shared_memory(K, N):
+  """y, dx and dw at their default tiles, built as jax_triton builds them for sm_90a: no
+  spills (the 128 × 256 fp32 accumulator is 128 registers a thread at 8 warps), within the
+  H200's shared memory, and the loads pipelined (cp.async) into wgmma."""
+  M, G = 98304, 32
+  bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((G,), jnp.int32)
+  for product in ("y", "dx", "dw"):
+    c = tg.default_config(product, K, N)
+    meta = dict(M=M, K=K, N=N, G=G, GP=32, BM=c.block_m, BN=c.block_n, BK=c.block_k)
+    if product == "dw":
+      kernel, arrays = tg._grouped_dw_triton, [sizes, bf(M, K), bf(M, N), bf(G, K, N)]
+    else:
+      kernel, arrays = tg._grouped_dot_triton, [sizes, bf(M, K), bf(G, K, N), bf(M, N)]
+      meta.update(TRANSPOSE=product == "dx", GROUP_M=c.group_m)
+    compiled = triton_launch.build(kernel, arrays, meta, c.stages, c.warps)
+    regs, spilled = triton_report(compiled, tempfile.mkdtemp())
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.shared <= triton_launch.MAX_SHARED[90], (product, c)
+    assert 0 < regs <= 255 and spilled == 0, (product, regs, spilled)
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx, product
