@@ -40,10 +40,16 @@ def embed_lookup(embed: nn.Embed, tokens_BxT):
   too: the gather's gradient is a scatter-add of every token's row into V table rows, which
   on the H200 took 28.6 ms per step for 32 768 tokens into the 259 byte rows (atomics on few
   addresses), against well under a millisecond for the matmul. The lookup stays exact: each
-  output sums one table entry times 1."""
+  output sums one table entry times 1.
+
+  Larger vocabularies gather the rows from the fp32 table and cast only those: nn.Embed casts
+  the whole table to the compute dtype first, and its gradient is then a bf16 scatter-add
+  into a [V, D] bf16 buffer converted to fp32 after (10.2 ms of the Kimi-48B slice's step
+  at V = 163,840 on the H200, benchmarks/train.md). Here the scatter-add is fp32 into the
+  fp32 gradient, and a token's repeats sum in fp32. Same rows, bit for bit."""
   V = embed.num_embeddings
   if V > ONE_HOT_VOCAB:
-    return embed(tokens_BxT)
+    return jnp.take(embed.embedding, tokens_BxT, axis=0).astype(embed.dtype)
   table_VxD = embed.embedding.astype(embed.dtype)
   one_hot_BxTxV = jax.nn.one_hot(tokens_BxT, V, dtype=embed.dtype)
   return jnp.einsum("btv,vd->btd", one_hot_BxTxV, table_VxD,
