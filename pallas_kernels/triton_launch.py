@@ -6,6 +6,7 @@ registers and shared memory. Needs the `triton` package; jax_triton only on a GP
 (jax_triton_compat)."""
 
 import functools
+import threading
 import types
 
 import jax
@@ -120,6 +121,13 @@ def _interpreted(kernel):
   return interpreted(clone(kernel.fn))
 
 
+# Triton's interpreter patches triton.language's functions for the length of a launch and
+# restores them after: two launches at once (XLA's CPU runtime runs independent callbacks,
+# a grouped matmul's dx and dw, on two threads) would see each other's restore mid-kernel
+# ("Did you forget to add @triton.jit?"). Launches take turns.
+_INTERPRETER_LOCK = threading.Lock()
+
+
 def run_interpreted(kernel, grid, args, out_type, meta):
   """Run `kernel` with Triton's interpreter on the host, as jax_triton would on the GPU:
   outputs are allocated and passed after the inputs."""
@@ -127,7 +135,8 @@ def run_interpreted(kernel, grid, args, out_type, meta):
   def host(*arrays):
     outs = [np.zeros(o.shape, o.dtype) for o in out_type]
     ins = [np.ascontiguousarray(a) for a in arrays]
-    _interpreted(kernel)[grid](*map(_HostArray, ins + outs), **meta)
+    with _INTERPRETER_LOCK:
+      _interpreted(kernel)[grid](*map(_HostArray, ins + outs), **meta)
     return outs
 
   return jax.pure_callback(host, out_type, *args)

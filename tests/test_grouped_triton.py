@@ -7,6 +7,7 @@ output dims that the tile does not divide (masked columns); the model's custom V
 sm_90a builds at the shipped tiles (registers, spills, shared memory)."""
 
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -138,3 +139,29 @@ def test_compiles_for_h200_within_registers_and_shared_memory(K, N):
     assert compiled.metadata.shared <= triton_launch.MAX_SHARED[90], (product, c)
     assert 0 < regs <= 255 and spilled == 0, (product, regs, spilled)
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx, product
+
+
+def test_interpreted_launches_on_several_threads():
+  """Triton's interpreter patches triton.language for a launch's length: launches from
+  several threads at once (XLA's CPU runtime runs a grouped matmul's independent dx and dw
+  callbacks side by side) take turns (triton_launch._INTERPRETER_LOCK); without it 2 of 3
+  threads here failed mid-kernel."""
+  x, dy, _ = _operands(256, 64, 96, [100, 56, 0, 100], seed=4)
+  sizes = jnp.asarray([100, 56, 0, 100])
+  ref = np.stack(_per_group([100, 56, 0, 100], lambda g, r: _f64(x)[r].T @ _f64(dy)[r]))
+  results, errors = [], []
+
+  def work():
+    try:
+      for _ in range(3):
+        results.append(_f64(tg.ragged_dw(x, dy, sizes, config=SMALL, interpret=True)))
+    except Exception as e:  # noqa: BLE001 — collected, asserted below
+      errors.append(repr(e)[:200])
+
+  threads = [threading.Thread(target=work) for _ in range(3)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors and len(results) == 9
+  assert all(_rel(r, ref) < 4e-3 for r in results)
