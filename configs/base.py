@@ -37,6 +37,7 @@ def get_config(arg=None):
   m.kda_conv_size = 4
   m.kda_chunk_size = 64
   m.kda_implementation = ""     # "" = best for platform; or xla | recurrent | pallas_gpu | triton | pallas_tpu
+  m.kda_conv_implementation = ""  # the q/k/v short conv: "" = xla; or triton (pallas_kernels/kda/triton_gpu_short_conv.py)
   m.kda_gate_in_kernel = True   # q/k L2 norm, gate and chunk cumsum inside the KDA op (False: in XLA)
   # Gated MLA (NoPE) mixer.
   m.attn_res = "none"            # residual: none | block | full | mix (model/attn_res.py)

@@ -69,6 +69,9 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   impls = ("", "xla", "recurrent", "pallas_gpu", "triton", "pallas_tpu")
   if m.kda_implementation not in impls:
     _fail("model.kda_implementation", m.kda_implementation, f"one of {impls}")
+  conv_impls = ("", "xla", "triton")
+  if m.get("kda_conv_implementation", "") not in conv_impls:
+    _fail("model.kda_conv_implementation", m.kda_conv_implementation, f"one of {conv_impls}")
   if not isinstance(m.kda_gate_in_kernel, bool):
     _fail("model.kda_gate_in_kernel", m.kda_gate_in_kernel, "True or False")
   if m.attn_res not in ("none", "block", "full", "mix"):

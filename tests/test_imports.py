@@ -4,8 +4,10 @@ MoE dispatch helpers and the Triton launch machinery keep the graph a DAG."""
 
 import ast
 import os
+import subprocess
+import sys
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 PACKAGES = ("moe_jax", "pallas_kernels", "configs", "benchmarks")
 
@@ -86,3 +88,25 @@ def test_the_project_has_no_import_cycle():
   assert cycles(graph) == []
   # The leaf: every module may import it, so it imports nothing of the project.
   assert graph["moe_jax.fields"] == set()
+
+
+_WITHOUT_TRITON = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name.split(".")[0] in ("triton", "jax_triton"):
+      raise ImportError("no " + name)
+sys.meta_path.insert(0, Block())
+import moe_jax.model.transformer, moe_jax.train.step, moe_jax.infer.generate
+import pallas_kernels.kda.ops, pallas_kernels.moe.ops, pallas_kernels.attention.ops
+print("ok")
+"""
+
+
+def test_the_model_imports_without_the_triton_package():
+  """triton and jax_triton are optional (the `gpu` and `test` extras): the model, the train
+  step, inference and the kernels' entry points import without them; the Triton kernel
+  modules are imported where a Triton path is chosen."""
+  run = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], cwd=ROOT, capture_output=True,
+                       text=True, env=subprocess_env(), timeout=300)
+  assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

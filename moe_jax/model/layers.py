@@ -104,6 +104,11 @@ class ShortConv(nn.Module):
     conv = lambda x, seg: nn.silu(sum(segment_shift(x, seg, j) * w_WxC[j]
                                       for j in range(self.width)))
     if cache is None:
+      if self.cfg.get("kda_conv_implementation", "") == "triton":
+        # Native Triton kernels, forward and backward (interpreted off a GPU); the triton
+        # package is optional, so imported on use.
+        from pallas_kernels.kda import triton_gpu_short_conv
+        return triton_gpu_short_conv.short_conv(x_BxTxC, w_WxC, segment_ids_BxT)
       return conv(x_BxTxC, segment_ids_BxT)
     W1 = self.width - 1
     # The barrier keeps XLA GPU from fusing the input projection into the concatenate as a

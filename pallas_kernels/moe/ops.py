@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import jax_triton_compat, platform
-from pallas_kernels.moe import pallas_gpu_grouped_dw, mosaic_gpu_grouped, triton_gpu_grouped
+from pallas_kernels.moe import pallas_gpu_grouped_dw, mosaic_gpu_grouped
 # Decoding (a few tokens): the routed experts (pallas_gpu_decode_experts.py) or the whole
 # layer, router and shared expert included (pallas_gpu_decode_layer.py), as Pallas kernels:
 # Triton on GPU, interpret elsewhere.
@@ -82,7 +82,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
     if platform.target() == "tpu":
       raise ValueError("model.moe.grouped_matmul='triton' is the Triton GPU kernels; on TPU "
                        "use '' or 'tokamax'")
-    if not _tokamax_gpu_dtype(x_MxK.dtype) or not triton_gpu_grouped.fits(K, N):
+    if not _tokamax_gpu_dtype(x_MxK.dtype) or K % 16 or N % 16:
       raise ValueError(f"model.moe.grouped_matmul='triton' takes bfloat16/float16 experts "
                        f"with both dims multiples of 16, got {x_MxK.dtype} [{K}, {N}]; use '' "
                        f"(xla for float32)")
@@ -146,15 +146,22 @@ def _mosaic_dx(dy_MxN, w_GxKxN, group_sizes_G):
   return mosaic_gpu_grouped.ragged_dot(dy_MxN, w_GxKxN, group_sizes_G, transpose_rhs=True)
 
 
+def _triton_grouped():
+  """triton_gpu_grouped, imported on first use: the triton package is an optional
+  dependency (the `gpu` and `test` extras), as for KDA's Triton kernels."""
+  from pallas_kernels.moe import triton_gpu_grouped
+  return triton_gpu_grouped
+
+
 # The GPU implementations' three products, (y, dx, dw), each f(a, b, group_sizes):
 #   y = x·w[g],  dx = dy·w[g]ᵀ,  dw[g] = x_gᵀ·dy_g
 # (benchmarks/bench_grouped_matmul.py times them)
 GPU_PRODUCTS = {
     "tokamax": (_tokamax_y, _tokamax_dx, _tokamax_dw),
     "mosaic": (mosaic_gpu_grouped.ragged_dot, _mosaic_dx, mosaic_gpu_grouped.ragged_dw),
-    "triton": (triton_gpu_grouped.ragged_dot,
-               functools.partial(triton_gpu_grouped.ragged_dot, transpose_rhs=True),
-               triton_gpu_grouped.ragged_dw),
+    "triton": (lambda x, w, s: _triton_grouped().ragged_dot(x, w, s),
+               lambda dy, w, s: _triton_grouped().ragged_dot(dy, w, s, transpose_rhs=True),
+               lambda x, dy, s: _triton_grouped().ragged_dw(x, dy, s)),
 }
 
 

@@ -1,0 +1,182 @@
+"""KDA's short convolution (model/layers.py ShortConv: a depthwise causal conv over time
+within each segment, then SiLU) as native Triton kernels, forward and backward
+(model.kda_conv_implementation = "triton"):
+
+  z[t] = Σ_j [t-j ≥ 0, seg[t-j] = seg[t]] · x[t-j] · w[j]     y = silu(z)
+  dz = dy · silu'(z)                                           (z recomputed from x)
+  dx[s] = Σ_j [s+j < T, seg[s+j] = seg[s]] · dz[s+j] · w[j]
+  dw[j] = Σ_{b,t} [t-j ≥ 0, seg[t-j] = seg[t]] · x[t-j] · dz[t]
+
+Why: XLA's version is W shifted, masked copies summed; its backward sums W zero-padded
+cotangents into one multi-output fusion beside the weight gradient's reductions, at about
+ten times the bytes' floor in single_h200's step (0.4 ms a conv against 0.04;
+benchmarks/train.md). Here each [BT, BC] tile reads its rows and the W-1 rows before it
+(after it, for dx) and computes in fp32: one pass forward; backward a pass for dz and
+each tile's dw column sums (summed over tiles by the caller), and a pass for dx.
+
+Launched by pallas_kernels/triton_launch.py: jax_triton on a GPU, Triton's interpreter on
+host arrays elsewhere (CPU tests).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels import platform, triton_launch
+
+F32 = jnp.float32
+# A program's tile: BLOCK_T time rows × BLOCK_C channels at WARPS warps. sm_90a, bf16,
+# C = 2048: 62 / 95 / 65 registers a thread (forward / dz / dx), no spills; 64-row tiles
+# took 163-242 registers at 4-8 warps or spilled (memory-bound kernels want the occupancy).
+BLOCK_T = 32
+BLOCK_C = 128
+WARPS = 8
+
+
+@triton.jit
+def _tile(pid_t, pid_c, T: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
+          BC: tl.constexpr):
+  """The tile's rows t [BT] and channels c [BC] with their in-range masks."""
+  t = pid_t * BT + tl.arange(0, BT)
+  c = pid_c * BC + tl.arange(0, BC)
+  return t, c, t < T, c < C
+
+
+@triton.jit
+def _shifted(x, seg, seg_t, b, t, c, t_ok, c_ok, j, T: tl.constexpr, C: tl.constexpr):
+  """x[b, t + j] (j may be negative) as fp32 [BT, BC], 0 where t + j is outside [0, T) or
+  in another segment than t."""
+  s = t + j
+  s_ok = t_ok & (s >= 0) & (s < T)
+  seg_s = tl.load(seg + b * T + s, mask=s_ok, other=0)
+  m = s_ok & (seg_s == seg_t)
+  rows = (b * T + s).to(tl.int64)
+  xs = tl.load(x + rows[:, None] * C + c[None, :], mask=m[:, None] & c_ok[None, :], other=0.0)
+  return xs.to(tl.float32)
+
+
+@triton.jit
+def _pre_activation(x, w, seg, seg_t, b, t, c, t_ok, c_ok, T: tl.constexpr, C: tl.constexpr,
+                    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+  z = tl.full((BT, BC), 0.0, tl.float32)
+  for j in tl.static_range(W):
+    xs = _shifted(x, seg, seg_t, b, t, c, t_ok, c_ok, -j, T, C)
+    z += xs * tl.load(w + j * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+  return z
+
+
+@triton.jit
+def _sigmoid(z):
+  return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _short_conv_triton(x, w, seg, y, T: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
+                       BT: tl.constexpr, BC: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """y [B, T, C] = silu(z) in y's dtype; x [B, T, C], w [W, C], seg [B, T] int32."""
+  pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
+  seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
+  z = _pre_activation(x, w, seg, seg_t, b, t, c, t_ok, c_ok, T, C, W, BT, BC)
+  rows = (b * T + t).to(tl.int64)
+  tl.store(y + rows[:, None] * C + c[None, :], (z * _sigmoid(z)).to(y.dtype.element_ty),
+           mask=t_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _short_conv_dz_triton(x, w, seg, dy, dz, dw_part, T: tl.constexpr, C: tl.constexpr,
+                          W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                          NUM_STAGES: tl.constexpr):
+  """dz [B, T, C] fp32 = dy · silu'(z); dw_part [B, T/BT, W, C] fp32: this tile's
+  Σ_t x[t-j] · dz[t] for each j."""
+  pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
+  seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
+  z = _pre_activation(x, w, seg, seg_t, b, t, c, t_ok, c_ok, T, C, W, BT, BC)
+  rows = (b * T + t).to(tl.int64)
+  ok = t_ok[:, None] & c_ok[None, :]
+  dy_TC = tl.load(dy + rows[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
+  s = _sigmoid(z)
+  dz_TC = dy_TC * s * (1.0 + z * (1.0 - s))
+  tl.store(dz + rows[:, None] * C + c[None, :], dz_TC, mask=ok)
+  NT: tl.constexpr = (T + BT - 1) // BT
+  part = dw_part + ((b * NT + pid_t) * W) * C
+  for j in tl.static_range(W):
+    xs = _shifted(x, seg, seg_t, b, t, c, t_ok, c_ok, -j, T, C)
+    tl.store(part + j * C + c, tl.reduce(xs * dz_TC, 0, tl.standard._sum_combine), mask=c_ok)
+
+
+@triton.jit
+def _short_conv_dx_triton(dz, w, seg, dx, T: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """dx [B, T, C] in dx's dtype: Σ_j dz[t+j] · w[j] over the rows t+j of t's segment."""
+  pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+  t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
+  seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
+  acc = tl.full((BT, BC), 0.0, tl.float32)
+  for j in tl.static_range(W):
+    dzs = _shifted(dz, seg, seg_t, b, t, c, t_ok, c_ok, j, T, C)
+    acc += dzs * tl.load(w + j * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+  rows = (b * T + t).to(tl.int64)
+  tl.store(dx + rows[:, None] * C + c[None, :], acc.to(dx.dtype.element_ty),
+           mask=t_ok[:, None] & c_ok[None, :])
+
+
+def _interpret(interpret) -> bool:
+  return platform.target() != "gpu" if interpret is None else interpret
+
+
+def _launch(kernel, shape, args, out_type, interpret):
+  B, T, C = shape
+  W = args[1].shape[0]
+  grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)
+  return triton_launch.launch(kernel, grid, args, out_type,
+                              dict(T=T, C=C, W=W, BT=BLOCK_T, BC=BLOCK_C),
+                              name=kernel.__name__[1:], interpret=interpret, warps=WARPS,
+                              max_stages=1, stages=1)
+
+
+def _check(x_BxTxC, w_WxC, seg_BxT):
+  B, T, C = x_BxTxC.shape
+  if w_WxC.ndim != 2 or w_WxC.shape[1] != C or seg_BxT.shape != (B, T):
+    raise ValueError(f"short_conv: x {x_BxTxC.shape}, w {w_WxC.shape} and segment ids "
+                     f"{seg_BxT.shape} do not agree (x [B, T, C], w [W, C], ids [B, T])")
+  if x_BxTxC.dtype not in (jnp.bfloat16, jnp.float16, F32):
+    raise ValueError(f"short_conv takes bfloat16/float16/float32 x, got {x_BxTxC.dtype}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _short_conv(x_BxTxC, w_WxC, seg_BxT, interpret):
+  (y,) = _launch(_short_conv_triton, x_BxTxC.shape, (x_BxTxC, w_WxC, seg_BxT),
+                 [jax.ShapeDtypeStruct(x_BxTxC.shape, x_BxTxC.dtype)], interpret)
+  return y
+
+
+def _short_conv_fwd(x_BxTxC, w_WxC, seg_BxT, interpret):
+  return _short_conv(x_BxTxC, w_WxC, seg_BxT, interpret), (x_BxTxC, w_WxC, seg_BxT)
+
+
+def _short_conv_bwd(interpret, res, dy_BxTxC):
+  x_BxTxC, w_WxC, seg_BxT = res
+  B, T, C = x_BxTxC.shape
+  W = w_WxC.shape[0]
+  dz, dw_part = _launch(
+      _short_conv_dz_triton, x_BxTxC.shape, (x_BxTxC, w_WxC, seg_BxT, dy_BxTxC),
+      [jax.ShapeDtypeStruct((B, T, C), F32),
+       jax.ShapeDtypeStruct((B, triton.cdiv(T, BLOCK_T), W, C), F32)], interpret)
+  (dx,) = _launch(_short_conv_dx_triton, x_BxTxC.shape, (dz, w_WxC, seg_BxT),
+                  [jax.ShapeDtypeStruct(x_BxTxC.shape, x_BxTxC.dtype)], interpret)
+  return dx, dw_part.sum((0, 1)).astype(w_WxC.dtype), None
+
+
+_short_conv.defvjp(_short_conv_fwd, _short_conv_bwd)
+
+
+def short_conv(x_BxTxC, w_WxC, seg_BxT, *, interpret: bool | None = None):
+  """silu(depthwise causal conv of x by w within each segment) [B, T, C] in x's dtype,
+  fp32 inside; w [W, C] (tap j multiplies x[t - j]); differentiable in x and w."""
+  _check(x_BxTxC, w_WxC, seg_BxT)
+  return _short_conv(x_BxTxC, w_WxC, seg_BxT.astype(jnp.int32), _interpret(interpret))
