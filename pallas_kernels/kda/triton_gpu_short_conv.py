@@ -9,8 +9,8 @@ within each segment, then SiLU) as native Triton kernels, forward and backward
 
 Why: XLA's version is W shifted, masked copies summed; its backward sums W zero-padded
 cotangents into one multi-output fusion beside the weight gradient's reductions, at about
-ten times the bytes' floor in single_h200's step (0.4 ms a conv against 0.04;
-benchmarks/train.md). Here each [BT, BC] tile reads its rows and the W-1 rows before it
+ten times the bytes' floor in single_h200's step (0.4 ms a conv against 0.04:
+benchmarks/train.json, h200_dropless's top_kernels, input_add_reduce_fusion_10). Here each [BT, BC] tile reads its rows and the W-1 rows before it
 (after it, for dx) and computes in fp32: one pass forward; backward a pass for dz and
 each tile's dw column sums (summed over tiles by the caller), and a pass for dx.
 
