@@ -163,6 +163,27 @@ def _xla_cell(x, pct):
   return f"{x['ms']:.3f} ({x['tflops']:.0f}, {pct(x['tflops']):.0f}%, {x['err']:.1e})"
 
 
+def _sweep(label, candidates, fn_of, timed, best):
+  """Time each candidate config (fn_of(config) -> a jitted product) within --budget_s:
+  (every try as a record, the fastest correct (ms, config, err), or `best` if none beat
+  it)."""
+  tried, t0 = [], time.time()
+  for cfg in candidates:
+    if time.time() - t0 > _BUDGET.value:
+      break
+    try:
+      ms, err = timed(fn_of(cfg))
+    except Exception as e:  # noqa: BLE001 — e.g. shared memory exceeded: skip it
+      tried.append({"config": dataclasses.asdict(cfg), "error": str(e)[:200]})
+      print(f"  {label} {cfg}: {str(e)[:120]}", flush=True)
+      continue
+    tried.append({"config": dataclasses.asdict(cfg), "ms": ms, "err": err})
+    print(f"  {label} {cfg}: {ms:.3f} ms, err {err:.1e}", flush=True)
+    if err < 1e-2 and ms < best[0]:
+      best = (ms, cfg, err)
+  return tried, best
+
+
 def _triton_cell(t, pct, with_config):
   if t is None:
     return "—"
@@ -214,7 +235,7 @@ def main(_):
       ms, err = timed(_mosaic_fn(product, default))
       row["mosaic_default"] = {"config": dataclasses.asdict(default), "ms": ms,
                                "tflops": flops / ms / 1e9, "err": err}
-      best = (ms, default) if err < 1e-2 else (float("inf"), None)
+      best = (ms, default, err) if err < 1e-2 else (float("inf"), None, None)
       if _TRITON.value or _TUNE_TRITON.value:
         t_default = tg.default_config(product, *key_KN)
         ms, err = timed(_triton_fn(product, t_default))
@@ -222,22 +243,15 @@ def main(_):
                                  "tflops": flops / ms / 1e9, "err": err}
         print(f"  {row['key']} triton {t_default}: {ms:.3f} ms, err {err:.1e}", flush=True)
       if _TUNE_TRITON.value:
-        t_best, tried, t0 = row["triton_default"], [], time.time()
-        for cfg in _triton_candidates(product, *key_KN):
-          if time.time() - t0 > _BUDGET.value:
-            break
-          try:
-            ms, err = timed(_triton_fn(product, cfg))
-          except Exception as e:  # noqa: BLE001 — e.g. shared memory exceeded: skip it
-            tried.append({"config": dataclasses.asdict(cfg), "error": str(e)[:200]})
-            print(f"  {row['key']} triton {cfg}: {str(e)[:120]}", flush=True)
-            continue
-          tried.append({"config": dataclasses.asdict(cfg), "ms": ms, "err": err})
-          print(f"  {row['key']} triton {cfg}: {ms:.3f} ms, err {err:.1e}", flush=True)
-          if err < 1e-2 and ms < t_best["ms"]:
-            t_best = {"config": dataclasses.asdict(cfg), "ms": ms, "tflops": flops / ms / 1e9,
-                      "err": err}
-        row["triton_tried"], row["triton_tuned"] = tried, t_best
+        d = row["triton_default"]
+        start = (d["ms"], t_default, d["err"]) if d["err"] < 1e-2 else (float("inf"), None, None)
+        tried, (ms, cfg, err) = _sweep(f"{row['key']} triton",
+                                       _triton_candidates(product, *key_KN),
+                                       lambda c: _triton_fn(product, c), timed, start)
+        row["triton_tried"] = tried
+        if cfg is not None:
+          row["triton_tuned"] = {"config": dataclasses.asdict(cfg), "ms": ms,
+                                 "tflops": flops / ms / 1e9, "err": err}
       if _XLA.value:
         try:
           ms, err = timed(_xla_fn(product))
@@ -246,20 +260,8 @@ def main(_):
           row["xla"] = {"error": str(e)[:300]}
         print(f"  {row['key']} xla ragged_dot: {row['xla']}", flush=True)
       if _TUNE.value:
-        tried, t0 = [], time.time()
-        for cfg in _candidates(product, *key_KN):
-          if time.time() - t0 > _BUDGET.value:
-            break
-          try:
-            ms, err = timed(_mosaic_fn(product, cfg))
-          except Exception as e:  # noqa: BLE001 — e.g. shared memory exceeded: skip it
-            tried.append({"config": dataclasses.asdict(cfg), "error": str(e)[:200]})
-            print(f"  {row['key']} {cfg}: {str(e)[:120]}", flush=True)
-            continue
-          tried.append({"config": dataclasses.asdict(cfg), "ms": ms, "err": err})
-          print(f"  {row['key']} {cfg}: {ms:.3f} ms, err {err:.1e}", flush=True)
-          if err < 1e-2 and ms < best[0]:
-            best = (ms, cfg)
+        tried, best = _sweep(row["key"], _candidates(product, *key_KN),
+                             lambda c: _mosaic_fn(product, c), timed, best)
         row["tried"] = tried
         if best[1] is not None:
           tuned[row["key"]] = dataclasses.asdict(best[1])

@@ -18,34 +18,12 @@ from benchmarks.kernel_registers import triton_report
 from pallas_kernels import triton_launch
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import triton_gpu_grouped as tg
+# the Mosaic kernels' test cases' operands (NaN past the groups) and fp64 per-group products
+from tests.test_grouped_mgpu import _f64, _operands, _per_group, _rel
 
 INTERPRET = jax.default_backend() != "gpu"
 SMALL = tg.Config(block_m=64, block_n=64, block_k=32, warps=4, stages=2, group_m=2)
 SIZES = [0, 70, 1, 0, 129, 64]   # 264 rows used of 300: empty, one row, 3 blocks, aligned
-
-
-def _operands(M, K, N, sizes, seed=0):
-  rng = np.random.default_rng(seed)
-  used = sum(sizes)
-  x = rng.normal(size=(M, K))
-  dy = rng.normal(size=(M, N))
-  x[used:], dy[used:] = np.nan, np.nan     # the grouped matmul leaves such rows unwritten
-  w = rng.normal(size=(len(sizes), K, N)) / np.sqrt(K)
-  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-  return bf(x), bf(dy), bf(w)
-
-
-def _per_group(sizes, fn):
-  ends = np.cumsum(sizes)
-  return [fn(g, slice(s, e)) for g, (s, e) in enumerate(zip(ends - np.asarray(sizes), ends))]
-
-
-def _f64(a):
-  return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-
-
-def _rel(a, b):
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 # N = 80: the 64-wide tile's second column block is a quarter full (masked loads and stores)

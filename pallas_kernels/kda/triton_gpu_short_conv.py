@@ -59,13 +59,22 @@ def _shifted(x, seg, seg_t, b, t, c, t_ok, c_ok, j, T: tl.constexpr, C: tl.const
 
 
 @triton.jit
-def _pre_activation(x, w, seg, seg_t, b, t, c, t_ok, c_ok, T: tl.constexpr, C: tl.constexpr,
-                    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-  z = tl.full((BT, BC), 0.0, tl.float32)
+def _taps(a, w, seg, seg_t, b, t, c, t_ok, c_ok, SIGN: tl.constexpr, T: tl.constexpr,
+          C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+  """Σ_j a[t + SIGN·j] · w[j] over the rows of t's segment, fp32 [BT, BC]: the forward's
+  pre-activation z (SIGN -1, a = x) and dx (SIGN +1, a = dz)."""
+  acc = tl.full((BT, BC), 0.0, tl.float32)
   for j in tl.static_range(W):
-    xs = _shifted(x, seg, seg_t, b, t, c, t_ok, c_ok, -j, T, C)
-    z += xs * tl.load(w + j * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-  return z
+    shifted = _shifted(a, seg, seg_t, b, t, c, t_ok, c_ok, SIGN * j, T, C)
+    acc += shifted * tl.load(w + j * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+  return acc
+
+
+@triton.jit
+def _store_rows(ptr, val, b, t, c, t_ok, c_ok, T: tl.constexpr, C: tl.constexpr):
+  rows = (b * T + t).to(tl.int64)
+  tl.store(ptr + rows[:, None] * C + c[None, :], val.to(ptr.dtype.element_ty),
+           mask=t_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -80,10 +89,8 @@ def _short_conv_triton(x, w, seg, y, T: tl.constexpr, C: tl.constexpr, W: tl.con
   pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
   seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
-  z = _pre_activation(x, w, seg, seg_t, b, t, c, t_ok, c_ok, T, C, W, BT, BC)
-  rows = (b * T + t).to(tl.int64)
-  tl.store(y + rows[:, None] * C + c[None, :], (z * _sigmoid(z)).to(y.dtype.element_ty),
-           mask=t_ok[:, None] & c_ok[None, :])
+  z = _taps(x, w, seg, seg_t, b, t, c, t_ok, c_ok, -1, T, C, W, BT, BC)
+  _store_rows(y, z * _sigmoid(z), b, t, c, t_ok, c_ok, T, C)
 
 
 @triton.jit
@@ -95,13 +102,13 @@ def _short_conv_dz_triton(x, w, seg, dy, dz, dw_part, T: tl.constexpr, C: tl.con
   pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
   seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
-  z = _pre_activation(x, w, seg, seg_t, b, t, c, t_ok, c_ok, T, C, W, BT, BC)
+  z = _taps(x, w, seg, seg_t, b, t, c, t_ok, c_ok, -1, T, C, W, BT, BC)
   rows = (b * T + t).to(tl.int64)
-  ok = t_ok[:, None] & c_ok[None, :]
-  dy_TC = tl.load(dy + rows[:, None] * C + c[None, :], mask=ok, other=0.0).to(tl.float32)
+  dy_TC = tl.load(dy + rows[:, None] * C + c[None, :], mask=t_ok[:, None] & c_ok[None, :],
+                  other=0.0).to(tl.float32)
   s = _sigmoid(z)
   dz_TC = dy_TC * s * (1.0 + z * (1.0 - s))
-  tl.store(dz + rows[:, None] * C + c[None, :], dz_TC, mask=ok)
+  _store_rows(dz, dz_TC, b, t, c, t_ok, c_ok, T, C)
   NT: tl.constexpr = (T + BT - 1) // BT
   part = dw_part + ((b * NT + pid_t) * W) * C
   for j in tl.static_range(W):
@@ -116,13 +123,8 @@ def _short_conv_dx_triton(dz, w, seg, dx, T: tl.constexpr, C: tl.constexpr, W: t
   pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
   t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
   seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
-  acc = tl.full((BT, BC), 0.0, tl.float32)
-  for j in tl.static_range(W):
-    dzs = _shifted(dz, seg, seg_t, b, t, c, t_ok, c_ok, j, T, C)
-    acc += dzs * tl.load(w + j * C + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-  rows = (b * T + t).to(tl.int64)
-  tl.store(dx + rows[:, None] * C + c[None, :], acc.to(dx.dtype.element_ty),
-           mask=t_ok[:, None] & c_ok[None, :])
+  dx_TC = _taps(dz, w, seg, seg_t, b, t, c, t_ok, c_ok, 1, T, C, W, BT, BC)
+  _store_rows(dx, dx_TC, b, t, c, t_ok, c_ok, T, C)
 
 
 def _interpret(interpret) -> bool:

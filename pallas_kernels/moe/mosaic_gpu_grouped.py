@@ -81,7 +81,9 @@ def fits(K: int, N: int) -> bool:
   return K % 64 == 0 and N % 64 == 0
 
 
-def _check(name, x, w, sizes):
+def check_operands(name, x, w, sizes):
+  """The GPU grouped kernels' operands (this module's and triton_gpu_grouped's): one
+  16-bit float dtype, integer group sizes."""
   if x.dtype not in (jnp.bfloat16, jnp.float16) or w.dtype != x.dtype:
     raise ValueError(f"{name} takes bfloat16/float16 operands of one dtype, got {x.dtype} and "
                      f"{w.dtype}")
@@ -144,7 +146,7 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
                transpose_rhs: bool = False, interpret: bool | None = None):
   """[M, N] (x's dtype, fp32 accumulation): row block g of x times w[g] (w[g]ᵀ with
   transpose_rhs, w then [G, N, K]). Rows past sum(sizes) are left unwritten."""
-  _check("ragged_dot", x_MxK, w_GxKxN, sizes_G)
+  check_operands("ragged_dot", x_MxK, w_GxKxN, sizes_G)
   interpret = _interpret(interpret)
   M_out = x_MxK.shape[0]
   x_MxK = _pad_rows(x_MxK)
@@ -220,7 +222,7 @@ def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
               interpret: bool | None = None):
   """[G, K, N] (x's dtype, fp32 accumulation): dw[g] = x[rows of g]ᵀ · dy[rows of g]. Rows
   past sum(sizes) never reach a sum, whatever they hold; an empty group gets zeros."""
-  _check("ragged_dw", x_MxK, dy_MxN, sizes_G)
+  check_operands("ragged_dw", x_MxK, dy_MxN, sizes_G)
   interpret = _interpret(interpret)
   if dy_MxN.shape[0] != x_MxK.shape[0]:
     raise ValueError(f"ragged_dw: x {x_MxK.shape} and dy {dy_MxN.shape} differ in rows")

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import platform, triton_launch
+from pallas_kernels.moe.mosaic_gpu_grouped import check_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +62,6 @@ def default_config(product: str, K: int, N: int) -> Config:
 def fits(K: int, N: int) -> bool:
   """Both dims multiples of 16 (a bf16 row of 32 bytes: cp.async's 16-byte copies)."""
   return K % 16 == 0 and N % 16 == 0
-
-
-def _check(name, a, b, sizes):
-  if a.dtype not in (jnp.bfloat16, jnp.float16) or b.dtype != a.dtype:
-    raise ValueError(f"{name} takes bfloat16/float16 operands of one dtype, got {a.dtype} and "
-                     f"{b.dtype}")
-  if not jnp.issubdtype(sizes.dtype, jnp.integer):
-    raise ValueError(f"{name}: group sizes must be integers, got {sizes.dtype}")
 
 
 @triton.jit
@@ -184,7 +177,7 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
                transpose_rhs: bool = False, interpret: bool | None = None):
   """[M, N] (x's dtype, fp32 accumulation): row block g of x times w[g] (w[g]ᵀ with
   transpose_rhs, w then [G, N, K]). Rows past sum(sizes) are left unwritten."""
-  _check("ragged_dot", x_MxK, w_GxKxN, sizes_G)
+  check_operands("ragged_dot", x_MxK, w_GxKxN, sizes_G)
   M, K = x_MxK.shape
   G = w_GxKxN.shape[0]
   N = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
@@ -211,7 +204,7 @@ def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
               interpret: bool | None = None):
   """[G, K, N] (x's dtype, fp32 accumulation): dw[g] = x[rows of g]ᵀ · dy[rows of g]. Rows
   past sum(sizes) never reach a sum, whatever they hold; an empty group gets zeros."""
-  _check("ragged_dw", x_MxK, dy_MxN, sizes_G)
+  check_operands("ragged_dw", x_MxK, dy_MxN, sizes_G)
   if dy_MxN.shape[0] != x_MxK.shape[0]:
     raise ValueError(f"ragged_dw: x {x_MxK.shape} and dy {dy_MxN.shape} differ in rows")
   M, K = x_MxK.shape
