@@ -37,12 +37,14 @@ WARPS = 8
 
 
 @triton.jit
-def _tile(pid_t, pid_c, T: tl.constexpr, C: tl.constexpr, BT: tl.constexpr,
-          BC: tl.constexpr):
-  """The tile's rows t [BT] and channels c [BC] with their in-range masks."""
+def _tile(seg, T: tl.constexpr, C: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+  """Program (time block, channel block, b)'s row b, time block, rows t [BT] and channels
+  c [BC] with their in-range masks, and the rows' segment ids."""
+  pid_t, b = tl.program_id(0), tl.program_id(2)
   t = pid_t * BT + tl.arange(0, BT)
-  c = pid_c * BC + tl.arange(0, BC)
-  return t, c, t < T, c < C
+  c = tl.program_id(1) * BC + tl.arange(0, BC)
+  t_ok = t < T
+  return b, pid_t, t, c, t_ok, c < C, tl.load(seg + b * T + t, mask=t_ok, other=0)
 
 
 @triton.jit
@@ -86,9 +88,7 @@ def _sigmoid(z):
 def _short_conv_triton(x, w, seg, y, T: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
                        BT: tl.constexpr, BC: tl.constexpr, NUM_STAGES: tl.constexpr):
   """y [B, T, C] = silu(z) in y's dtype; x [B, T, C], w [W, C], seg [B, T] int32."""
-  pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-  t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
-  seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
+  b, pid_t, t, c, t_ok, c_ok, seg_t = _tile(seg, T, C, BT, BC)
   z = _taps(x, w, seg, seg_t, b, t, c, t_ok, c_ok, -1, T, C, W, BT, BC)
   _store_rows(y, z * _sigmoid(z), b, t, c, t_ok, c_ok, T, C)
 
@@ -99,9 +99,7 @@ def _short_conv_dz_triton(x, w, seg, dy, dz, dw_part, T: tl.constexpr, C: tl.con
                           NUM_STAGES: tl.constexpr):
   """dz [B, T, C] fp32 = dy · silu'(z); dw_part [B, T/BT, W, C] fp32: this tile's
   Σ_t x[t-j] · dz[t] for each j."""
-  pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-  t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
-  seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
+  b, pid_t, t, c, t_ok, c_ok, seg_t = _tile(seg, T, C, BT, BC)
   z = _taps(x, w, seg, seg_t, b, t, c, t_ok, c_ok, -1, T, C, W, BT, BC)
   rows = (b * T + t).to(tl.int64)
   dy_TC = tl.load(dy + rows[:, None] * C + c[None, :], mask=t_ok[:, None] & c_ok[None, :],
@@ -120,9 +118,7 @@ def _short_conv_dz_triton(x, w, seg, dy, dz, dw_part, T: tl.constexpr, C: tl.con
 def _short_conv_dx_triton(dz, w, seg, dx, T: tl.constexpr, C: tl.constexpr, W: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, NUM_STAGES: tl.constexpr):
   """dx [B, T, C] in dx's dtype: Σ_j dz[t+j] · w[j] over the rows t+j of t's segment."""
-  pid_t, pid_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-  t, c, t_ok, c_ok = _tile(pid_t, pid_c, T, C, BT, BC)
-  seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
+  b, pid_t, t, c, t_ok, c_ok, seg_t = _tile(seg, T, C, BT, BC)
   dx_TC = _taps(dz, w, seg, seg_t, b, t, c, t_ok, c_ok, 1, T, C, W, BT, BC)
   _store_rows(dx, dx_TC, b, t, c, t_ok, c_ok, T, C)
 

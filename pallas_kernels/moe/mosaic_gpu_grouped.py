@@ -91,6 +91,17 @@ def check_operands(name, x, w, sizes):
     raise ValueError(f"{name}: group sizes must be integers, got {sizes.dtype}")
 
 
+def dot_dims(x_MxK, w_GxKxN, sizes_G, transpose_rhs: bool):
+  """(K, N, G) of ragged_dot: x [M, K] times w [G, K, N] ([G, N, K] with transpose_rhs),
+  sizes [G]; a ValueError where they do not agree."""
+  K, G = x_MxK.shape[1], w_GxKxN.shape[0]
+  N, Kw = (w_GxKxN.shape[1:] if transpose_rhs else w_GxKxN.shape[:0:-1])
+  if Kw != K or sizes_G.shape != (G,):
+    raise ValueError(f"ragged_dot: x {x_MxK.shape}, w {w_GxKxN.shape} (transpose_rhs="
+                     f"{transpose_rhs}) and sizes {sizes_G.shape} do not agree")
+  return K, N, G
+
+
 # TMA reads a [M, K] operand in tiles of 8 rows: M must be a multiple of 8 (or the kernel
 # fails to lower: "dimension 0 must have size smaller or a multiple of its tiling 8").
 ROW_TILE = 8
@@ -150,14 +161,9 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
   interpret = _interpret(interpret)
   M_out = x_MxK.shape[0]
   x_MxK = _pad_rows(x_MxK)
-  M, K = x_MxK.shape
-  G = w_GxKxN.shape[0]
-  N = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
-  Kw = w_GxKxN.shape[2] if transpose_rhs else w_GxKxN.shape[1]
+  M = x_MxK.shape[0]
+  K, N, G = dot_dims(x_MxK, w_GxKxN, sizes_G, transpose_rhs)
   c = config or default_config("dx" if transpose_rhs else "y", K, N)
-  if Kw != K or sizes_G.shape != (G,):
-    raise ValueError(f"ragged_dot: x {x_MxK.shape}, w {w_GxKxN.shape} (transpose_rhs="
-                     f"{transpose_rhs}) and sizes {sizes_G.shape} do not agree")
   if K % c.block_k or N % c.block_n:
     raise ValueError(f"ragged_dot: K={K} and N={N} must be multiples of block_k={c.block_k} "
                      f"and block_n={c.block_n}")

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import platform, triton_launch
-from pallas_kernels.moe.mosaic_gpu_grouped import check_operands
+from pallas_kernels.moe.mosaic_gpu_grouped import check_operands, dot_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,14 +178,9 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
   """[M, N] (x's dtype, fp32 accumulation): row block g of x times w[g] (w[g]ᵀ with
   transpose_rhs, w then [G, N, K]). Rows past sum(sizes) are left unwritten."""
   check_operands("ragged_dot", x_MxK, w_GxKxN, sizes_G)
-  M, K = x_MxK.shape
-  G = w_GxKxN.shape[0]
-  N = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
-  Kw = w_GxKxN.shape[2] if transpose_rhs else w_GxKxN.shape[1]
+  M = x_MxK.shape[0]
+  K, N, G = dot_dims(x_MxK, w_GxKxN, sizes_G, transpose_rhs)
   c = config or default_config("dx" if transpose_rhs else "y", K, N)
-  if Kw != K or sizes_G.shape != (G,):
-    raise ValueError(f"ragged_dot: x {x_MxK.shape}, w {w_GxKxN.shape} (transpose_rhs="
-                     f"{transpose_rhs}) and sizes {sizes_G.shape} do not agree")
   if K % c.block_k:
     raise ValueError(f"ragged_dot: the contracted width K={K} must be a multiple of "
                      f"block_k={c.block_k}")
