@@ -14,3 +14,9 @@ def target() -> str:
   """"tpu", "gpu" or "cpu"."""
   device = jax.sharding.get_abstract_mesh().abstract_device   # None without a mesh
   return device.platform if device is not None else jax.default_backend()
+
+
+def interpret_off_gpu(interpret: bool | None) -> bool:
+  """A GPU kernel's `interpret` argument resolved: None means natively where the target
+  platform is a GPU, else in an interpreter (CPU tests)."""
+  return target() != "gpu" if interpret is None else interpret

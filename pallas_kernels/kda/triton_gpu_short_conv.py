@@ -10,8 +10,9 @@ within each segment, then SiLU) as native Triton kernels, forward and backward
 Why: XLA's version is W shifted, masked copies summed; its backward sums W zero-padded
 cotangents into one multi-output fusion beside the weight gradient's reductions, at about
 ten times the bytes' floor in single_h200's step (0.4 ms a conv against 0.04:
-benchmarks/train.json, h200_dropless's top_kernels, input_add_reduce_fusion_10). Here each [BT, BC] tile reads its rows and the W-1 rows before it
-(after it, for dx) and computes in fp32: one pass forward; backward a pass for dz and
+benchmarks/train.json, h200_dropless's top_kernels, input_add_reduce_fusion_10). Here
+each [BT, BC] tile reads its rows and the W-1 rows before it (after it, for dx) and
+computes in fp32: one pass forward; backward a pass for dz and
 each tile's dw column sums (summed over tiles by the caller), and a pass for dx.
 
 Launched by pallas_kernels/triton_launch.py: jax_triton on a GPU, Triton's interpreter on
@@ -123,10 +124,6 @@ def _short_conv_dx_triton(dz, w, seg, dx, T: tl.constexpr, C: tl.constexpr, W: t
   _store_rows(dx, dx_TC, b, t, c, t_ok, c_ok, T, C)
 
 
-def _interpret(interpret) -> bool:
-  return platform.target() != "gpu" if interpret is None else interpret
-
-
 def _launch(kernel, shape, args, out_type, interpret):
   B, T, C = shape
   W = args[1].shape[0]
@@ -177,4 +174,5 @@ def short_conv(x_BxTxC, w_WxC, seg_BxT, *, interpret: bool | None = None):
   """silu(depthwise causal conv of x by w within each segment) [B, T, C] in x's dtype,
   fp32 inside; w [W, C] (tap j multiplies x[t - j]); differentiable in x and w."""
   _check(x_BxTxC, w_WxC, seg_BxT)
-  return _short_conv(x_BxTxC, w_WxC, seg_BxT.astype(jnp.int32), _interpret(interpret))
+  return _short_conv(x_BxTxC, w_WxC, seg_BxT.astype(jnp.int32),
+                     platform.interpret_off_gpu(interpret))

@@ -114,12 +114,6 @@ def _pad_rows(a_MxK):
   return jnp.pad(a_MxK, ((0, extra), (0, 0))) if extra else a_MxK
 
 
-def _interpret(interpret) -> bool:
-  """None: the kernels where the target platform is a GPU, else Pallas's Mosaic GPU
-  interpreter (CPU tests)."""
-  return platform.target() != "gpu" if interpret is None else interpret
-
-
 def _num_sms(interpret) -> int:
   if interpret:
     return 2     # the interpreter walks the persistent loop; a small grid keeps it quick
@@ -158,7 +152,7 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
   """[M, N] (x's dtype, fp32 accumulation): row block g of x times w[g] (w[g]ᵀ with
   transpose_rhs, w then [G, N, K]). Rows past sum(sizes) are left unwritten."""
   check_operands("ragged_dot", x_MxK, w_GxKxN, sizes_G)
-  interpret = _interpret(interpret)
+  interpret = platform.interpret_off_gpu(interpret)
   M_out = x_MxK.shape[0]
   x_MxK = _pad_rows(x_MxK)
   M = x_MxK.shape[0]
@@ -229,7 +223,7 @@ def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
   """[G, K, N] (x's dtype, fp32 accumulation): dw[g] = x[rows of g]ᵀ · dy[rows of g]. Rows
   past sum(sizes) never reach a sum, whatever they hold; an empty group gets zeros."""
   check_operands("ragged_dw", x_MxK, dy_MxN, sizes_G)
-  interpret = _interpret(interpret)
+  interpret = platform.interpret_off_gpu(interpret)
   if dy_MxN.shape[0] != x_MxK.shape[0]:
     raise ValueError(f"ragged_dw: x {x_MxK.shape} and dy {dy_MxN.shape} differ in rows")
   x_MxK, dy_MxN = _pad_rows(x_MxK), _pad_rows(dy_MxN)

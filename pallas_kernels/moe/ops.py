@@ -82,7 +82,7 @@ def grouped_matmul(x_MxK, w_GxKxN, group_sizes_G, implementation: str = ""):
     if platform.target() == "tpu":
       raise ValueError("model.moe.grouped_matmul='triton' is the Triton GPU kernels; on TPU "
                        "use '' or 'tokamax'")
-    if not _tokamax_gpu_dtype(x_MxK.dtype) or K % 16 or N % 16:
+    if not _tokamax_gpu_dtype(x_MxK.dtype) or not _triton_grouped().fits(K, N):
       raise ValueError(f"model.moe.grouped_matmul='triton' takes bfloat16/float16 experts "
                        f"with both dims multiples of 16, got {x_MxK.dtype} [{K}, {N}]; use '' "
                        f"(xla for float32)")

@@ -164,11 +164,6 @@ def _grouped_dw_triton(sizes, x, dy, dw, M: tl.constexpr, K: tl.constexpr, N: tl
   tl.store(out, acc.to(dw.dtype.element_ty), mask=kr_ok[:, None] & col_ok[None, :])
 
 
-def _interpret(interpret) -> bool:
-  """None: the kernels where the target platform is a GPU, else Triton's interpreter."""
-  return platform.target() != "gpu" if interpret is None else interpret
-
-
 def _groups_padded(G: int) -> int:
   return max(16, triton.next_power_of_2(G))
 
@@ -184,14 +179,15 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
   if K % c.block_k:
     raise ValueError(f"ragged_dot: the contracted width K={K} must be a multiple of "
                      f"block_k={c.block_k}")
-  tiles = (pl_cdiv(M, c.block_m) + G - 1) * pl_cdiv(N, c.block_n)
+  tiles = (triton.cdiv(M, c.block_m) + G - 1) * triton.cdiv(N, c.block_n)
   meta = dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), TRANSPOSE=bool(transpose_rhs),
               BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m)
   (y,) = triton_launch.launch(
       _grouped_dot_triton, (tiles,), (sizes_G.astype(jnp.int32), x_MxK, w_GxKxN),
       [jax.ShapeDtypeStruct((M, N), x_MxK.dtype)], meta,
       name=f"grouped_triton_{'dx' if transpose_rhs else 'y'}_{K}x{N}",
-      interpret=_interpret(interpret), warps=c.warps, max_stages=c.stages, stages=c.stages)
+      interpret=platform.interpret_off_gpu(interpret), warps=c.warps, max_stages=c.stages,
+      stages=c.stages)
   return y
 
 
@@ -209,13 +205,9 @@ def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
   meta = dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), BM=c.block_m, BN=c.block_n,
               BK=c.block_k)
   (dw,) = triton_launch.launch(
-      _grouped_dw_triton, (G, pl_cdiv(K, c.block_m) * pl_cdiv(N, c.block_n)),
+      _grouped_dw_triton, (G, triton.cdiv(K, c.block_m) * triton.cdiv(N, c.block_n)),
       (sizes_G.astype(jnp.int32), x_MxK, dy_MxN),
       [jax.ShapeDtypeStruct((G, K, N), x_MxK.dtype)], meta,
-      name=f"grouped_triton_dw_{K}x{N}", interpret=_interpret(interpret), warps=c.warps,
-      max_stages=c.stages, stages=c.stages)
+      name=f"grouped_triton_dw_{K}x{N}", interpret=platform.interpret_off_gpu(interpret),
+      warps=c.warps, max_stages=c.stages, stages=c.stages)
   return dw
-
-
-def pl_cdiv(a: int, b: int) -> int:
-  return -(-a // b)
