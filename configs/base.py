@@ -92,7 +92,7 @@ def get_config(arg=None):
   # destination = this x the balanced load (tokens * top_k / P); the overflow goes in more
   # rounds, never dropped. Larger: fewer rounds when routing is skewed, more memory.
   moe.ep_buffer_factor = 2.0
-  moe.grouped_matmul = ""       # "" = mosaic (GPU) / tokamax (TPU) for bf16, else xla; or xla | tokamax | mosaic | triton
+  moe.grouped_matmul = ""       # "" = triton (GPU) / tokamax (TPU) for bf16, else xla; or xla | tokamax | mosaic | triton
   # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
   # gather | grouped | fused | layer (router, experts and shared expert as three kernels)
   moe.decode_dispatch = "auto"

@@ -7,6 +7,9 @@ choice asks this function, so that program gets the Mosaic TPU kernels, not the 
 or the interpreter.
 """
 
+import functools
+import importlib.util
+
 import jax
 
 
@@ -20,3 +23,10 @@ def interpret_off_gpu(interpret: bool | None) -> bool:
   """A GPU kernel's `interpret` argument resolved: None means natively where the target
   platform is a GPU, else in an interpreter (CPU tests)."""
   return target() != "gpu" if interpret is None else interpret
+
+
+@functools.cache
+def triton_available() -> bool:
+  """Whether the Triton kernels (KDA's, the grouped matmul's) can run on a GPU here: the
+  triton and jax_triton packages (the `gpu` extra) are installed. Looked up, not imported."""
+  return all(importlib.util.find_spec(m) is not None for m in ("triton", "jax_triton"))

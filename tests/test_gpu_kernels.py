@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import platform
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.attention.pallas_gpu_causal import causal_attention
 from pallas_kernels.attention import pallas_gpu_cached as ca
@@ -213,10 +214,11 @@ def test_decode_experts_match_gathered_einsums():
   assert np.isfinite(np.asarray(got, np.float32)).all() and rel_err(f32(got), ref) < 1e-2
 
 
-@pytest.mark.parametrize("impl", ["tokamax", "mosaic"])
+@pytest.mark.parametrize("impl", ["tokamax", "mosaic", "triton"])
 def test_gpu_grouped_matmul_matches_ragged_dot(impl, absl_flags_parsed):
   """The dropless expert matmul on GPU (tokamax: its y and dx, grouped_dw's dw; mosaic: the
-  Mosaic GPU kernels of grouped_mgpu, tuned tiles; bf16) against jax.lax.ragged_dot in fp32,
+  Mosaic GPU kernels of grouped_mgpu, tuned tiles; triton: Triton's y and dx, Mosaic's dw;
+  bf16) against jax.lax.ragged_dot in fp32,
   output and both gradients, with empty and uneven groups. tokamax's own dw failed this at
   4.6e-2 (benchmarks/gpu_tests.md)."""
   rng = np.random.default_rng(7)
@@ -244,4 +246,5 @@ def test_gpu_grouped_matmul_matches_ragged_dot(impl, absl_flags_parsed):
 
 def test_float32_models_take_xla_grouped_matmul_on_gpu():
   assert moe_ops.default_grouped_matmul(jnp.float32) == "xla"
-  assert moe_ops.default_grouped_matmul(jnp.bfloat16, 1024, 1408) == "mosaic"
+  assert moe_ops.default_grouped_matmul(jnp.bfloat16, 1024, 1408) == (
+      "triton" if platform.triton_available() else "mosaic")

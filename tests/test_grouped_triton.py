@@ -58,9 +58,11 @@ def test_ragged_dw_matches_per_group_products_and_ignores_padding(K, N):
   assert not got[np.asarray(SIZES) == 0].any()     # empty groups: exact zeros
 
 
-def test_model_vjp_matches_xla_ragged_dot():
-  """grouped_matmul(..., "triton") at the shipped tiles (default_config), N off the tile."""
-  check_model_vjp("triton", 200, 64, 144, [100, 0, 35, 65])
+@pytest.mark.parametrize("M,N", [(200, 144), (256, 128)])
+def test_model_vjp_matches_xla_ragged_dot(M, N):
+  """grouped_matmul(..., "triton") at the shipped tiles (default_config): N off the tile and
+  off Mosaic's 64-multiples (Triton's dw), then on them (Mosaic's dw)."""
+  check_model_vjp("triton", M, 64, N, [100, 0, M - 165, 65])
 
 
 def test_bad_input_is_named():

@@ -21,6 +21,7 @@ from moe_jax.model import router
 from moe_jax.model.moe import MoE
 from moe_jax.train import optim
 from moe_jax.train.state import frozen_model_config
+from pallas_kernels import platform
 from pallas_kernels.moe import ops as moe_ops
 from pallas_kernels.moe import pallas_gpu_decode_experts as decode_experts
 from tests.conftest import ROOT, count_calls, cpu_devices_env, make_small_config, rel_err
@@ -264,15 +265,20 @@ def test_decode_path_resolves_auto(setting, assignments, backend, path):
   assert moe_lib.decode_path(setting, assignments, backend) == path
 
 
-@pytest.mark.parametrize("backend,dtype,dims,impl", [
-    ("gpu", jnp.bfloat16, (1024, 1408), "mosaic"), ("gpu", jnp.bfloat16, (1024, 1000), "tokamax"),
-    ("gpu", jnp.float32, (1024, 1408), "xla"), ("tpu", jnp.float32, (1024, 1408), "tokamax"),
-    ("cpu", jnp.bfloat16, (1024, 1408), "xla")])
+@pytest.mark.parametrize("backend,dtype,dims,triton,impl", [
+    ("gpu", jnp.bfloat16, (1024, 1408), True, "triton"),
+    ("gpu", jnp.bfloat16, (1024, 1408), False, "mosaic"),
+    ("gpu", jnp.bfloat16, (1024, 1000), True, "tokamax"),
+    ("gpu", jnp.float32, (1024, 1408), True, "xla"),
+    ("tpu", jnp.float32, (1024, 1408), True, "tokamax"),
+    ("cpu", jnp.bfloat16, (1024, 1408), True, "xla")])
 def test_grouped_matmul_default_follows_backend_dtype_and_dims(monkeypatch, backend, dtype,
-                                                               dims, impl):
-  """The GPU kernels take no float32 (fp32 models on GPU take XLA's ragged_dot); the Mosaic
-  GPU kernels need both dims in multiples of 64, tokamax's takes the rest."""
+                                                               dims, triton, impl):
+  """The GPU kernels take no float32 (fp32 models on GPU take XLA's ragged_dot); `triton`
+  and `mosaic` (whose dw `triton` takes) need both dims in multiples of 64, tokamax's takes
+  the rest; without jax_triton, mosaic."""
   monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  monkeypatch.setattr(platform, "triton_available", lambda: triton)
   assert moe_ops.default_grouped_matmul(dtype, *dims) == impl
 
 

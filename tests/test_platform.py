@@ -32,15 +32,18 @@ def test_kernel_choices_resolve_for_the_target(target, monkeypatch):
   cfg = frozen_model_config(make_small_config())
   with context():
     assert platform.target() == target
-    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    monkeypatch.setattr(platform, "triton_available", lambda: False)
     assert tuple(ops.default_implementation(d, d) for d in (128, 24, 512)) == kda_impls
-    # with jax_triton installed (the gpu extra), GPU's fitting head dims get triton
-    monkeypatch.setattr(ops, "triton_available", lambda: True)
-    with_triton = tuple("triton" if i == "pallas_gpu" else i for i in kda_impls)
-    assert tuple(ops.default_implementation(d, d) for d in (128, 24, 512)) == with_triton
-    assert mla_implementation(cfg) == mla_impl
     assert (moe_ops.default_grouped_matmul(jnp.bfloat16),
             moe_ops.default_grouped_matmul(jnp.float32)) == gmm
+    # with jax_triton installed (the gpu extra), GPU's fitting shapes get the Triton kernels
+    monkeypatch.setattr(platform, "triton_available", lambda: True)
+    with_triton = tuple("triton" if i == "pallas_gpu" else i for i in kda_impls)
+    assert tuple(ops.default_implementation(d, d) for d in (128, 24, 512)) == with_triton
+    assert (moe_ops.default_grouped_matmul(jnp.bfloat16),
+            moe_ops.default_grouped_matmul(jnp.float32)) == tuple(
+                "triton" if i == "mosaic" else i for i in gmm)
+    assert mla_implementation(cfg) == mla_impl
     # decode experts: the fused Pallas kernels only on GPU, gathered weights elsewhere
     assert moe.decode_path("auto", 32) == ("fused" if target == "gpu" else "gather")
     assert tuple(ring_attention.default_implementation(n) for n in (256, 200)) == ring

@@ -1,8 +1,5 @@
 """Public KDA entry point: validates inputs and dispatches to an implementation."""
 
-import functools
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 
@@ -71,13 +68,6 @@ def pallas_gpu_fits(K, V) -> bool:
   return all(d >= 16 and d & (d - 1) == 0 for d in (K, V))
 
 
-@functools.cache
-def triton_available() -> bool:
-  """Whether the triton implementation can run on a GPU here: the triton and jax_triton
-  packages (the `gpu` extra) are installed. Looked up, not imported."""
-  return all(importlib.util.find_spec(m) is not None for m in ("triton", "jax_triton"))
-
-
 def default_implementation(K=128, V=128) -> str:
   """The target platform's kernels where the head dims fit them: on GPU triton (faster than
   pallas_gpu on every shape of benchmarks/kda.md), or pallas_gpu where jax_triton is not
@@ -85,7 +75,7 @@ def default_implementation(K=128, V=128) -> str:
   chunked form elsewhere."""
   target = platform.target()
   if target == "gpu" and pallas_gpu_fits(K, V):
-    return "triton" if triton_available() else "pallas_gpu"
+    return "triton" if platform.triton_available() else "pallas_gpu"
   if target == "tpu" and pallas_tpu.fits(K, V):
     return "pallas_tpu"
   return "xla"

@@ -3,16 +3,19 @@
 A row block g of x (rows sorted by group) times w[g]. `jax.lax.ragged_dot` is emulated
 densely on GPU (2% of peak, and at E=256 it tries to allocate 128 GiB on an H200), so
 GPU/TPU use kernels for bf16/fp16:
-* `mosaic` (the GPU default where both dims are multiples of 64): the Mosaic GPU kernels of
-  mosaic_gpu_grouped.py for y, dx (w read transposed in place) and dw, with tile shapes tuned per
-  product on the H200 (benchmarks/moe.md); where dx's columns are not a multiple of 128
-  (only 64-wide tiles fit), tokamax's dx instead;
+* `triton` (the GPU default where both dims are multiples of 64 and jax_triton is
+  installed): the native Triton kernels of triton_gpu_grouped.py for y and dx (two-warpgroup
+  128 × 256 tiles, columns masked), Mosaic's dw. Against `mosaic`'s, Triton's y and dx take
+  6–51% less time on seven of the eight products at the 1B's and single_h200's shapes (2%
+  more on one), its dw about twice as long (benchmarks/moe.md), so dw stays Mosaic's
+  where Mosaic's tiles fit;
+* `mosaic`: the Mosaic GPU kernels of mosaic_gpu_grouped.py for y, dx (w read transposed
+  in place) and dw, with tile shapes tuned per product on the H200 (benchmarks/moe.md);
+  where dx's columns are not a multiple of 128 (only 64-wide tiles fit), tokamax's dx
+  instead;
 * `tokamax`: `tokamax.ragged_dot` (its sm90 Mosaic kernel, fixed 64×64 tiles) for y and dx;
   its weight gradient comes from pallas_gpu_grouped_dw.py instead, as tokamax 0.0.17's is
   wrong on the H200;
-* `triton`: the native Triton kernels of triton_gpu_grouped.py for all three products
-  (two-warpgroup 128 × 256 tiles, columns masked: any dims that are multiples of 16);
-  opt-in until timed against `mosaic` (benchmarks/bench_grouped_matmul.py).
 The GPU kernels take no float32, so float32 models (debugging, numerics checks) take XLA's
 ragged_dot on GPU: exact, but dense in E. On TPU it is tokamax's Mosaic TPU kernel
 (`implementation="mosaic_tpu"`, megablox-style gmm / tgmm, forward and backward), named
@@ -44,14 +47,15 @@ _HAS_TOKAMAX = importlib.util.find_spec("tokamax") is not None   # looked up, no
 
 
 def default_grouped_matmul(dtype, K: int = 64, N: int = 64) -> str:
-  """On GPU for bf16/fp16: mosaic where K and N (the expert's D and F) are multiples of 64,
-  else tokamax; xla for float32 on GPU (the GPU kernels are bf16/fp16 only) and on CPU;
-  tokamax on TPU."""
+  """On GPU for bf16/fp16, where K and N (the expert's D and F) are multiples of 64: triton
+  (Triton's y and dx, Mosaic's dw: 4.7% less a 1B step than mosaic, benchmarks/train.md),
+  or mosaic where jax_triton is not installed; tokamax for other dims. xla for float32 on
+  GPU (the GPU kernels are bf16/fp16 only) and on CPU; tokamax on TPU."""
   backend = platform.target()
   if backend == "cpu" or (backend == "gpu" and not _tokamax_gpu_dtype(dtype)):
     return "xla"
   if backend == "gpu" and mosaic_gpu_grouped.fits(K, N):
-    return "mosaic"
+    return "triton" if platform.triton_available() else "mosaic"
   return "tokamax"
 
 
@@ -153,6 +157,15 @@ def _triton_grouped():
   return triton_gpu_grouped
 
 
+def _triton_dw(x_MxK, dy_MxN, group_sizes_G):
+  """dw for `triton`: Mosaic's where its 64-multiples fit, since Triton's dw (a K loop over
+  each group's rows, operands read transposed) runs at half Mosaic's speed in the 1B step
+  (benchmarks/moe.md); Triton's elsewhere."""
+  if mosaic_gpu_grouped.fits(x_MxK.shape[1], dy_MxN.shape[1]):
+    return mosaic_gpu_grouped.ragged_dw(x_MxK, dy_MxN, group_sizes_G)
+  return _triton_grouped().ragged_dw(x_MxK, dy_MxN, group_sizes_G)
+
+
 # The GPU implementations' three products, (y, dx, dw), each f(a, b, group_sizes):
 #   y = x·w[g],  dx = dy·w[g]ᵀ,  dw[g] = x_gᵀ·dy_g
 # (benchmarks/bench_grouped_matmul.py times them)
@@ -161,7 +174,7 @@ GPU_PRODUCTS = {
     "mosaic": (mosaic_gpu_grouped.ragged_dot, _mosaic_dx, mosaic_gpu_grouped.ragged_dw),
     "triton": (lambda x, w, s: _triton_grouped().ragged_dot(x, w, s),
                lambda dy, w, s: _triton_grouped().ragged_dot(dy, w, s, transpose_rhs=True),
-               lambda x, dy, s: _triton_grouped().ragged_dw(x, dy, s)),
+               lambda x, dy, s: _triton_dw(x, dy, s)),
 }
 
 
