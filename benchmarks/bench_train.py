@@ -187,7 +187,8 @@ def mfu(flops_total: float, step_ms: float, devices: int, peak: float = PEAK_FLO
 # GPU kernels by name, for the kernels whose op name the profile does not carry (seen on
 # the H200: every kernel reported under "XlaModule").
 KERNEL_PHASES = (("kda_", "kda"), ("mha_", "mla"), ("ring_step", "mla"),
-                 ("ragged_dot", "moe_experts"), ("grouped_dw", "moe_experts"),
+                 ("short_conv", "kda"), ("ragged_dot", "moe_experts"),
+                 ("grouped_dw", "moe_experts"), ("grouped_dot", "moe_experts"),
                  ("grouped_mgpu", "moe_experts"), ("nvjet", "cublas_matmuls"),
                  ("gemm", "cublas_matmuls"), ("cutlass", "cublas_matmuls"),
                  ("fusion", "xla_fusions"), ("memcpy", "copies"), ("convert", "xla_fusions"))

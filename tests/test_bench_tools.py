@@ -31,8 +31,9 @@ def test_fusion_kernels_map_to_their_named_scope():
   name = next(iter(fusions))
   assert xprof_tables.op_of(name + "_7", ops) == ops[name]
   assert bench_train.phase_of("XlaModule", "ring_step_dkv") == "mla"
-  assert bench_train.phase_of("XlaModule", "grouped_mgpu_dw_704x1024_mosaic_gpu_kernel") == \
-      "moe_experts"
+  for kernel, phase in [("grouped_mgpu_dw_704x1024_mosaic_gpu_kernel", "moe_experts"),
+                        ("_grouped_dot_triton", "moe_experts"), ("_short_conv_dz_triton", "kda")]:
+    assert bench_train.phase_of("XlaModule", kernel) == phase, kernel
 
 
 def test_kernel_registers_dumps_every_kda_kernel_with_its_launch_width(tmp_path):
