@@ -43,8 +43,8 @@ F32 = jnp.float32
 ROWS = 16                # rows a step
 L = tl.constexpr(ROWS)   # (the kernels' copy)
 
-FWD16 = False              # bounded gates' forward without a backward at a 16-row step; not
-                           # yet timed against triton_gpu's
+FWD16 = False              # bounded gates' forward without a backward at a 16-row step: 15%
+                           # faster at 256 (b, h) pairs, 23-42% slower at 16 (kda.md)
 FWD16_PREPARE_WARPS = 4    # sm_90a, bf16, the gate and L2 norm inside: 128 / 217 registers
                            # at K = 64 / 128, no spills
 FWD16_WARPS = 4            # the recurrence: 89 / 123 registers at K = V = 64 / 128, 3 stages
