@@ -16,8 +16,13 @@ itself (a vector search over the G groups: no metadata kernels a call), multipli
 whole row block unmasked (rows of a neighbouring group only feed output rows it does not
 store; rows past M are clamped to row M-1) and stores its group's rows. A group takes each
 row block it touches, so there are at most cdiv(M, block_m) + G - 1 row tiles.
-dw: one program per (group, output tile), its loop over the group's rows in block_k steps,
-rows outside the group masked to 0 at the load (a padding row may hold NaN).
+dw: one program per (output tile, group), its loop over the group's rows in block_k steps,
+rows outside the group masked to 0 at the load (a padding row may hold NaN). The tile is
+the launch grid's fast axis, so the programs resident at once are one group's tiles, which
+read the same rows of x and dy from L2. With the group as the fast axis, the resident
+programs belonged to different groups and shared no rows: up to 4.8 GB read a call at the
+1B's gate/up instead of 0.6, and dw ran at half Mosaic's speed (benchmarks/moe.md, timed
+before this order).
 
 Launched by pallas_kernels/triton_launch.py: jax_triton on a GPU, Triton's interpreter on
 host arrays elsewhere (CPU tests). benchmarks/bench_grouped_matmul.py times them beside
@@ -139,11 +144,11 @@ def _grouped_dot_triton(sizes, x, w, y, M: tl.constexpr, K: tl.constexpr, N: tl.
 def _grouped_dw_triton(sizes, x, dy, dw, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                        G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, NUM_STAGES: tl.constexpr):
-  """dw [G, K, N] = x[rows of g]ᵀ · dy[rows of g]: program (g, output tile) loops over its
+  """dw [G, K, N] = x[rows of g]ᵀ · dy[rows of g]: program (output tile, g) loops over its
   group's rows BK at a time; an empty group's tiles get zeros."""
-  g = tl.program_id(0)
+  g = tl.program_id(1)
   tiles_n: tl.constexpr = (N + BN - 1) // BN
-  pm, pn = tl.program_id(1) // tiles_n, tl.program_id(1) % tiles_n
+  pm, pn = tl.program_id(0) // tiles_n, tl.program_id(0) % tiles_n
   i, start_G, end_G = _group_bounds(sizes, G, GP)
   start = _isum(tl.where(i == g, start_G, 0))
   end = _isum(tl.where(i == g, end_G, 0))
@@ -205,7 +210,7 @@ def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
   meta = dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), BM=c.block_m, BN=c.block_n,
               BK=c.block_k)
   (dw,) = triton_launch.launch(
-      _grouped_dw_triton, (G, triton.cdiv(K, c.block_m) * triton.cdiv(N, c.block_n)),
+      _grouped_dw_triton, (triton.cdiv(K, c.block_m) * triton.cdiv(N, c.block_n), G),
       (sizes_G.astype(jnp.int32), x_MxK, dy_MxN),
       [jax.ShapeDtypeStruct((G, K, N), x_MxK.dtype)], meta,
       name=f"grouped_triton_dw_{K}x{N}", interpret=platform.interpret_off_gpu(interpret),
