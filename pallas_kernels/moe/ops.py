@@ -158,9 +158,9 @@ def _triton_grouped():
 
 
 def _triton_dw(x_MxK, dy_MxN, group_sizes_G):
-  """dw for `triton`: Mosaic's where its 64-multiples fit, since Triton's dw (a K loop over
-  each group's rows, operands read transposed) runs at half Mosaic's speed in the 1B step
-  (benchmarks/moe.md); Triton's elsewhere."""
+  """dw for `triton`: Mosaic's where its 64-multiples fit, since Triton's dw ran at half
+  Mosaic's speed in the 1B step (benchmarks/moe.md, timed before its grid walked one
+  group's tiles together); Triton's elsewhere."""
   if mosaic_gpu_grouped.fits(x_MxK.shape[1], dy_MxN.shape[1]):
     return mosaic_gpu_grouped.ragged_dw(x_MxK, dy_MxN, group_sizes_G)
   return _triton_grouped().ragged_dw(x_MxK, dy_MxN, group_sizes_G)
