@@ -1,8 +1,9 @@
 """Date, commit and machine for a benchmark record.
 
-A device machine gets a copy of the working tree without .git: there the caller passes
-the commit in MOE_JAX_COMMIT (e.g. `MOE_JAX_COMMIT=$(git rev-parse --short HEAD)` typed
-where the checkout is)."""
+A device machine gets a copy of the working tree whose .git, where it has one, need not be
+the checkout's (one reported an earlier HEAD, +dirty, for a later tree): there the caller
+passes the commit in MOE_JAX_COMMIT (e.g. `MOE_JAX_COMMIT=$(git rev-parse --short HEAD)`
+typed where the checkout is)."""
 
 import datetime
 import os
