@@ -27,6 +27,9 @@ def get_config(arg=None):
   m.remat = False
   m.remat_policy = "full"       # with remat: full | dots | kernels | residuals |
                                 # residuals_recompute_prologue (model/remat.py)
+  m.remat_expert_rows = False   # with remat, also save the routed experts' input rows, SwiGLU
+                                # activation and token-order outputs: no gather or SwiGLU rerun
+                                # in the backward, N·k·(2D + F) values a MoE layer (model/remat.py)
   m.scan_layers = True          # one nn.scan over the periods of layer_pattern (layer_stack.py)
   # KDA (linear attention) mixer.
   m.kda_head_dim = 64           # K = V per head; heads * kda_head_dim need not equal d_model

@@ -88,6 +88,8 @@ def validate(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       _fail(f"model.{f}", m.get(f), "True or False")
   if m.remat_policy not in REMAT_POLICIES:
     _fail("model.remat_policy", m.remat_policy, f"one of {REMAT_POLICIES}")
+  if not isinstance(m.get("remat_expert_rows", False), bool):
+    _fail("model.remat_expert_rows", m.remat_expert_rows, "True or False")
   if m.decode_matmul not in ("xla", "pallas"):
     _fail("model.decode_matmul", m.decode_matmul, "one of ('xla', 'pallas')")
   if m.get("kda_decode", "auto") not in ("auto", "xla", "kernel"):

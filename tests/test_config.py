@@ -68,6 +68,8 @@ def test_command_line_overrides(monkeypatch):
     ("model.moe.capacity_factor", 0.0, r"model\.moe\.capacity_factor must be > 0, got 0\.0"),
     ("model.moe.exact_damping", 1.5, r"model\.moe\.exact_damping must be in \(0, 1\], got 1\.5"),
     ("model.moe.grouped_matmul", "cutlass", r"model\.moe\.grouped_matmul must be one of "),
+    ("model.remat_expert_rows", None, r"model\.remat_expert_rows must be True or False, "
+                                       r"got None"),
     ("model.moe.decode_dispatch", "dense", r"model\.moe\.decode_dispatch must be one of "),
     ("mesh.expert", 3, r"mesh\.expert must be a divisor of model\.moe\.num_experts=8, got 3"),
     ("optim.router_grad_clip_norm", -1.0, r"optim\.router_grad_clip_norm must be >= 0"),

@@ -2,6 +2,7 @@
 
 import collections
 import json
+import re
 import subprocess
 import sys
 
@@ -202,6 +203,32 @@ def test_remat_residuals_policies_run_each_kernel_forward_once(small_config):
   assert before["kda_intra_wu_bwd"] == after["kda_intra_wu_bwd"] > 0
   assert lean_n["kda_prologue"] == 2 * after["kda_prologue"], (after, lean_n)
   assert all(lean_n[n] == after[n] for n in after if n != "kda_prologue"), (after, lean_n)
+
+
+def test_remat_expert_rows_saves_the_dispatch_gathers_and_swiglu(small_config):
+  """model.remat_expert_rows: the same loss and gradients, and the compiled backward no
+  longer runs the dispatch's row gathers or the experts' SwiGLU a second time (their ops
+  gone from the rematerialised computation), under the 1B's remat policy."""
+  batch = _batch(np.arange(128).reshape(2, 64) % 259, np.ones((2, 64)))
+  results = {}
+  for save in (False, True):
+    model = _model(small_config.copy_and_resolve_references(), dtype="float32",
+                   layer_pattern="KA", n_layers=2, remat=True,
+                   remat_policy="residuals_recompute_prologue", remat_expert_rows=save)
+    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), batch))
+    step = jax.jit(jax.value_and_grad(
+        lambda p, m=model, v=variables: (m.apply({**v, "params": p}, batch)[0] ** 2).mean()))
+    hlo = step.lower(variables["params"]).compile().as_text()
+    rerun = [n for n in re.findall(r'op_name="([^"]*)"', hlo)
+             if "rematted_computation" in n and ("moe_dispatch/gather" in n
+                                                 or "moe_experts/mul" in n)]
+    results[save] = step(variables["params"]), rerun
+  ((l0, g0), rerun0), ((l1, g1), rerun1) = results[False], results[True]
+  assert any("gather" in n for n in rerun0) and any("mul" in n for n in rerun0), rerun0
+  assert rerun1 == [], rerun1
+  assert np.isfinite(float(l1)) and float(l0) == float(l1)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    assert rel_err(a, b) < 1e-6
 
 
 # pallas_gpu is the slower in interpret mode (18 s on 2 cores): make test keeps triton.

@@ -47,14 +47,16 @@ gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
 def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation=""):
   """SwiGLU of each row by its group's expert (rows sorted by expert)."""
   E, D, _, F = gate_up_ExDx2xF.shape
+  x_MxD = remat.tag(x_MxD, "moe_x")
   h_Mx2F = remat.tag(grouped_matmul(x_MxD, gate_up_ExDx2xF.reshape(E, D, 2 * F),
                                     group_sizes_E, implementation), "moe_h")
-  a_MxF = gated_silu(h_Mx2F.reshape(-1, 2, F))
+  a_MxF = remat.tag(gated_silu(h_Mx2F.reshape(-1, 2, F)), "moe_a")
   return remat.tag(grouped_matmul(a_MxF, down_ExFxD, group_sizes_E, implementation), "moe_y")
 
 
 def swiglu_batched(x_ExCxD, gate_up_ExDx2xF, down_ExFxD):
   """SwiGLU of every expert's [C, D] buffer: batched dense matmuls."""
+  x_ExCxD = remat.tag(x_ExCxD, "moe_x")
   h_ExCx2xF = remat.tag(jnp.einsum("ecd,edgf->ecgf", x_ExCxD, gate_up_ExDx2xF), "moe_h")
-  a_ExCxF = gated_silu(h_ExCx2xF)
+  a_ExCxF = remat.tag(gated_silu(h_ExCx2xF), "moe_a")
   return remat.tag(jnp.einsum("ecf,efd->ecd", a_ExCxF, down_ExFxD), "moe_y")

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.fields import param_names
-from moe_jax.model import experts, layer_stack, router
+from moe_jax.model import experts, layer_stack, remat, router
 from moe_jax.model.dispatch import (capacity, combine, inverse_permutation, permute_rows,
                                      repeat_rows, sort_by_group, take_rows)
 from moe_jax.model.layers import SwiGLU, dense, dtype_of, lp, out_scale, rms_norm
@@ -49,7 +49,9 @@ def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=
   x_AxD = permute_rows(repeat_rows(x_NxD, K), order_A, inverse_A)
   with jax.named_scope("moe_experts"):
     y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation)
-  return combine(permute_rows(y_AxD, inverse_A, order_A), w_NxK, x_NxD.dtype)
+  # token order: the combine's weight gradient reads it (saved with model.remat_expert_rows)
+  y_tokens_AxD = remat.tag(permute_rows(y_AxD, inverse_A, order_A), "moe_y_tokens")
+  return combine(y_tokens_AxD, w_NxK, x_NxD.dtype)
 
 
 AUTO_FUSED_MIN = 8   # assignments from which "auto" takes the fused kernels (on GPU)

@@ -13,6 +13,8 @@
            layer at 8192 × 4 × 16 heads of 64): the backward pass runs KDA's prologue (one
            launch over q, k and the gate input) again to rebuild them.
 
+model.remat_expert_rows adds EXPERT_ROWS (below) to any of them.
+
 Under nn.scan every value the backward pass reads is stored per period (XLA cannot fuse
 a cheap producer into its consumer across the loop), so scanned layers at long context
 need a policy; measured choices are in benchmarks/train.md.
@@ -25,6 +27,12 @@ from moe_jax.fields import REMAT_POLICIES
 from pallas_kernels import residuals
 
 KERNEL_OUTPUTS = ("kda_out", "mla_out", "moe_h", "moe_y")
+# model.remat_expert_rows: the routed experts' input rows (the dispatch gather's output),
+# their SwiGLU activation (the expert matmuls' weight gradients read both) and their output
+# rows in token order (the combine's weight gradient reads it). Saved, the backward pass
+# runs neither gather nor the SwiGLU again, for N·k·(2D + F) values a MoE layer (10.8 GB
+# over long_context_1b's 15 at 8192 × 4 in bf16).
+EXPERT_ROWS = ("moe_x", "moe_a", "moe_y_tokens")
 
 
 def tag(x, name: str):
@@ -38,13 +46,15 @@ SAVED_NAMES = {"kernels": KERNEL_OUTPUTS,
                "residuals_recompute_prologue": KERNEL_OUTPUTS + (residuals.NAME,)}
 
 
-def policy(name: str):
+def policy(name: str, expert_rows: bool = False):
+  """The checkpoint policy of remat_policy `name`, also saving EXPERT_ROWS if asked."""
   cp = jax.checkpoint_policies
+  if name not in REMAT_POLICIES:
+    raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")
+  names = SAVED_NAMES.get(name, ()) + (EXPERT_ROWS if expert_rows else ())
   if name == "full":
-    return None
-  if name == "dots":
+    return cp.save_only_these_names(*names) if names else None
+  if not names:
     return cp.dots_with_no_batch_dims_saveable
-  if name in SAVED_NAMES:
-    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
-                                      cp.save_only_these_names(*SAVED_NAMES[name]))
-  raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")
+  return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                    cp.save_only_these_names(*names))

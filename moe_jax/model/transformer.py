@@ -68,7 +68,9 @@ def remat_block(cfg, scanned: bool):
   the loop already keeps XLA from merging the recomputation away (prevent_cse off)."""
   if not cfg.remat:
     return Block
-  return nn.remat(Block, policy=remat.policy(cfg.remat_policy), prevent_cse=not scanned)
+  return nn.remat(Block, policy=remat.policy(cfg.remat_policy,
+                                             cfg.get("remat_expert_rows", False)),
+                  prevent_cse=not scanned)
 
 
 class Period(nn.Module):
