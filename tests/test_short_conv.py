@@ -109,13 +109,14 @@ def test_compiles_for_h200_without_spills():
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   seg = jax.ShapeDtypeStruct((B, T), jnp.int32)
   meta = dict(T=T, C=C, W=W, BT=sc.BLOCK_T, BC=sc.BLOCK_C)
-  parts = f32(B, T // sc.BLOCK_T, W, C)
-  for kernel, arrays in ((sc._short_conv_triton, [bf(B, T, C), bf(W, C), seg, bf(B, T, C)]),
-                         (sc._short_conv_dz_triton, [bf(B, T, C), bf(W, C), seg, bf(B, T, C),
-                                                     f32(B, T, C), parts]),
-                         (sc._short_conv_dx_triton, [f32(B, T, C), bf(W, C), seg,
-                                                     bf(B, T, C)])):
-    compiled = triton_launch.build(kernel, arrays, meta, 1, sc.WARPS)
+  dz_meta = dict(meta, **sc.dz_meta(W))
+  parts = f32(B, T // (sc.DZ_BLOCK_T * sc.DZ_TILES), W, C)
+  for kernel, arrays, m in (
+      (sc._short_conv_triton, [bf(B, T, C), bf(W, C), seg, bf(B, T, C)], meta),
+      (sc._short_conv_dz_triton, [bf(B, T, C), bf(W, C), seg, bf(B, T, C), f32(B, T, C),
+                                  parts], dz_meta),
+      (sc._short_conv_dx_triton, [f32(B, T, C), bf(W, C), seg, bf(B, T, C)], meta)):
+    compiled = triton_launch.build(kernel, arrays, m, 1, sc.WARPS)
     regs, spilled = triton_report(compiled, tempfile.mkdtemp())
     assert compiled.metadata.shared <= triton_launch.MAX_SHARED[90], kernel.__name__
     assert 0 < regs <= 128 and spilled == 0, (kernel.__name__, regs, spilled)

@@ -13,11 +13,12 @@ ten times the bytes' floor in single_h200's step (0.4 ms a conv against 0.04:
 benchmarks/train.json, h200_dropless's top_kernels, input_add_reduce_fusion_10). Here
 each [BT, BC] tile reads its rows and the W-1 rows before it (after it, for dx) and
 computes in fp32: one pass forward; backward a pass for dz and
-each tile's dw column sums (summed over tiles by the caller), and a pass for dx.
+each program's dw column sums over 256 rows (summed over programs by the caller), and a
+pass for dx.
 
-Opt-in, as it is slower than XLA's form in the step: in the 1B's on an H100 these kernels
-took 20.6 ms a step against about 9 for XLA's fusions, 15.1 of them the dz pass
-(benchmarks/train.md).
+Opt-in: in the 1B's step on an H100 these kernels took 20.6 ms against XLA's 12.9, 15.1
+of them the dz pass, which then reduced its dw products over rows once per 32-row tile
+and tap (benchmarks/train.md); it now sums them elementwise over 16 tiles first (untimed).
 
 Launched by pallas_kernels/triton_launch.py: jax_triton on a GPU, Triton's interpreter on
 host arrays elsewhere (CPU tests).
@@ -39,6 +40,10 @@ F32 = jnp.float32
 BLOCK_T = 32
 BLOCK_C = 128
 WARPS = 8
+# dz: DZ_TILES row tiles of DZ_BLOCK_T a program, so its weight-gradient partials are
+# reduced over rows once per 256 rows (a [WP, 16, 128] fp32 accumulator).
+DZ_BLOCK_T = 16
+DZ_TILES = 16
 
 
 @triton.jit
@@ -101,22 +106,39 @@ def _short_conv_triton(x, w, seg, y, T: tl.constexpr, C: tl.constexpr, W: tl.con
 @triton.jit
 def _short_conv_dz_triton(x, w, seg, dy, dz, dw_part, T: tl.constexpr, C: tl.constexpr,
                           W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          NUM_STAGES: tl.constexpr):
-  """dz [B, T, C] fp32 = dy · silu'(z); dw_part [B, T/BT, W, C] fp32: this tile's
-  Σ_t x[t-j] · dz[t] for each j."""
-  b, pid_t, t, c, t_ok, c_ok, seg_t = _tile(seg, T, C, BT, BC)
-  z = _taps(x, w, seg, seg_t, b, t, c, t_ok, c_ok, -1, T, C, W, BT, BC)
-  rows = (b * T + t).to(tl.int64)
-  dy_TC = tl.load(dy + rows[:, None] * C + c[None, :], mask=t_ok[:, None] & c_ok[None, :],
-                  other=0.0).to(tl.float32)
-  s = _sigmoid(z)
-  dz_TC = dy_TC * s * (1.0 + z * (1.0 - s))
-  _store_rows(dz, dz_TC, b, t, c, t_ok, c_ok, T, C)
-  NT: tl.constexpr = (T + BT - 1) // BT
+                          WP: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """dz [B, T, C] fp32 = dy · silu'(z); dw_part [B, cdiv(T, BT·TILES), W, C] fp32: this
+  program's Σ_t x[t-j] · dz[t] over its TILES row tiles, for each j. The products are
+  summed elementwise into a [WP, BT, BC] accumulator (the W shifted copies of x as one
+  load) and reduced over rows once a program: a cross-warp reduction a tile and tap made
+  this pass 5x the dx pass's time."""
+  pid_t, b = tl.program_id(0), tl.program_id(2)
+  c = tl.program_id(1) * BC + tl.arange(0, BC)
+  c_ok = c < C
+  j = tl.arange(0, WP)
+  acc = tl.full((WP, BT, BC), 0.0, tl.float32)
+  for i in tl.range(0, TILES):
+    t = (pid_t * TILES + i) * BT + tl.arange(0, BT)
+    t_ok = t < T
+    seg_t = tl.load(seg + b * T + t, mask=t_ok, other=0)
+    z = _taps(x, w, seg, seg_t, b, t, c, t_ok, c_ok, -1, T, C, W, BT, BC)
+    rows = (b * T + t).to(tl.int64)
+    dy_TC = tl.load(dy + rows[:, None] * C + c[None, :], mask=t_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+    s = _sigmoid(z)
+    dz_TC = dy_TC * s * (1.0 + z * (1.0 - s))
+    _store_rows(dz, dz_TC, b, t, c, t_ok, c_ok, T, C)
+    src = t[None, :] - j[:, None]                                   # [WP, BT]: row t - j
+    src_ok = t_ok[None, :] & (j[:, None] < W) & (src >= 0)
+    seg_src = tl.load(seg + b * T + src, mask=src_ok, other=0)
+    live = src_ok & (seg_src == seg_t[None, :])
+    xs = tl.load(x + (b * T + src).to(tl.int64)[:, :, None] * C + c[None, None, :],
+                 mask=live[:, :, None] & c_ok[None, None, :], other=0.0)
+    acc += xs.to(tl.float32) * dz_TC[None, :, :]
+  NT: tl.constexpr = (T + BT * TILES - 1) // (BT * TILES)
   part = dw_part + ((b * NT + pid_t) * W) * C
-  for j in tl.static_range(W):
-    xs = _shifted(x, seg, seg_t, b, t, c, t_ok, c_ok, -j, T, C)
-    tl.store(part + j * C + c, tl.reduce(xs * dz_TC, 0, tl.standard._sum_combine), mask=c_ok)
+  tl.store(part + j[:, None] * C + c[None, :], tl.reduce(acc, 1, tl.standard._sum_combine),
+           mask=(j[:, None] < W) & c_ok[None, :])
 
 
 @triton.jit
@@ -128,14 +150,21 @@ def _short_conv_dx_triton(dz, w, seg, dx, T: tl.constexpr, C: tl.constexpr, W: t
   _store_rows(dx, dx_TC, b, t, c, t_ok, c_ok, T, C)
 
 
-def _launch(kernel, shape, args, out_type, interpret):
+def _launch(kernel, shape, args, out_type, interpret, **meta):
+  """One program a (BT-row tile, or DZ_TILES of them for dz, channel block, row b)."""
   B, T, C = shape
   W = args[1].shape[0]
-  grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)
+  rows = meta["BT"] * meta.get("TILES", 1)
+  grid = (triton.cdiv(T, rows), triton.cdiv(C, BLOCK_C), B)
   return triton_launch.launch(kernel, grid, args, out_type,
-                              dict(T=T, C=C, W=W, BT=BLOCK_T, BC=BLOCK_C),
+                              dict(T=T, C=C, W=W, BC=BLOCK_C, **meta),
                               name=kernel.__name__[1:], interpret=interpret, warps=WARPS,
                               max_stages=1, stages=1)
+
+
+def dz_meta(W: int) -> dict:
+  """The dz kernel's tile: DZ_BLOCK_T rows, DZ_TILES tiles a program, W taps padded."""
+  return dict(BT=DZ_BLOCK_T, WP=triton.next_power_of_2(W), TILES=DZ_TILES)
 
 
 def _check(x_BxTxC, w_WxC, seg_BxT):
@@ -150,7 +179,7 @@ def _check(x_BxTxC, w_WxC, seg_BxT):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _short_conv(x_BxTxC, w_WxC, seg_BxT, interpret):
   (y,) = _launch(_short_conv_triton, x_BxTxC.shape, (x_BxTxC, w_WxC, seg_BxT),
-                 [jax.ShapeDtypeStruct(x_BxTxC.shape, x_BxTxC.dtype)], interpret)
+                 [jax.ShapeDtypeStruct(x_BxTxC.shape, x_BxTxC.dtype)], interpret, BT=BLOCK_T)
   return y
 
 
@@ -165,9 +194,10 @@ def _short_conv_bwd(interpret, res, dy_BxTxC):
   dz, dw_part = _launch(
       _short_conv_dz_triton, x_BxTxC.shape, (x_BxTxC, w_WxC, seg_BxT, dy_BxTxC),
       [jax.ShapeDtypeStruct((B, T, C), F32),
-       jax.ShapeDtypeStruct((B, triton.cdiv(T, BLOCK_T), W, C), F32)], interpret)
+       jax.ShapeDtypeStruct((B, triton.cdiv(T, DZ_BLOCK_T * DZ_TILES), W, C), F32)],
+      interpret, **dz_meta(W))
   (dx,) = _launch(_short_conv_dx_triton, x_BxTxC.shape, (dz, w_WxC, seg_BxT),
-                  [jax.ShapeDtypeStruct(x_BxTxC.shape, x_BxTxC.dtype)], interpret)
+                  [jax.ShapeDtypeStruct(x_BxTxC.shape, x_BxTxC.dtype)], interpret, BT=BLOCK_T)
   return dx, dw_part.sum((0, 1)).astype(w_WxC.dtype), None
 
 
