@@ -110,8 +110,8 @@ def _short_conv_dz_triton(x, w, seg, dy, dz, dw_part, T: tl.constexpr, C: tl.con
   """dz [B, T, C] fp32 = dy · silu'(z); dw_part [B, cdiv(T, BT·TILES), W, C] fp32: this
   program's Σ_t x[t-j] · dz[t] over its TILES row tiles, for each j. The products are
   summed elementwise into a [WP, BT, BC] accumulator (the W shifted copies of x as one
-  load) and reduced over rows once a program: a cross-warp reduction a tile and tap made
-  this pass 5x the dx pass's time."""
+  load) and reduced over rows once a program; the form before, a cross-warp reduction a
+  32-row tile and tap, took 5x the dx pass's time."""
   pid_t, b = tl.program_id(0), tl.program_id(2)
   c = tl.program_id(1) * BC + tl.arange(0, BC)
   c_ok = c < C
