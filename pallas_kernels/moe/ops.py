@@ -174,7 +174,7 @@ GPU_PRODUCTS = {
     "mosaic": (mosaic_gpu_grouped.ragged_dot, _mosaic_dx, mosaic_gpu_grouped.ragged_dw),
     "triton": (lambda x, w, s: _triton_grouped().ragged_dot(x, w, s),
                lambda dy, w, s: _triton_grouped().ragged_dot(dy, w, s, transpose_rhs=True),
-               lambda x, dy, s: _triton_dw(x, dy, s)),
+               _triton_dw),
 }
 
 
