@@ -189,6 +189,7 @@ def mfu(flops_total: float, step_ms: float, devices: int, peak: float = PEAK_FLO
 KERNEL_PHASES = (("kda_", "kda"), ("mha_", "mla"), ("ring_step", "mla"),
                  ("short_conv", "kda"), ("ragged_dot", "moe_experts"),
                  ("grouped_dw", "moe_experts"), ("grouped_dot", "moe_experts"),
+                 ("grouped_dx", "moe_experts"),
                  ("grouped_mgpu", "moe_experts"), ("nvjet", "cublas_matmuls"),
                  ("gemm", "cublas_matmuls"), ("cutlass", "cublas_matmuls"),
                  ("fusion", "xla_fusions"), ("memcpy", "copies"), ("convert", "xla_fusions"))

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.model import remat
-from pallas_kernels.moe.ops import grouped_matmul
+from pallas_kernels.moe.ops import (default_grouped_matmul, grouped_matmul, swiglu_down,
+                                    swiglu_grad_in_kernel)
 
 F32 = jnp.float32
 
@@ -50,6 +51,10 @@ def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementa
   x_MxD = remat.tag(x_MxD, "moe_x")
   h_Mx2F = remat.tag(grouped_matmul(x_MxD, gate_up_ExDx2xF.reshape(E, D, 2 * F),
                                     group_sizes_E, implementation), "moe_h")
+  down_impl = implementation or default_grouped_matmul(x_MxD.dtype, F, D)
+  if swiglu_grad_in_kernel(down_impl, F, D):
+    # The SwiGLU's gradient from the down projection's dx kernel (ops.swiglu_down).
+    return remat.tag(swiglu_down(h_Mx2F, down_ExFxD, group_sizes_E), "moe_y")
   a_MxF = remat.tag(gated_silu(h_Mx2F.reshape(-1, 2, F)), "moe_a")
   return remat.tag(grouped_matmul(a_MxF, down_ExFxD, group_sizes_E, implementation), "moe_y")
 

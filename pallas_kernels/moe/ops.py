@@ -208,3 +208,46 @@ _gpu_grouped.defvjp(_gpu_grouped_fwd, _gpu_grouped_bwd)
 # Jitted, so that every MoE layer with these shapes shares one trace and one lowering of the
 # Mosaic kernels (0.4 s each on the H200's host): trace + lower time stops growing with depth.
 _gpu_grouped_jit = jax.jit(_gpu_grouped, static_argnums=3)
+
+
+def swiglu_grad_in_kernel(implementation: str, F: int, D: int) -> bool:
+  """Whether swiglu_down applies: `triton` (resolved) with the down projection [F, D] in
+  Triton's 16-multiples."""
+  return implementation == "triton" and _triton_grouped().fits(D, F)
+
+
+@jax.custom_vjp
+def _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G):
+  F = down_GxFxD.shape[1]
+  a_MxF = jax.nn.silu(h_Mx2F[:, :F]) * h_Mx2F[:, F:]
+  return jax.lax.optimization_barrier(       # as _gpu_grouped's: the kernel once
+      _triton_grouped().ragged_dot(a_MxF, down_GxFxD, group_sizes_G))
+
+
+def _swiglu_down_fwd(h_Mx2F, down_GxFxD, group_sizes_G):
+  return _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G), (h_Mx2F, down_GxFxD, group_sizes_G)
+
+
+def _swiglu_down_bwd(res, dy_MxD):
+  h_Mx2F, down_GxFxD, group_sizes_G = res
+  dy_MxD = dy_MxD.astype(h_Mx2F.dtype)
+  dh_Mx2F, a_MxF = _triton_grouped().ragged_dx_gated_silu(dy_MxD, down_GxFxD, h_Mx2F,
+                                                          group_sizes_G)
+  ddown = _triton_dw(a_MxF, dy_MxD, group_sizes_G).astype(down_GxFxD.dtype)
+  return dh_Mx2F, ddown, None
+
+
+_swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
+
+
+@jax.jit
+def swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G):
+  """grouped_matmul(silu(gate) · up, down, sizes, "triton") of h = [gate | up] [M, 2F], with
+  the SwiGLU's backward inside the down projection's dx kernel (triton_gpu_grouped.
+  ragged_dx_gated_silu): one kernel writes dh and the dw operand a = silu(gate) · up from h
+  and dy, and da = dy · downᵀ only passes through a's tile in L2. The unfused path writes
+  da, reads it back with h in a second pass for dh and, under remat, recomputes a in a
+  third. The residuals are the inputs. a for dw is computed in fp32 and rounded once (the
+  forward's in XLA's bf16 steps); da is rounded to h's dtype, as the unfused path stores
+  it."""
+  return _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G)

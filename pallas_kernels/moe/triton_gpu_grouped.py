@@ -95,28 +95,27 @@ def _band(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _grouped_dot_triton(sizes, x, w, y, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                        G: tl.constexpr, GP: tl.constexpr, TRANSPOSE: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr):
-  """y [M, N] = x [M, K] times w[g] ([G, K, N]; [G, N, K] read transposed with TRANSPOSE)
-  over the rows of each group g; one program per (row tile, column tile)."""
-  tiles_m: tl.constexpr = (M + BM - 1) // BM + G - 1
-  tiles_n: tl.constexpr = (N + BN - 1) // BN
-  t, pn = _band(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
+def _row_tile(sizes, M: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
+              t):
+  """(found, group, its first row, its row past the end, row block) of row tile t: group i
+  takes the row blocks it touches, tiles cum_i - nb_i … cum_i - 1; found is False past the
+  last group's last block."""
   i, start_G, end_G = _group_bounds(sizes, G, GP)
-  # The row blocks group i touches are tiles cum_i - nb_i … cum_i - 1.
   nb_G = tl.where(end_G > start_G, (tl.maximum(end_G, 1) - 1) // BM - start_G // BM + 1, 0)
   cum_G = tl.associative_scan(nb_G, 0, tl.standard._sum_combine)
   mine = (cum_G - nb_G <= t) & (t < cum_G)
-  if _isum(mine.to(tl.int32)) == 0:       # past the last group's last block
-    return
   g = _isum(tl.where(mine, i, 0))
   start = _isum(tl.where(mine, start_G, 0))
   end = _isum(tl.where(mine, end_G, 0))
   block = start // BM + t - _isum(tl.where(mine, cum_G - nb_G, 0))
-  rows = block * BM + tl.arange(0, BM)
-  cols = pn * BN + tl.arange(0, BN)
+  return _isum(mine.to(tl.int32)) > 0, g, start, end, block
+
+
+@triton.jit
+def _tile_dot(x, w, g, rows, cols, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+              TRANSPOSE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              NUM_STAGES: tl.constexpr):
+  """[BM, BN] fp32: x[rows] (rows past M clamped to M-1) times w[g]'s columns `cols`."""
   ks = tl.arange(0, BK)
   x_rows = x + tl.minimum(rows, M - 1).to(tl.int64)[:, None] * K + ks[None, :]
   w_g = w + g.to(tl.int64) * K * N
@@ -135,9 +134,73 @@ def _grouped_dot_triton(sizes, x, w, y, M: tl.constexpr, K: tl.constexpr, N: tl.
     else:
       b = tl.load(w_cols + kb * BK * N, mask=col_ok[None, :], other=0.0)
     acc = tl.dot(a, b, acc)
+  return acc
+
+
+@triton.jit
+def _grouped_dot_triton(sizes, x, w, y, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                        G: tl.constexpr, GP: tl.constexpr, TRANSPOSE: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """y [M, N] = x [M, K] times w[g] ([G, K, N]; [G, N, K] read transposed with TRANSPOSE)
+  over the rows of each group g; one program per (row tile, column tile)."""
+  tiles_m: tl.constexpr = (M + BM - 1) // BM + G - 1
+  tiles_n: tl.constexpr = (N + BN - 1) // BN
+  t, pn = _band(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
+  found, g, start, end, block = _row_tile(sizes, M, G, GP, BM, t)
+  if not found:
+    return
+  rows = block * BM + tl.arange(0, BM)
+  cols = pn * BN + tl.arange(0, BN)
+  acc = _tile_dot(x, w, g, rows, cols, M, K, N, TRANSPOSE, BM, BN, BK, NUM_STAGES)
   own = (rows >= start) & (rows < end)
   tl.store(y + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty),
-           mask=own[:, None] & col_ok[None, :])
+           mask=own[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _grouped_dx_gated_silu_triton(sizes, dy, w, h, dh, a, M: tl.constexpr, K: tl.constexpr,
+                                  N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                  SUB: tl.constexpr, GROUP_M: tl.constexpr,
+                                  NUM_STAGES: tl.constexpr):
+  """The down projection's dx with the SwiGLU's backward as its epilogue: with da = dy
+  [M, K] times w[g]ᵀ (w [G, N, K], N = F) and the gate/up product h [M, 2N] (gate in
+  columns [0, N), up in [N, 2N)), the program writes dh = d(silu(gate) · up) [M, 2N] and
+  a = silu(gate) · up [M, N] (dw's operand) for its tile; da has no array of its own."""
+  tiles_m: tl.constexpr = (M + BM - 1) // BM + G - 1
+  tiles_n: tl.constexpr = (N + BN - 1) // BN
+  t, pn = _band(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
+  found, g, start, end, block = _row_tile(sizes, M, G, GP, BM, t)
+  if not found:
+    return
+  rows = block * BM + tl.arange(0, BM)
+  cols = pn * BN + tl.arange(0, BN)
+  da = _tile_dot(dy, w, g, rows, cols, M, K, N, True, BM, BN, BK, NUM_STAGES)
+  own = (rows >= start) & (rows < end)
+  # da goes through `a`'s tile (this program's alone; bf16, as the unfused path rounds it)
+  # and comes back SUB columns at a time: the [BM, BN] fp32 tile beside h's gate and up
+  # tiles spilled (5 KB a thread at 128 × 256). The barrier orders the block's stores
+  # before its loads.
+  r0 = (block * BM).to(tl.int64)
+  a_tile, h_tile, dh_tile = a + r0 * N, h + r0 * (2 * N), dh + r0 * (2 * N)
+  r = tl.arange(0, BM)[:, None]
+  tl.store(a_tile + r * N + cols[None, :], da.to(a.dtype.element_ty),
+           mask=own[:, None] & (cols < N)[None, :])
+  tl.debug_barrier()
+  for j in tl.static_range(BN // SUB):
+    c = pn * BN + j * SUB + tl.arange(0, SUB)[None, :]
+    ok = own[:, None] & (c < N)
+    da_j = tl.load(a_tile + r * N + c, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    gate = tl.load(h_tile + r * (2 * N) + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_tile + r * (2 * N) + N + c, mask=ok, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))   # tl.sigmoid: a library function the interpreter lacks
+    silu = gate * sig
+    # d silu(x)/dx = σ(x)(1 + x(1 - σ(x))) = σ(x) + silu(x)(1 - σ(x))
+    tl.store(dh_tile + r * (2 * N) + c, (da_j * up * (sig + silu * (1.0 - sig))).to(
+        dh.dtype.element_ty), mask=ok)
+    tl.store(dh_tile + r * (2 * N) + N + c, (da_j * silu).to(dh.dtype.element_ty), mask=ok)
+    tl.store(a_tile + r * N + c, (silu * up).to(a.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -194,6 +257,39 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
       interpret=platform.interpret_off_gpu(interpret), warps=c.warps, max_stages=c.stages,
       stages=c.stages)
   return y
+
+
+EPILOGUE_COLUMNS = 64   # ragged_dx_gated_silu's epilogue: columns of its tile at a time
+
+
+def ragged_dx_gated_silu(dy_MxK, w_GxNxK, h_Mx2N, sizes_G, *, config: Config | None = None,
+                         interpret: bool | None = None):
+  """(dh [M, 2N], a [M, N]), h's dtype: the backward of y = ragged_dot(silu(gate) · up, w)
+  through the SwiGLU, from dy [M, K] and w [G, N, K] (the down projection, read transposed
+  in place) and h = [gate | up] [M, 2N]. da = dy · w[g]ᵀ never leaves the kernel (fp32); a,
+  the down projection's dw operand, is recomputed from h beside it. Rows past sum(sizes)
+  are left unwritten."""
+  check_operands("ragged_dx_gated_silu", dy_MxK, w_GxNxK, sizes_G)
+  M = dy_MxK.shape[0]
+  K, N, G = dot_dims(dy_MxK, w_GxNxK, sizes_G, True)
+  if h_Mx2N.shape != (M, 2 * N) or h_Mx2N.dtype != dy_MxK.dtype:
+    raise ValueError(f"ragged_dx_gated_silu: h must be [M, 2N] = [{M}, {2 * N}] in "
+                     f"{dy_MxK.dtype}, got {h_Mx2N.shape} {h_Mx2N.dtype}")
+  c = config or default_config("dx", K, N)
+  if K % c.block_k:
+    raise ValueError(f"ragged_dx_gated_silu: the contracted width K={K} must be a multiple "
+                     f"of block_k={c.block_k}")
+  tiles = (triton.cdiv(M, c.block_m) + G - 1) * triton.cdiv(N, c.block_n)
+  meta = dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), BM=c.block_m, BN=c.block_n,
+              BK=c.block_k, SUB=min(EPILOGUE_COLUMNS, c.block_n), GROUP_M=c.group_m)
+  dh, a = triton_launch.launch(
+      _grouped_dx_gated_silu_triton, (tiles,),
+      (sizes_G.astype(jnp.int32), dy_MxK, w_GxNxK, h_Mx2N),
+      [jax.ShapeDtypeStruct((M, 2 * N), h_Mx2N.dtype), jax.ShapeDtypeStruct((M, N), h_Mx2N.dtype)],
+      meta, name=f"grouped_triton_dx_gated_silu_{K}x{N}",
+      interpret=platform.interpret_off_gpu(interpret), warps=c.warps, max_stages=c.stages,
+      stages=c.stages)
+  return dh, a
 
 
 def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
