@@ -96,6 +96,9 @@ def get_config(arg=None):
   # rounds, never dropped. Larger: fewer rounds when routing is skewed, more memory.
   moe.ep_buffer_factor = 2.0
   moe.grouped_matmul = ""       # "" = triton (GPU) / tokamax (TPU) for bf16, else xla; or xla | tokamax | mosaic | triton
+  # On triton, one-device dropless: the down projection's dx kernel writes the SwiGLU's
+  # gradient (pallas_kernels/moe/ops.swiglu_down; untimed, so off).
+  moe.swiglu_grad_in_kernel = False
   # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
   # gather | grouped | fused | layer (router, experts and shared expert as three kernels)
   moe.decode_dispatch = "auto"

@@ -321,6 +321,8 @@ def _validate_moe(c: ml_collections.ConfigDict):
                       ("grouped_matmul", GROUPED_MATMULS), ("balancer", BALANCERS)):
     if e[f] not in accepted:
       _fail(f"model.moe.{f}", e[f], f"one of {accepted}")
+  if not isinstance(e.get("swiglu_grad_in_kernel", False), bool):
+    _fail("model.moe.swiglu_grad_in_kernel", e.swiglu_grad_in_kernel, "True or False")
   for f in ("route_scale", "router_init_scale", "capacity_factor", "bias_clamp",
             "ep_buffer_factor"):
     if not e[f] > 0:

@@ -70,6 +70,8 @@ def test_command_line_overrides(monkeypatch):
     ("model.moe.grouped_matmul", "cutlass", r"model\.moe\.grouped_matmul must be one of "),
     ("model.remat_expert_rows", None, r"model\.remat_expert_rows must be True or False, "
                                        r"got None"),
+    ("model.moe.swiglu_grad_in_kernel", None, r"model\.moe\.swiglu_grad_in_kernel must be "
+                                              r"True or False, got None"),
     ("model.moe.decode_dispatch", "dense", r"model\.moe\.decode_dispatch must be one of "),
     ("mesh.expert", 3, r"mesh\.expert must be a divisor of model\.moe\.num_experts=8, got 3"),
     ("optim.router_grad_clip_norm", -1.0, r"optim\.router_grad_clip_norm must be >= 0"),

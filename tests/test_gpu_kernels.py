@@ -263,8 +263,8 @@ def test_gpu_swiglu_with_the_gradient_in_kernel_matches_xla(absl_flags_parsed):
   assert moe_ops.swiglu_grad_in_kernel("triton", F, D)
 
   def run(impl, *args):
-    y, vjp = jax.vjp(lambda x, gu, dn: experts.swiglu_grouped(x, group_sizes, gu, dn, impl),
-                     *args)
+    y, vjp = jax.vjp(lambda x, gu, dn: experts.swiglu_grouped(x, group_sizes, gu, dn, impl,
+                                                              grad_in_kernel=True), *args)
     return (jnp.where(live, y.astype(jnp.float32), 0.0),
             *vjp(jnp.where(live, ct, 0.0).astype(y.dtype)))
 

@@ -97,7 +97,8 @@ def test_swiglu_with_the_gradient_in_kernel_matches_xla(F):
   ct = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
 
   def run(impl, *args):
-    y, vjp = jax.vjp(lambda *a: experts.swiglu_grouped(a[0], sizes, *a[1:], impl), *args)
+    y, vjp = jax.vjp(lambda *a: experts.swiglu_grouped(a[0], sizes, *a[1:], impl,
+                                                       grad_in_kernel=True), *args)
     return (y, *vjp(ct.astype(y.dtype)))
 
   got = run("triton", x, gate_up, down)

@@ -45,15 +45,17 @@ def _gated_silu_bwd(h_Xx2xF, da_XxF):
 gated_silu.defvjp(_gated_silu_fwd, _gated_silu_bwd)
 
 
-def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation=""):
-  """SwiGLU of each row by its group's expert (rows sorted by expert)."""
+def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation="",
+                   grad_in_kernel=False):
+  """SwiGLU of each row by its group's expert (rows sorted by expert). grad_in_kernel
+  (model.moe.swiglu_grad_in_kernel): on `triton`, the down projection's dx kernel writes
+  the SwiGLU's gradient (ops.swiglu_down)."""
   E, D, _, F = gate_up_ExDx2xF.shape
   x_MxD = remat.tag(x_MxD, "moe_x")
   h_Mx2F = remat.tag(grouped_matmul(x_MxD, gate_up_ExDx2xF.reshape(E, D, 2 * F),
                                     group_sizes_E, implementation), "moe_h")
   down_impl = implementation or default_grouped_matmul(x_MxD.dtype, F, D)
-  if swiglu_grad_in_kernel(down_impl, F, D):
-    # The SwiGLU's gradient from the down projection's dx kernel (ops.swiglu_down).
+  if grad_in_kernel and swiglu_grad_in_kernel(down_impl, F, D):
     return remat.tag(swiglu_down(h_Mx2F, down_ExFxD, group_sizes_E), "moe_y")
   a_MxF = remat.tag(gated_silu(h_Mx2F.reshape(-1, 2, F)), "moe_a")
   return remat.tag(grouped_matmul(a_MxF, down_ExFxD, group_sizes_E, implementation), "moe_y")

@@ -40,7 +40,8 @@ from pallas_kernels import platform
 from pallas_kernels.moe import ops as moe_ops, reference as moe_reference
 
 
-def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=""):
+def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation="",
+             grad_in_kernel=False):
   """Every assignment is computed: sort by expert, grouped matmul, unsort, combine."""
   N, K = idx_NxK.shape
   E = gate_up_ExDx2xF.shape[0]
@@ -48,7 +49,8 @@ def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation=
   inverse_A = inverse_permutation(order_A)
   x_AxD = permute_rows(repeat_rows(x_NxD, K), order_A, inverse_A)
   with jax.named_scope("moe_experts"):
-    y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation)
+    y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation,
+                                   grad_in_kernel)
   # token order: the combine's weight gradient reads it (saved with model.remat_expert_rows)
   y_tokens_AxD = remat.tag(permute_rows(y_AxD, inverse_A, order_A), "moe_y_tokens")
   return combine(y_tokens_AxD, w_NxK, x_NxD.dtype)
@@ -205,7 +207,8 @@ def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
     return gathered(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD,
                     fused=decode == "fused"), 0, {}
   if mc.dispatch == "dropless":
-    return dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, mc.grouped_matmul), 0, {}
+    return dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, mc.grouped_matmul,
+                    mc.get("swiglu_grad_in_kernel", False)), 0, {}
   C = capacity(N, K, E, mc.capacity_factor)
   return (*with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, C), {})
 
