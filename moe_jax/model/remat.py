@@ -31,7 +31,8 @@ KERNEL_OUTPUTS = ("kda_out", "mla_out", "moe_h", "moe_y")
 # their SwiGLU activation (the expert matmuls' weight gradients read both) and their output
 # rows in token order (the combine's weight gradient reads it). Saved, the backward pass
 # runs neither gather nor the SwiGLU again, for N·k·(2D + F) values a MoE layer (10.8 GB
-# over long_context_1b's 15 at 8192 × 4 in bf16).
+# over long_context_1b's 15 at 8192 × 4 in bf16). With model.moe.swiglu_grad_in_kernel there
+# is no moe_a to save: the down projection's dx kernel recomputes it from moe_h.
 EXPERT_ROWS = ("moe_x", "moe_a", "moe_y_tokens")
 
 
