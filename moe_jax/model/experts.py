@@ -54,8 +54,8 @@ def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementa
   x_MxD = remat.tag(x_MxD, "moe_x")
   h_Mx2F = remat.tag(grouped_matmul(x_MxD, gate_up_ExDx2xF.reshape(E, D, 2 * F),
                                     group_sizes_E, implementation), "moe_h")
-  down_impl = implementation or default_grouped_matmul(x_MxD.dtype, F, D)
-  if grad_in_kernel and swiglu_grad_in_kernel(down_impl, F, D):
+  if grad_in_kernel and swiglu_grad_in_kernel(
+      implementation or default_grouped_matmul(x_MxD.dtype, F, D), F, D):
     return remat.tag(swiglu_down(h_Mx2F, down_ExFxD, group_sizes_E), "moe_y")
   a_MxF = remat.tag(gated_silu(h_Mx2F.reshape(-1, 2, F)), "moe_a")
   return remat.tag(grouped_matmul(a_MxF, down_ExFxD, group_sizes_E, implementation), "moe_y")

@@ -1,9 +1,11 @@
-"""The grouped (ragged) matmul's three products as native Triton kernels (Hopper: Triton
+"""The grouped (ragged) matmul's products as native Triton kernels (Hopper: Triton
 pipelines the K loop's loads with cp.async and multiplies with wgmma):
 
   ragged_dot(x, w, sizes)                  y[rows of g] = x[rows of g] · w[g]
   ragged_dot(dy, w, sizes, transpose_rhs)  dx[rows of g] = dy[rows of g] · w[g]ᵀ (no wᵀ copy)
   ragged_dw(x, dy, sizes)                  dw[g] = x[rows of g]ᵀ · dy[rows of g]
+  ragged_dx_gated_silu(dy, w, h, sizes)    dx through a SwiGLU: d(silu(gate) · up) from h,
+                                           and silu(gate) · up (ops.swiglu_down)
 
 mosaic_gpu_grouped.py's contract (rows sorted by group; rows past sum(sizes) are padding,
 left unwritten in y and dx and never read into dw), with what that kernel lacks: a
@@ -95,11 +97,15 @@ def _band(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(sizes, M: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BM: tl.constexpr,
-              t):
-  """(found, group, its first row, its row past the end, row block) of row tile t: group i
-  takes the row blocks it touches, tiles cum_i - nb_i … cum_i - 1; found is False past the
-  last group's last block."""
+def _program_tile(sizes, M: tl.constexpr, N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+  """(found, group, the group's first row and its row past the end, the tile's first row and
+  first column) of this program of y/dx's grid: row tile t (in bands of GROUP_M) belongs to group i, which takes
+  the row blocks it touches, tiles cum_i - nb_i … cum_i - 1; found is False past the last
+  group's last block."""
+  tiles_m: tl.constexpr = (M + BM - 1) // BM + G - 1
+  tiles_n: tl.constexpr = (N + BN - 1) // BN
+  t, pn = _band(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
   i, start_G, end_G = _group_bounds(sizes, G, GP)
   nb_G = tl.where(end_G > start_G, (tl.maximum(end_G, 1) - 1) // BM - start_G // BM + 1, 0)
   cum_G = tl.associative_scan(nb_G, 0, tl.standard._sum_combine)
@@ -108,7 +114,7 @@ def _row_tile(sizes, M: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BM: tl.
   start = _isum(tl.where(mine, start_G, 0))
   end = _isum(tl.where(mine, end_G, 0))
   block = start // BM + t - _isum(tl.where(mine, cum_G - nb_G, 0))
-  return _isum(mine.to(tl.int32)) > 0, g, start, end, block
+  return _isum(mine.to(tl.int32)) > 0, g, start, end, block * BM, pn * BN
 
 
 @triton.jit
@@ -144,14 +150,10 @@ def _grouped_dot_triton(sizes, x, w, y, M: tl.constexpr, K: tl.constexpr, N: tl.
                         GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr):
   """y [M, N] = x [M, K] times w[g] ([G, K, N]; [G, N, K] read transposed with TRANSPOSE)
   over the rows of each group g; one program per (row tile, column tile)."""
-  tiles_m: tl.constexpr = (M + BM - 1) // BM + G - 1
-  tiles_n: tl.constexpr = (N + BN - 1) // BN
-  t, pn = _band(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
-  found, g, start, end, block = _row_tile(sizes, M, G, GP, BM, t)
+  found, g, start, end, row0, col0 = _program_tile(sizes, M, N, G, GP, BM, BN, GROUP_M)
   if not found:
     return
-  rows = block * BM + tl.arange(0, BM)
-  cols = pn * BN + tl.arange(0, BN)
+  rows, cols = row0 + tl.arange(0, BM), col0 + tl.arange(0, BN)
   acc = _tile_dot(x, w, g, rows, cols, M, K, N, TRANSPOSE, BM, BN, BK, NUM_STAGES)
   own = (rows >= start) & (rows < end)
   tl.store(y + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y.dtype.element_ty),
@@ -168,28 +170,24 @@ def _grouped_dx_gated_silu_triton(sizes, dy, w, h, dh, a, M: tl.constexpr, K: tl
   [M, K] times w[g]ᵀ (w [G, N, K], N = F) and the gate/up product h [M, 2N] (gate in
   columns [0, N), up in [N, 2N)), the program writes dh = d(silu(gate) · up) [M, 2N] and
   a = silu(gate) · up [M, N] (dw's operand) for its tile; da has no array of its own."""
-  tiles_m: tl.constexpr = (M + BM - 1) // BM + G - 1
-  tiles_n: tl.constexpr = (N + BN - 1) // BN
-  t, pn = _band(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
-  found, g, start, end, block = _row_tile(sizes, M, G, GP, BM, t)
+  found, g, start, end, row0, col0 = _program_tile(sizes, M, N, G, GP, BM, BN, GROUP_M)
   if not found:
     return
-  rows = block * BM + tl.arange(0, BM)
-  cols = pn * BN + tl.arange(0, BN)
+  rows, cols = row0 + tl.arange(0, BM), col0 + tl.arange(0, BN)
   da = _tile_dot(dy, w, g, rows, cols, M, K, N, True, BM, BN, BK, NUM_STAGES)
   own = (rows >= start) & (rows < end)
   # da goes through `a`'s tile (this program's alone; bf16, as the unfused path rounds it)
   # and comes back SUB columns at a time: the [BM, BN] fp32 tile beside h's gate and up
   # tiles spilled (5 KB a thread at 128 × 256). The barrier orders the block's stores
   # before its loads.
-  r0 = (block * BM).to(tl.int64)
+  r0 = row0.to(tl.int64)
   a_tile, h_tile, dh_tile = a + r0 * N, h + r0 * (2 * N), dh + r0 * (2 * N)
   r = tl.arange(0, BM)[:, None]
   tl.store(a_tile + r * N + cols[None, :], da.to(a.dtype.element_ty),
            mask=own[:, None] & (cols < N)[None, :])
   tl.debug_barrier()
   for j in tl.static_range(BN // SUB):
-    c = pn * BN + j * SUB + tl.arange(0, SUB)[None, :]
+    c = col0 + j * SUB + tl.arange(0, SUB)[None, :]
     ok = own[:, None] & (c < N)
     da_j = tl.load(a_tile + r * N + c, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
     gate = tl.load(h_tile + r * (2 * N) + c, mask=ok, other=0.0).to(tl.float32)
@@ -236,6 +234,17 @@ def _groups_padded(G: int) -> int:
   return max(16, triton.next_power_of_2(G))
 
 
+def _row_tile_plan(name: str, c: Config, M: int, K: int, N: int, G: int):
+  """(grid size, constexprs) of a y/dx-style kernel: at most cdiv(M, block_m) + G - 1 row
+  tiles times the column tiles."""
+  if K % c.block_k:
+    raise ValueError(f"{name}: the contracted width K={K} must be a multiple of "
+                     f"block_k={c.block_k}")
+  tiles = (triton.cdiv(M, c.block_m) + G - 1) * triton.cdiv(N, c.block_n)
+  return tiles, dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), BM=c.block_m, BN=c.block_n,
+                     BK=c.block_k, GROUP_M=c.group_m)
+
+
 def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
                transpose_rhs: bool = False, interpret: bool | None = None):
   """[M, N] (x's dtype, fp32 accumulation): row block g of x times w[g] (w[g]ᵀ with
@@ -244,12 +253,8 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
   M = x_MxK.shape[0]
   K, N, G = dot_dims(x_MxK, w_GxKxN, sizes_G, transpose_rhs)
   c = config or default_config("dx" if transpose_rhs else "y", K, N)
-  if K % c.block_k:
-    raise ValueError(f"ragged_dot: the contracted width K={K} must be a multiple of "
-                     f"block_k={c.block_k}")
-  tiles = (triton.cdiv(M, c.block_m) + G - 1) * triton.cdiv(N, c.block_n)
-  meta = dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), TRANSPOSE=bool(transpose_rhs),
-              BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m)
+  tiles, meta = _row_tile_plan("ragged_dot", c, M, K, N, G)
+  meta["TRANSPOSE"] = bool(transpose_rhs)
   (y,) = triton_launch.launch(
       _grouped_dot_triton, (tiles,), (sizes_G.astype(jnp.int32), x_MxK, w_GxKxN),
       [jax.ShapeDtypeStruct((M, N), x_MxK.dtype)], meta,
@@ -266,9 +271,10 @@ def ragged_dx_gated_silu(dy_MxK, w_GxNxK, h_Mx2N, sizes_G, *, config: Config | N
                          interpret: bool | None = None):
   """(dh [M, 2N], a [M, N]), h's dtype: the backward of y = ragged_dot(silu(gate) · up, w)
   through the SwiGLU, from dy [M, K] and w [G, N, K] (the down projection, read transposed
-  in place) and h = [gate | up] [M, 2N]. da = dy · w[g]ᵀ never leaves the kernel (fp32); a,
-  the down projection's dw operand, is recomputed from h beside it. Rows past sum(sizes)
-  are left unwritten."""
+  in place) and h = [gate | up] [M, 2N]. da = dy · w[g]ᵀ gets no array of its own (it
+  passes through a's tile, rounded to h's dtype as the unfused path stores it); a, the down
+  projection's dw operand, is recomputed from h beside dh. Rows past sum(sizes) are left
+  unwritten."""
   check_operands("ragged_dx_gated_silu", dy_MxK, w_GxNxK, sizes_G)
   M = dy_MxK.shape[0]
   K, N, G = dot_dims(dy_MxK, w_GxNxK, sizes_G, True)
@@ -276,12 +282,8 @@ def ragged_dx_gated_silu(dy_MxK, w_GxNxK, h_Mx2N, sizes_G, *, config: Config | N
     raise ValueError(f"ragged_dx_gated_silu: h must be [M, 2N] = [{M}, {2 * N}] in "
                      f"{dy_MxK.dtype}, got {h_Mx2N.shape} {h_Mx2N.dtype}")
   c = config or default_config("dx", K, N)
-  if K % c.block_k:
-    raise ValueError(f"ragged_dx_gated_silu: the contracted width K={K} must be a multiple "
-                     f"of block_k={c.block_k}")
-  tiles = (triton.cdiv(M, c.block_m) + G - 1) * triton.cdiv(N, c.block_n)
-  meta = dict(M=M, K=K, N=N, G=G, GP=_groups_padded(G), BM=c.block_m, BN=c.block_n,
-              BK=c.block_k, SUB=min(EPILOGUE_COLUMNS, c.block_n), GROUP_M=c.group_m)
+  tiles, meta = _row_tile_plan("ragged_dx_gated_silu", c, M, K, N, G)
+  meta["SUB"] = min(EPILOGUE_COLUMNS, c.block_n)
   dh, a = triton_launch.launch(
       _grouped_dx_gated_silu_triton, (tiles,),
       (sizes_G.astype(jnp.int32), dy_MxK, w_GxNxK, h_Mx2N),
