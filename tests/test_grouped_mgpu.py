@@ -148,22 +148,31 @@ def test_long_context_1b_products_lower_to_mosaic_gpu(K, N, M):
     assert "mosaic_gpu" in text
 
 
-def test_model_path_lowers_to_the_native_kernels_for_a_gpu_target():
+@pytest.mark.parametrize("implementation", ["mosaic", ""])
+def test_model_path_lowers_to_the_native_kernels_for_a_gpu_target(implementation):
   """Under a mesh of GPU devices (as an ahead-of-time compile for a GPU on this CPU host),
-  the default grouped matmul and its VJP lower to the three Mosaic GPU kernels, not to the
-  interpreter: `interpret` follows the target platform."""
+  the grouped matmul and its VJP lower to native kernels, not to the interpreter:
+  `interpret` follows the target platform. `mosaic` is the three Mosaic GPU kernels; the
+  default ('') is `triton` where jax_triton is installed (Triton's y and dx, Mosaic's dw)
+  and `mosaic` elsewhere."""
   sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
 
   def y_and_grads(x, w, sizes):
-    y, vjp = jax.vjp(lambda x, w: moe_ops.grouped_matmul(x, w, sizes), x, w)
+    y, vjp = jax.vjp(lambda x, w: moe_ops.grouped_matmul(x, w, sizes, implementation), x, w)
     return vjp(y)
 
   with target_mesh("gpu", "NVIDIA H200"):
+    resolved = implementation or moe_ops.default_grouped_matmul(jnp.bfloat16, 1024, 1408)
     text = jax.jit(y_and_grads).trace(sd(4096, 1024), sd(32, 1024, 1408),
                                       jax.ShapeDtypeStruct((32,), jnp.int32)
                                       ).lower(lowering_platforms=("cuda",)).as_text()
-  for kernel in ("grouped_mgpu_y_1024x1408", "grouped_mgpu_dx_1408x1024",
-                 "grouped_mgpu_dw_1024x1408"):
+  mosaic = {"grouped_mgpu_y_1024x1408", "grouped_mgpu_dx_1408x1024", "grouped_mgpu_dw_1024x1408"}
+  if resolved == "triton":
+    assert text.count("@triton_kernel_call_ffi(") == 2, text.count("@triton_kernel_call_ffi(")
+    mosaic = {"grouped_mgpu_dw_1024x1408"}
+  else:
+    assert resolved == "mosaic", resolved
+  for kernel in mosaic:
     assert f"{kernel}_mosaic_gpu" in text, kernel
   # y leaves through a barrier: XLA's dynamic-slice fusion would clone the kernel call
   # into a scan's residual store (moe_ops._gpu_grouped).

@@ -227,8 +227,10 @@ def test_remat_expert_rows_saves_the_dispatch_gathers_and_swiglu(small_config):
   assert any("gather" in n for n in rerun0) and any("mul" in n for n in rerun0), rerun0
   assert rerun1 == [], rerun1
   assert np.isfinite(float(l1)) and float(l0) == float(l1)
+  # 1e-5, as for the remat policies above: the saved rows change which fusions XLA forms,
+  # and so the order of fp32 sums (3.2e-6 on an H100; < 1e-6 on CPU).
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-    assert rel_err(a, b) < 1e-6
+    assert rel_err(a, b) < 1e-5
 
 
 # pallas_gpu is the slower in interpret mode (18 s on 2 cores): make test keeps triton.

@@ -7,8 +7,8 @@ GPU/TPU use kernels for bf16/fp16:
   installed): the native Triton kernels of triton_gpu_grouped.py for y and dx (two-warpgroup
   128 × 256 tiles, columns masked), Mosaic's dw. Against `mosaic`'s, Triton's y and dx take
   6–51% less time on seven of the eight products at the 1B's and single_h200's shapes (2%
-  more on one), its dw about twice as long (benchmarks/moe.md), so dw stays Mosaic's
-  where Mosaic's tiles fit;
+  more on one); its dw is level with Mosaic's within the timing spread (benchmarks/moe.md),
+  so dw stays Mosaic's where Mosaic's tiles fit until the train step shows otherwise;
 * `mosaic`: the Mosaic GPU kernels of mosaic_gpu_grouped.py for y, dx (w read transposed
   in place) and dw, with tile shapes tuned per product on the H200 (benchmarks/moe.md);
   where dx's columns are not a multiple of 128 (only 64-wide tiles fit), tokamax's dx

@@ -23,8 +23,8 @@ rows outside the group masked to 0 at the load (a padding row may hold NaN). The
 the launch grid's fast axis, so the programs resident at once are one group's tiles, which
 read the same rows of x and dy from L2. With the group as the fast axis, the resident
 programs belonged to different groups and shared no rows: up to 4.8 GB read a call at the
-1B's gate/up instead of 0.6, and dw ran at half Mosaic's speed (benchmarks/moe.md, timed
-before this order).
+1B's gate/up instead of 0.6, and dw ran at half Mosaic's speed; in this order it is level
+with Mosaic's at the 1B's shapes (benchmarks/moe.md).
 
 Launched by pallas_kernels/triton_launch.py: jax_triton on a GPU, Triton's interpreter on
 host arrays elsewhere (CPU tests). benchmarks/bench_grouped_matmul.py times them beside
