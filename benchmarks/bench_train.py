@@ -522,9 +522,11 @@ def markdown(records: list[dict], extra) -> str:
   for row, rs in by_row.items():
     cold = rs.get("cold", {})
     if "device_idle_ms_per_step" in cold:
-      lines += ["", f"{row}: the GPU busy {cold['device_busy_ms_per_step']:.1f} and idle "
-                f"{cold['device_idle_ms_per_step']:.1f} ms a step in the profiled steps; the "
-                "longest waits (ms a step, between these kernels):", "",
+      copies = (f", copies alone {cold['copy_only_ms_per_step']:.1f}"
+                if "copy_only_ms_per_step" in cold else "")
+      lines += ["", f"{row}: the GPU busy {cold['device_busy_ms_per_step']:.1f}{copies} and "
+                f"idle {cold['device_idle_ms_per_step']:.1f} ms a step in the profiled steps; "
+                "the longest waits (ms a step, between these kernels):", "",
                 "| ms | n | before | after |", "|---|---|---|---|"]
       lines += [f"| {g['ms_per_step']:.2f} | {g['n']} | {g['before']} | {g['after']} |"
                 for g in cold["top_gaps"][:8]]

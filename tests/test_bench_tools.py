@@ -171,6 +171,7 @@ def test_device_gaps_count_the_union_of_streams_and_group_the_waits():
   g = xprof_tables.device_gaps(trace, steps=2, min_us=30)
   # the zero-length event at 300 adds a 90 µs gap and no busy time
   assert abs(g["device_busy_ms_per_step"] - 0.070 / 2) < 1e-9
+  assert g["copy_only_ms_per_step"] == 0.0     # no event named Memcpy...
   assert abs(g["device_idle_ms_per_step"] - (20 + 50 + 70 + 90) / 1e3 / 2) < 1e-9
   gaps = {(x["before"], x["after"]): (x["n"], round(x["ms_per_step"] * 2e3)) for x in g["top_gaps"]}
   # the 20 µs gap is under min_us; "copy" ends the union's second block, so it is "before"
@@ -200,6 +201,8 @@ def test_device_gaps_group_memory_copies_by_their_hlo_op():
       {"ms_per_step": 0.005 / 2, "n_per_step": 0.5, "mb_per_step": 0.0, "kind": "MemcpyD2D",
        "op": "copy_thunk_7"}]
   assert g["copy_arg_names"] == ["bytes_transferred", "hlo_op", "long_name", "num_bytes"]
+  # busy [0, 50] and [60, 65]; the kernel covers [0, 40]: copies alone 10 + 5 µs
+  assert g["copy_only_ms_per_step"] == pytest.approx(0.015 / 2)
 
 
 def test_timing_clocks_run_each_call_and_wait_once_a_window():
