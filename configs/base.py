@@ -100,6 +100,10 @@ def get_config(arg=None):
   # gradient (pallas_kernels/moe/ops.swiglu_down): 3.8 ms less kernel time in the 1B's step,
   # no faster a step while scanned layers copy h out of the stack for it (train.md), so off.
   moe.swiglu_grad_in_kernel = False
+  # One-device dropless: each assignment's weight scales its SwiGLU activation before the down
+  # projection, (w·a)·down, and the combine sums; the backward then needs no expert output
+  # rows, so none is stored (model/moe.py dropless). Not with swiglu_grad_in_kernel.
+  moe.weights_before_down = False
   # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
   # gather | grouped | fused | layer (router, experts and shared expert as three kernels)
   moe.decode_dispatch = "auto"

@@ -321,8 +321,13 @@ def _validate_moe(c: ml_collections.ConfigDict):
                       ("grouped_matmul", GROUPED_MATMULS), ("balancer", BALANCERS)):
     if e[f] not in accepted:
       _fail(f"model.moe.{f}", e[f], f"one of {accepted}")
-  if not isinstance(e.get("swiglu_grad_in_kernel", False), bool):
-    _fail("model.moe.swiglu_grad_in_kernel", e.swiglu_grad_in_kernel, "True or False")
+  for f in ("swiglu_grad_in_kernel", "weights_before_down"):
+    if not isinstance(e.get(f, False), bool):
+      _fail(f"model.moe.{f}", e[f], "True or False")
+  if e.get("weights_before_down", False) and e.get("swiglu_grad_in_kernel", False):
+    _fail("model.moe.weights_before_down", True,
+          "False while model.moe.swiglu_grad_in_kernel is True (the fused gradient kernel "
+          "takes no row weights)")
   for f in ("route_scale", "router_init_scale", "capacity_factor", "bias_clamp",
             "ep_buffer_factor"):
     if not e[f] > 0:
@@ -346,3 +351,7 @@ def _validate_moe(c: ml_collections.ConfigDict):
   ep = c.mesh.expert
   if ep > 1 and e.num_experts % ep:
     _fail("mesh.expert", ep, f"a divisor of model.moe.num_experts={e.num_experts}")
+  if e.get("weights_before_down", False) and (e.dispatch != "dropless" or ep > 1):
+    _fail("model.moe.weights_before_down", True,
+          f"False unless model.moe.dispatch is 'dropless' on one expert shard (mesh.expert 1); "
+          f"got dispatch {e.dispatch!r}, mesh.expert {ep}")

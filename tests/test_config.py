@@ -72,6 +72,8 @@ def test_command_line_overrides(monkeypatch):
                                        r"got None"),
     ("model.moe.swiglu_grad_in_kernel", None, r"model\.moe\.swiglu_grad_in_kernel must be "
                                               r"True or False, got None"),
+    ("model.moe.weights_before_down", None, r"model\.moe\.weights_before_down must be True or "
+                                            r"False, got None"),
     ("model.moe.decode_dispatch", "dense", r"model\.moe\.decode_dispatch must be one of "),
     ("mesh.expert", 3, r"mesh\.expert must be a divisor of model\.moe\.num_experts=8, got 3"),
     ("optim.router_grad_clip_norm", -1.0, r"optim\.router_grad_clip_norm must be >= 0"),
@@ -99,6 +101,20 @@ def test_invalid_fields_raise_naming_field_value_and_accepted(field, value, matc
     node = node[section]
   node[name] = value
   with pytest.raises(ValueError, match=match):
+    config_lib.validate(c)
+
+
+def test_weights_before_down_only_where_it_applies():
+  c = tiny.get_config()
+  c.model.moe.weights_before_down = c.model.moe.swiglu_grad_in_kernel = True
+  with pytest.raises(ValueError, match=r"model\.moe\.weights_before_down must be False while "
+                                       r"model\.moe\.swiglu_grad_in_kernel is True"):
+    config_lib.validate(c)
+  c.model.moe.swiglu_grad_in_kernel, c.model.moe.dispatch = False, "capacity"
+  with pytest.raises(ValueError, match=r"model\.moe\.weights_before_down must be False unless "
+                                       r"model\.moe\.dispatch is 'dropless' on one expert "
+                                       r"shard \(mesh\.expert 1\); got dispatch 'capacity', "
+                                       r"mesh\.expert 1"):
     config_lib.validate(c)
 
 

@@ -1,6 +1,7 @@
 """MoE layer and router: routing vs a per-token loop, capacity drops, balancers, router clip,
 expert parallelism on 8 fake devices."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -102,6 +103,20 @@ def test_routing_equals_per_token_loop(dispatch, T, decode, monkeypatch):
   assert bool(calls) == (decode == "fused" and T == 1)
 
 
+def test_weights_before_down_layer_equals_per_token_loop():
+  """The MoE layer with model.moe.weights_before_down against the float64 per-token loop
+  (weights after the experts), and the router's gradient, now from the SwiGLU's backward,
+  against the default layer's."""
+  x = jax.random.normal(jax.random.key(1), (2, 24, 32))
+  cfg, cfg0 = _moe_cfg(weights_before_down=True), _moe_cfg()
+  variables = _init(cfg, x)
+  assert rel_err(MoE(cfg).apply(variables, x)[0], _naive(cfg, variables, x)[0]) < 1e-5
+  grad = lambda c: jax.grad(lambda p: (MoE(c).apply({**variables, "params": p}, x)[0] ** 2
+                                       ).sum())(variables["params"])["router_kernel"]
+  g, g0 = grad(cfg), grad(cfg0)
+  assert float(jnp.abs(g0).max()) > 0 and rel_err(g, g0) < 1e-5
+
+
 def test_capacity_drops_exactly_the_overflow():
   cfg = _moe_cfg(dispatch="capacity", capacity_factor=0.5)
   x = jax.random.normal(jax.random.key(2), (2, 24, 32))
@@ -116,25 +131,68 @@ def test_capacity_drops_exactly_the_overflow():
   assert rel_err(y, ref) < 1e-5  # kept assignments unchanged, dropped ones contribute nothing
 
 
-def test_dropless_dispatch_has_the_gathered_gradient():
-  """The sorted dispatch (permute_rows: a gather forward, the inverse gather backward)
-  against each assignment's expert weights gathered and applied directly, values and the
-  gradients of x, the combine weights and both expert weights."""
-  N, K, E, D, F = 40, 3, 8, 16, 12
+def _dropless_problem(N=40, K=3, E=8, D=16, F=12):
   ks = jax.random.split(jax.random.key(11), 5)
   x = jax.random.normal(ks[0], (N, D))
   idx = jnp.argsort(jax.random.uniform(ks[1], (N, E)), axis=1)[:, :K]
   w = jax.random.uniform(ks[2], (N, K))
   gu = jax.random.normal(ks[3], (E, D, 2, F)) * D ** -0.5
   dn = jax.random.normal(ks[4], (E, F, D)) * F ** -0.5
-  c = jax.random.normal(jax.random.key(12), (N, D))
+  return x, idx, w, gu, dn
+
+
+@pytest.mark.parametrize("weights_before_down", [False, True])
+def test_dropless_dispatch_has_the_gathered_gradient(weights_before_down):
+  """The sorted dispatch (permute_rows: a gather forward, the inverse gather backward)
+  against each assignment's expert weights gathered and applied directly, values and the
+  gradients of x, the combine weights and both expert weights; also with the weights
+  applied before the down projection (model.moe.weights_before_down), which is the same
+  function."""
+  x, idx, w, gu, dn = _dropless_problem()
+  c = jax.random.normal(jax.random.key(12), x.shape)
+  dropless = functools.partial(moe_lib.dropless, weights_before_down=weights_before_down)
   loss = lambda f: lambda *a: (f(a[0], idx, a[1], a[2], a[3]) * c).sum()
   args = (x, w, gu, dn)
-  value, grads = jax.value_and_grad(loss(moe_lib.dropless), argnums=(0, 1, 2, 3))(*args)
+  value, grads = jax.value_and_grad(loss(dropless), argnums=(0, 1, 2, 3))(*args)
   value_ref, grads_ref = jax.value_and_grad(loss(moe_lib.gathered), argnums=(0, 1, 2, 3))(*args)
   assert abs(float(value) - float(value_ref)) < 1e-5 * abs(float(value_ref))
   for name, g, g_ref in zip(("x", "w", "gate_up", "down"), grads, grads_ref):
     assert float(jnp.abs(g_ref).max()) > 0 and rel_err(g, g_ref) < 1e-5, name
+
+
+def test_weights_before_down_stores_no_expert_output_rows():
+  """Under the `kernels` remat policy (which saves the expert matmuls' outputs moe_h and
+  moe_y), the weights-before-down backward keeps no [N·k, D] expert output: the weights'
+  gradient comes from the SwiGLU's backward instead of the combine's."""
+  from moe_jax.model import remat
+  x, idx, w, gu, dn = _dropless_problem()
+  A, D = idx.size, x.shape[1]
+  for before, expected in ((False, 1), (True, 0)):
+    f = jax.checkpoint(functools.partial(moe_lib.dropless, weights_before_down=before),
+                       policy=remat.policy("kernels"))
+    _, vjp = jax.vjp(lambda x, w, gu, dn, f=f: f(x, idx, w, gu, dn), x, w, gu, dn)
+    rows = [r for r in jax.tree.leaves(vjp) if getattr(r, "shape", None) == (A, D)]
+    assert len(rows) == expected, (before, [r.shape for r in jax.tree.leaves(vjp)])
+
+
+@pytest.mark.parametrize("dtype,rounding,bound", [("float32", 1e-6, 1e-6),
+                                                  ("bfloat16", 2.0 ** -9, 4e-3)])
+def test_weighted_gated_silu_vjp_is_autodiffs(dtype, rounding, bound):
+  """experts.weighted_gated_silu: w · silu(gate) · up in fp32, rounded once (bf16: within
+  one rounding, 2⁻⁹), and its gradients in h and w against autodiff's fp32 ones (bf16:
+  within gated_silu's bound for its gradient)."""
+  from moe_jax.model.experts import weighted_gated_silu
+  h = (jax.random.normal(jax.random.key(0), (37, 2, 24)) * 3).astype(dtype)
+  w = jax.random.uniform(jax.random.key(2), (37,))
+  da = jax.random.normal(jax.random.key(1), (37, 24)).astype(dtype)
+  plain = lambda h, w: jax.nn.silu(h[..., 0, :]) * h[..., 1, :] * w[:, None]
+  h32 = h.astype(jnp.float32)
+  assert rel_err(weighted_gated_silu(h, w).astype(jnp.float32), plain(h32, w)) < rounding
+  dh, dw = jax.vjp(weighted_gated_silu, h, w)[1](da)
+  dh_ref, dw_ref = jax.vjp(plain, h32, w)[1](da.astype(jnp.float32))
+  assert dh.dtype == h.dtype and dh.shape == h.shape and dw.dtype == w.dtype
+  assert rel_err(dh.astype(jnp.float32), dh_ref) < bound
+  assert rel_err(dw, dw_ref) < bound
 
 
 @pytest.mark.parametrize("dtype,bound", [("float32", 1e-6), ("bfloat16", 4e-3)])

@@ -41,18 +41,29 @@ from pallas_kernels.moe import ops as moe_ops, reference as moe_reference
 
 
 def dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, implementation="",
-             grad_in_kernel=False):
-  """Every assignment is computed: sort by expert, grouped matmul, unsort, combine."""
+             grad_in_kernel=False, weights_before_down=False):
+  """Every assignment is computed: sort by expert, grouped matmul, unsort, combine.
+
+  weights_before_down (model.moe.weights_before_down): each assignment's weight scales its
+  SwiGLU activation before the down projection, (w·a)·down, and the combine is a plain sum
+  over the k; w·(a·down) elsewhere. Equal in exact arithmetic, as the projection is linear
+  in its row. The weights' gradient is then Σ_F d(w·a) · a in the SwiGLU's backward, so
+  the backward needs no expert output rows: none is stored (N·k·D values a layer) or
+  copied into a scanned stack."""
   N, K = idx_NxK.shape
   E = gate_up_ExDx2xF.shape[0]
   order_A, sizes_E, _ = sort_by_group(idx_NxK.reshape(-1), E)
   inverse_A = inverse_permutation(order_A)
   x_AxD = permute_rows(repeat_rows(x_NxD, K), order_A, inverse_A)
+  w_A = (permute_rows(w_NxK.reshape(-1, 1), order_A, inverse_A)[:, 0]
+         if weights_before_down else None)
   with jax.named_scope("moe_experts"):
     y_AxD = experts.swiglu_grouped(x_AxD, sizes_E, gate_up_ExDx2xF, down_ExFxD, implementation,
-                                   grad_in_kernel)
+                                   grad_in_kernel, w_A)
   # token order: the combine's weight gradient reads it (saved with model.remat_expert_rows)
   y_tokens_AxD = remat.tag(permute_rows(y_AxD, inverse_A, order_A), "moe_y_tokens")
+  if weights_before_down:
+    return y_tokens_AxD.reshape(N, K, -1).astype(jnp.float32).sum(1).astype(x_NxD.dtype)
   return combine(y_tokens_AxD, w_NxK, x_NxD.dtype)
 
 
@@ -208,7 +219,8 @@ def routed_experts(mc, x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD):
                     fused=decode == "fused"), 0, {}
   if mc.dispatch == "dropless":
     return dropless(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, mc.grouped_matmul,
-                    mc.get("swiglu_grad_in_kernel", False)), 0, {}
+                    mc.get("swiglu_grad_in_kernel", False),
+                    mc.get("weights_before_down", False)), 0, {}
   C = capacity(N, K, E, mc.capacity_factor)
   return (*with_capacity(x_NxD, idx_NxK, w_NxK, gate_up_ExDx2xF, down_ExFxD, C), {})
 
