@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import bench_train, xprof_tables
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, make_small_config, subprocess_env
 
 
 def test_fusion_kernels_map_to_their_named_scope():
@@ -203,6 +203,23 @@ def test_device_gaps_group_memory_copies_by_their_hlo_op():
   assert g["copy_arg_names"] == ["bytes_transferred", "hlo_op", "long_name", "num_bytes"]
   # busy [0, 50] and [60, 65]; the kernel covers [0, 40]: copies alone 10 + 5 µs
   assert g["copy_only_ms_per_step"] == pytest.approx(0.015 / 2)
+
+
+def test_scan_residuals_lists_the_stacks_a_change_removes():
+  """benchmarks/scan_residuals.py on a small scanned model (2 periods of "KA" after a dense
+  layer, remat policy `kernels`): the expert outputs [2, N·k, D] are stacked, once a MoE
+  layer, and model.moe.weights_before_down removes exactly those stacks."""
+  from benchmarks import scan_residuals
+  c = make_small_config()
+  c.model.update(n_layers=5, remat=True, remat_policy="kernels")
+  m, B, L = c.model, c.data.batch_size, c.data.seq_len
+  y_stack = ((2, B * L * m.moe.top_k, m.d_model), "float32")
+  before = scan_residuals.stacked_residuals(c, "cpu")
+  c.model.moe.weights_before_down = True
+  after = scan_residuals.stacked_residuals(c, "cpu")
+  assert before[y_stack] == 2 and y_stack not in after, (before, after)
+  assert (scan_residuals.total_bytes(before) - scan_residuals.total_bytes(after)
+          == scan_residuals.total_bytes({y_stack: 2}))
 
 
 def test_timing_clocks_run_each_call_and_wait_once_a_window():
