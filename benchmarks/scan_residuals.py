@@ -13,8 +13,8 @@ this lists them, so a change to the policy or the model can be weighed before a 
 The row is one of benchmarks/bench_train.py's ROWS (its batch and sequence length); --set
 is bench_train's flag, overriding the row's config. --target picks the platform the
 kernels resolve for (default gpu; on a host without triton, KDA's Pallas GPU kernels and
-Mosaic's grouped matmul stand in for the Triton ones, with the same residual tags). The unscanned head and tail layers' residuals
-are not in the stacks and not counted.
+Mosaic's grouped matmul stand in for the Triton ones, with the same residual tags). The
+unscanned head and tail layers' residuals are not in the stacks and not counted.
 """
 
 import collections
