@@ -1,6 +1,6 @@
-"""What the train step's scanned periods store for the backward pass: the stacked outputs of
-the layer scan in the jaxpr of the loss's VJP, by shape and dtype, traced abstractly on
-the CPU (no device, no data).
+"""What the train step stores for the backward pass: the residuals in the jaxpr of the
+loss's VJP, in all and the layer scan's stacked ones by shape and dtype, traced abstractly
+on the CPU (no device, no data).
 
 Under `model.scan_layers` every value the backward pass reads from a period is stored
 per period in a stack [n_periods, ...]; on a GPU, each one a custom call (a Triton, Mosaic
@@ -14,7 +14,8 @@ The row is one of benchmarks/bench_train.py's ROWS (its batch and sequence lengt
 is bench_train's flag, overriding the row's config. --target picks the platform the
 kernels resolve for (default gpu; on a host without triton, KDA's Pallas GPU kernels and
 Mosaic's grouped matmul stand in for the Triton ones, with the same residual tags). The
-unscanned head and tail layers' residuals are not in the stacks and not counted.
+unscanned layers' residuals (the head's and tail's, or every layer's without
+model.scan_layers) count in the total only.
 """
 
 import collections
@@ -45,10 +46,10 @@ def target_mesh(platform: str):
       jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device))
 
 
-def stacked_residuals(c, platform: str = "gpu") -> dict:
-  """{(shape, dtype): count} of the layer scan's stacked outputs in the jaxpr of the VJP of
-  the train loss (train/step.loss_fn) for config c at its data.batch_size × data.seq_len,
-  with the kernels `platform` resolves to. {} when the model has no scanned periods."""
+def vjp_jaxpr(c, platform: str = "gpu"):
+  """The jaxpr of jax.vjp of the train loss (train/step.loss_fn) in the params, for config
+  c at its data.batch_size × data.seq_len with the kernels `platform` resolves to: its
+  outputs are the residuals the backward pass reads."""
   import flax.linen as nn
   from moe_jax.model.transformer import HybridMoE
   from moe_jax.train import step as step_lib
@@ -65,7 +66,12 @@ def stacked_residuals(c, platform: str = "gpu") -> dict:
     return jax.vjp(loss, params)[1]
 
   with target_mesh(platform):
-    jaxpr = jax.make_jaxpr(residuals)(variables["params"]).jaxpr
+    return jax.make_jaxpr(residuals)(variables["params"]).jaxpr
+
+
+def stacked_residuals(jaxpr) -> dict:
+  """{(shape, dtype): count} of the layer scan's stacked outputs in a vjp_jaxpr: {} when
+  the model has no scanned periods."""
   out = collections.Counter()
   for eqn in jaxpr.eqns:           # the layer scan is a top-level scan of the VJP's jaxpr
     if eqn.primitive.name != "scan":
@@ -77,6 +83,15 @@ def stacked_residuals(c, platform: str = "gpu") -> dict:
   return dict(out)
 
 
+def residual_bytes(jaxpr) -> int:
+  """All the residuals of a vjp_jaxpr, stacked or not, each once, the params (its inputs)
+  left out."""
+  params = {id(v) for v in jaxpr.invars}
+  out = {id(v): v.aval for v in jaxpr.outvars
+         if not isinstance(v, jax.extend.core.Literal) and id(v) not in params}
+  return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in out.values())
+
+
 def total_bytes(stacks: dict) -> int:
   return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize * n
              for (shape, dtype), n in stacks.items())
@@ -86,9 +101,11 @@ def main(argv):
   del argv
   jax.config.update("jax_platforms", "cpu")
   sets = bench_train._SET.value
-  stacks = stacked_residuals(bench_train.row_config(_ROW.value, sets), _TARGET.value)
-  print(f"{_ROW.value} {' '.join(sets)} ({_TARGET.value} kernels): "
-        f"{total_bytes(stacks) / 2**30:.2f} GiB in {sum(stacks.values())} stacks")
+  jaxpr = vjp_jaxpr(bench_train.row_config(_ROW.value, sets), _TARGET.value)
+  stacks = stacked_residuals(jaxpr)
+  print(f"{_ROW.value} {' '.join(sets)} ({_TARGET.value} kernels): residuals "
+        f"{residual_bytes(jaxpr) / 2**30:.2f} GiB, of them {total_bytes(stacks) / 2**30:.2f} "
+        f"GiB in {sum(stacks.values())} stacks")
   print("| stacks | shape | dtype | GiB |\n|---|---|---|---|")
   for (shape, dtype), n in sorted(stacks.items(), key=lambda kv: -total_bytes(dict([kv]))):
     print(f"| {n} | {list(shape)} | {dtype} | {total_bytes({(shape, dtype): n}) / 2**30:.2f} |")

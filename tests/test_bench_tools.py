@@ -214,12 +214,17 @@ def test_scan_residuals_lists_the_stacks_a_change_removes():
   c.model.update(n_layers=5, remat=True, remat_policy="kernels")
   m, B, L = c.model, c.data.batch_size, c.data.seq_len
   y_stack = ((2, B * L * m.moe.top_k, m.d_model), "float32")
-  before = scan_residuals.stacked_residuals(c, "cpu")
+  jaxpr = scan_residuals.vjp_jaxpr(c, "cpu")
+  before, all_before = scan_residuals.stacked_residuals(jaxpr), scan_residuals.residual_bytes(jaxpr)
   c.model.moe.weights_before_down = True
-  after = scan_residuals.stacked_residuals(c, "cpu")
+  jaxpr = scan_residuals.vjp_jaxpr(c, "cpu")
+  after, all_after = scan_residuals.stacked_residuals(jaxpr), scan_residuals.residual_bytes(jaxpr)
   assert before[y_stack] == 2 and y_stack not in after, (before, after)
-  assert (scan_residuals.total_bytes(before) - scan_residuals.total_bytes(after)
-          == scan_residuals.total_bytes({y_stack: 2}))
+  removed = scan_residuals.total_bytes({y_stack: 2})
+  assert scan_residuals.total_bytes(before) - scan_residuals.total_bytes(after) == removed
+  # the stacks are part of all the residuals (the dense head layer keeps its own)
+  assert all_before > scan_residuals.total_bytes(before) > 0
+  assert all_before - all_after == removed
 
 
 def test_timing_clocks_run_each_call_and_wait_once_a_window():
