@@ -439,7 +439,7 @@ def run_row(name: str, steps: int, extra, code_dir: str = "") -> list[dict]:
       f.write(proc.stdout + proc.stderr)
     stamp = {"row": label, "date": provenance.today(),
              "commit": "baseline:" + os.path.basename(os.path.abspath(code_dir)) if code_dir
-             else provenance.commit()}
+             else provenance.commit(), "set": list(extra), "extra_xla_flags": _XLA_FLAGS.value}
     if proc.returncode:
       recs.append({**stamp, "mode": mode, "error": proc.stderr[-2000:]})
       print(f"{label} {mode}: failed (rc {proc.returncode}), see {log}", flush=True)
