@@ -102,7 +102,7 @@ def get_config(arg=None):
   moe.swiglu_grad_in_kernel = False
   # One-device dropless: each assignment's weight scales its SwiGLU activation before the down
   # projection, (w·a)·down, and the combine sums; the backward then needs no expert output
-  # rows, so none is stored (model/moe.py dropless). Not with swiglu_grad_in_kernel.
+  # rows, so none is stored (model/moe.py dropless); with swiglu_grad_in_kernel, in its kernel.
   moe.weights_before_down = False
   # dropless with N·k ≤ E (decoding): auto (fused on GPU from 8 assignments, else gather) |
   # gather | grouped | fused | layer (router, experts and shared expert as three kernels)

@@ -324,10 +324,6 @@ def _validate_moe(c: ml_collections.ConfigDict):
   for f in ("swiglu_grad_in_kernel", "weights_before_down"):
     if not isinstance(e.get(f, False), bool):
       _fail(f"model.moe.{f}", e[f], "True or False")
-  if e.get("weights_before_down", False) and e.get("swiglu_grad_in_kernel", False):
-    _fail("model.moe.weights_before_down", True,
-          "False while model.moe.swiglu_grad_in_kernel is True (the fused gradient kernel "
-          "takes no row weights)")
   for f in ("route_scale", "router_init_scale", "capacity_factor", "bias_clamp",
             "ep_buffer_factor"):
     if not e[f] > 0:

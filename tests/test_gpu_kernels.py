@@ -244,11 +244,13 @@ def test_gpu_grouped_matmul_matches_ragged_dot(impl, absl_flags_parsed):
     assert rel_err(a, b) < 1e-2, name
 
 
-def test_gpu_swiglu_with_the_gradient_in_kernel_matches_xla(absl_flags_parsed):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gpu_swiglu_with_the_gradient_in_kernel_matches_xla(weighted, absl_flags_parsed):
   """The routed SwiGLU on `triton` at long_context_1b's expert shapes (D 1024, F 704): the
   down projection's dx kernel writes the SwiGLU's gradient (ops.swiglu_down). y and the
   gradients of x, gate_up and down against XLA's ragged_dot in fp32, skewed and empty
-  groups, 100 padding rows (undefined, masked)."""
+  groups, 100 padding rows (undefined, masked); weighted (model.moe.weights_before_down):
+  each row's activation times its routing weight, and the weights' gradient."""
   from moe_jax.model import experts
   rng = np.random.default_rng(8)
   M, E, D, F = 4096, 32, 1024, 704
@@ -259,19 +261,27 @@ def test_gpu_swiglu_with_the_gradient_in_kernel_matches_xla(absl_flags_parsed):
   gate_up = jnp.asarray(rng.normal(size=(E, D, 2, F)) / np.sqrt(D), jnp.float32)
   down = jnp.asarray(rng.normal(size=(E, F, D)) / np.sqrt(F), jnp.float32)
   ct = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+  rw = jnp.asarray(rng.uniform(0.1, 1.0, size=M), jnp.float32) if weighted else None
   live = (jnp.arange(M) < group_sizes.sum())[:, None]
   assert moe_ops.swiglu_grad_in_kernel("triton", F, D)
 
   def run(impl, *args):
     y, vjp = jax.vjp(lambda x, gu, dn: experts.swiglu_grouped(x, group_sizes, gu, dn, impl,
-                                                              grad_in_kernel=True), *args)
+                                                              grad_in_kernel=True, w_M=rw),
+                     *args)
     return (jnp.where(live, y.astype(jnp.float32), 0.0),
             *vjp(jnp.where(live, ct, 0.0).astype(y.dtype)))
 
   got = run("triton", *(a.astype(jnp.bfloat16) for a in (x, gate_up, down)))
   ref = run("xla", x, gate_up, down)
   got = (got[0], jnp.where(live, got[1], 0), *got[2:])
-  for name, a, b in zip(("y", "dx", "dgate_up", "ddown"), got, ref):
+  if weighted:   # the weights' gradient: rw as an argument too
+    f = lambda impl, *a: jax.grad(lambda w: (experts.swiglu_grouped(
+        a[0], group_sizes, a[1], a[2], impl, grad_in_kernel=True, w_M=w).astype(jnp.float32)
+        * jnp.where(live, ct, 0.0)).sum())(rw)
+    got = (*got, f("triton", *(a.astype(jnp.bfloat16) for a in (x, gate_up, down))))
+    ref = (*ref, f("xla", x, gate_up, down))
+  for name, a, b in zip(("y", "dx", "dgate_up", "ddown", "dweights"), got, ref):
     a = np.asarray(a, np.float32)
     assert np.isfinite(a).all(), name
     assert rel_err(a, b) < 1e-2, name

@@ -58,11 +58,14 @@ def test_ragged_dw_matches_per_group_products_and_ignores_padding(K, N):
   assert not got[np.asarray(SIZES) == 0].any()     # empty groups: exact zeros
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("N", [128, 80])
-def test_ragged_dx_gated_silu_matches_the_swiglu_backward(N):
+def test_ragged_dx_gated_silu_matches_the_swiglu_backward(N, weighted):
   """The down projection's dx with the SwiGLU's backward as its epilogue: dh = d(silu(gate)
   · up) and a = silu(gate) · up against fp64 from the same bf16 operands, NaN in the padding
-  rows, N = 80 with a masked column block; the rows past the groups stay unwritten."""
+  rows, N = 80 with a masked column block; the rows past the groups stay unwritten. Weighted
+  (each row's activation times its routing weight): a and dh with the weight, and the
+  weight's gradient Σ da · silu(gate) · up (0 past the groups)."""
   M, K = 300, 96
   rng = np.random.default_rng(5)
   used = sum(SIZES)
@@ -70,41 +73,55 @@ def test_ragged_dx_gated_silu_matches_the_swiglu_backward(N):
   dy[used:], h[used:] = np.nan, np.nan
   w = rng.normal(size=(len(SIZES), N, K)) / np.sqrt(K)
   dy, h, w = (jnp.asarray(a, jnp.bfloat16) for a in (dy, h, w))
-  dh, a = tg.ragged_dx_gated_silu(dy, w, h, jnp.asarray(SIZES), config=SMALL,
-                                  interpret=INTERPRET)
+  rw = rng.uniform(0.1, 1.0, size=M)
+  out = tg.ragged_dx_gated_silu(dy, w, h, jnp.asarray(SIZES),
+                                jnp.asarray(rw, jnp.float32) if weighted else None,
+                                config=SMALL, interpret=INTERPRET)
+  dh, a = out[:2]
   assert dh.shape == (M, 2 * N) and a.shape == (M, N) and dh.dtype == jnp.bfloat16
   da = np.concatenate(_per_group(SIZES, lambda g, r: _f64(dy)[r] @ _f64(w)[g].T))
   gate, up = _f64(h)[:used, :N], _f64(h)[:used, N:]
   sig = 1 / (1 + np.exp(-gate))
-  ref_dh = np.concatenate([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], 1)
+  scale = np.asarray(rw, np.float32)[:used, None].astype(np.float64) if weighted else 1.0
+  ref_dh = np.concatenate([da * up * sig * (1 + gate * (1 - sig)), da * gate * sig], 1) * scale
   got_dh, got_a = _f64(dh)[:used], _f64(a)[:used]
   assert np.isfinite(got_dh).all() and np.isfinite(got_a).all()
   assert _rel(got_dh, ref_dh) < 5e-3    # da rounded to bf16 as the unfused path stores it (2.3e-3)
-  assert _rel(got_a, gate * sig * up) < 4e-3    # bf16 output rounding (1.7e-3)
+  assert _rel(got_a, gate * sig * up * scale) < 4e-3    # bf16 output rounding (1.7e-3)
+  if weighted:
+    dw = np.asarray(out[2], np.float64)
+    assert out[2].shape == (M,) and not dw[used:].any()
+    assert _rel(dw[:used], (da * gate * sig * up).sum(1)) < 5e-3   # da in bf16, as for dh
 
 
+@pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("F", [80, 128])
-def test_swiglu_with_the_gradient_in_kernel_matches_xla(F):
+def test_swiglu_with_the_gradient_in_kernel_matches_xla(F, weighted):
   """experts.swiglu_grouped on `triton` (its down projection through ops.swiglu_down) against
   XLA's ragged_dot in fp32 from the same bf16 operands: y and the gradients of x, gate_up
-  and down. F = 80: Triton's dw for the down projection; 128: Mosaic's."""
+  and down. F = 80: Triton's dw for the down projection; 128: Mosaic's. Weighted: each row's
+  activation times its routing weight (model.moe.weights_before_down), and the weights'
+  gradient too."""
   from moe_jax.model import experts
   M, D, sizes = 200, 64, jnp.asarray([90, 0, 45, 65], jnp.int32)
   assert moe_ops.swiglu_grad_in_kernel("triton", F, D)
   rng = np.random.default_rng(6)
   bf = lambda *s, scale=1.0: jnp.asarray(scale * rng.normal(size=s), jnp.bfloat16)
   x, gate_up, down = bf(M, D), bf(4, D, 2, F, scale=0.3), bf(4, F, D, scale=0.2)
+  rw = jnp.asarray(rng.uniform(0.1, 1.0, size=M), jnp.float32)
   ct = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
 
   def run(impl, *args):
-    y, vjp = jax.vjp(lambda *a: experts.swiglu_grouped(a[0], sizes, *a[1:], impl,
-                                                       grad_in_kernel=True), *args)
+    f = lambda x, gu, dn, w: experts.swiglu_grouped(x, sizes, gu, dn, impl,
+                                                    grad_in_kernel=True, w_M=w)
+    args = (*args, rw) if weighted else args
+    y, vjp = jax.vjp(f if weighted else (lambda *a: f(*a, None)), *args)
     return (y, *vjp(ct.astype(y.dtype)))
 
   got = run("triton", x, gate_up, down)
   with jax.default_matmul_precision("highest"):
     ref = run("xla", *(a.astype(jnp.float32) for a in (x, gate_up, down)))
-  for name, a, b in zip(("y", "dx", "dgate_up", "ddown"), got, ref):
+  for name, a, b in zip(("y", "dx", "dgate_up", "ddown", "dweights"), got, ref):
     a, b = _f64(a), _f64(b)
     assert a.shape == b.shape and np.isfinite(a).all(), name
     assert _rel(a, b) < 1e-2, (name, _rel(a, b))
@@ -154,16 +171,19 @@ def test_compiles_for_h200_within_registers_and_shared_memory(K, N):
     assert 0 < regs <= 255 and spilled == 0, (product, regs, spilled)
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx, product
   # The down projection's dx with the SwiGLU's backward (here N = F, K = D): its epilogue
-  # works EPILOGUE_COLUMNS at a time (the whole tile at once spilled 5 KB a thread).
+  # works EPILOGUE_COLUMNS at a time (the whole tile at once spilled 5 KB a thread); also
+  # with the rows' routing weights (model.moe.weights_before_down).
   c = tg.default_config("dx", N, K)
-  meta = dict(M=M, K=N, N=K, G=G, GP=32, BM=c.block_m, BN=c.block_n, BK=c.block_k,
-              SUB=tg.EPILOGUE_COLUMNS, GROUP_M=c.group_m)
-  compiled = triton_launch.build(tg._grouped_dx_gated_silu_triton,
-                                 [sizes, bf(M, N), bf(G, K, N), bf(M, 2 * K), bf(M, 2 * K),
-                                  bf(M, K)], meta, c.stages, c.warps)
-  regs, spilled = triton_report(compiled, tempfile.mkdtemp())
-  assert 0 < regs <= 255 and spilled == 0, ("dx_gated_silu", regs, spilled)
-  assert compiled.metadata.shared <= triton_launch.MAX_SHARED[90]
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  for weighted in (False, True):
+    meta = dict(M=M, K=N, N=K, G=G, GP=32, BM=c.block_m, BN=c.block_n, BK=c.block_k,
+                SUB=tg.EPILOGUE_COLUMNS, GROUP_M=c.group_m, WEIGHTED=weighted)
+    compiled = triton_launch.build(tg._grouped_dx_gated_silu_triton,
+                                   [sizes, bf(M, N), bf(G, K, N), bf(M, 2 * K), f32(M),
+                                    bf(M, 2 * K), bf(M, K), f32(M, 4)], meta, c.stages, c.warps)
+    regs, spilled = triton_report(compiled, tempfile.mkdtemp())
+    assert 0 < regs <= 255 and spilled == 0, ("dx_gated_silu", weighted, regs, spilled)
+    assert compiled.metadata.shared <= triton_launch.MAX_SHARED[90]
 
 
 def test_interpreted_launches_on_several_threads():

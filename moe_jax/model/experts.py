@@ -83,13 +83,9 @@ def swiglu_grouped(x_MxD, group_sizes_E, gate_up_ExDx2xF, down_ExFxD, implementa
   x_MxD = remat.tag(x_MxD, "moe_x")
   h_Mx2F = remat.tag(grouped_matmul(x_MxD, gate_up_ExDx2xF.reshape(E, D, 2 * F),
                                     group_sizes_E, implementation), "moe_h")
-  fused = grad_in_kernel and swiglu_grad_in_kernel(
-      implementation or default_grouped_matmul(x_MxD.dtype, F, D), F, D)
-  if fused and w_M is not None:
-    raise ValueError("model.moe.weights_before_down and model.moe.swiglu_grad_in_kernel: the "
-                     "fused gradient kernel takes no row weights; set one of them")
-  if fused:
-    return remat.tag(swiglu_down(h_Mx2F, down_ExFxD, group_sizes_E), "moe_y")
+  if grad_in_kernel and swiglu_grad_in_kernel(
+      implementation or default_grouped_matmul(x_MxD.dtype, F, D), F, D):
+    return remat.tag(swiglu_down(h_Mx2F, down_ExFxD, group_sizes_E, w_M), "moe_y")
   h_Mx2xF = h_Mx2F.reshape(-1, 2, F)
   a_MxF = remat.tag(gated_silu(h_Mx2xF) if w_M is None else weighted_gated_silu(h_Mx2xF, w_M),
                     "moe_a")

@@ -240,8 +240,34 @@ def _swiglu_down_bwd(res, dy_MxD):
 _swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
 
 
+@jax.custom_vjp
+def _swiglu_down_weighted(h_Mx2F, down_GxFxD, group_sizes_G, weights_M):
+  F = down_GxFxD.shape[1]
+  gate, up = h_Mx2F[:, :F].astype(F32), h_Mx2F[:, F:].astype(F32)
+  a_MxF = (jax.nn.silu(gate) * up * weights_M[:, None].astype(F32)).astype(h_Mx2F.dtype)
+  return jax.lax.optimization_barrier(       # as _gpu_grouped's: the kernel once
+      _triton_grouped().ragged_dot(a_MxF, down_GxFxD, group_sizes_G))
+
+
+def _swiglu_down_weighted_fwd(h_Mx2F, down_GxFxD, group_sizes_G, weights_M):
+  return (_swiglu_down_weighted(h_Mx2F, down_GxFxD, group_sizes_G, weights_M),
+          (h_Mx2F, down_GxFxD, group_sizes_G, weights_M))
+
+
+def _swiglu_down_weighted_bwd(res, dy_MxD):
+  h_Mx2F, down_GxFxD, group_sizes_G, weights_M = res
+  dy_MxD = dy_MxD.astype(h_Mx2F.dtype)
+  dh_Mx2F, a_MxF, dweights_M = _triton_grouped().ragged_dx_gated_silu(
+      dy_MxD, down_GxFxD, h_Mx2F, group_sizes_G, weights_M)
+  ddown = _triton_dw(a_MxF, dy_MxD, group_sizes_G).astype(down_GxFxD.dtype)
+  return dh_Mx2F, ddown, None, dweights_M.astype(weights_M.dtype)
+
+
+_swiglu_down_weighted.defvjp(_swiglu_down_weighted_fwd, _swiglu_down_weighted_bwd)
+
+
 @jax.jit
-def swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G):
+def swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G, weights_M=None):
   """grouped_matmul(silu(gate) · up, down, sizes, "triton") of h = [gate | up] [M, 2F], with
   the SwiGLU's backward inside the down projection's dx kernel (triton_gpu_grouped.
   ragged_dx_gated_silu): one kernel writes dh and the dw operand a = silu(gate) · up from h
@@ -249,5 +275,8 @@ def swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G):
   da, reads it back with h in a second pass for dh and, under remat, recomputes a in a
   third. The residuals are the inputs. a for dw is computed in fp32 and rounded once (the
   forward's in XLA's bf16 steps); da is rounded to h's dtype, as the unfused path stores
-  it."""
-  return _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G)
+  it. weights_M (model.moe.weights_before_down): each row's activation times its routing
+  weight, the weight's gradient from the same kernel."""
+  if weights_M is None:
+    return _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G)
+  return _swiglu_down_weighted(h_Mx2F, down_GxFxD, group_sizes_G, weights_M)

@@ -161,15 +161,19 @@ def _grouped_dot_triton(sizes, x, w, y, M: tl.constexpr, K: tl.constexpr, N: tl.
 
 
 @triton.jit
-def _grouped_dx_gated_silu_triton(sizes, dy, w, h, dh, a, M: tl.constexpr, K: tl.constexpr,
-                                  N: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                  SUB: tl.constexpr, GROUP_M: tl.constexpr,
-                                  NUM_STAGES: tl.constexpr):
+def _grouped_dx_gated_silu_triton(sizes, dy, w, h, rw, dh, a, dwp, M: tl.constexpr,
+                                  K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                                  GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                  BK: tl.constexpr, SUB: tl.constexpr, GROUP_M: tl.constexpr,
+                                  WEIGHTED: tl.constexpr, NUM_STAGES: tl.constexpr):
   """The down projection's dx with the SwiGLU's backward as its epilogue: with da = dy
   [M, K] times w[g]ᵀ (w [G, N, K], N = F) and the gate/up product h [M, 2N] (gate in
   columns [0, N), up in [N, 2N)), the program writes dh = d(silu(gate) · up) [M, 2N] and
-  a = silu(gate) · up [M, N] (dw's operand) for its tile; da has no array of its own."""
+  a = silu(gate) · up [M, N] (dw's operand) for its tile; da has no array of its own.
+  WEIGHTED: the activation was rw · silu(gate) · up (rw [M] fp32, a row's routing
+  weight): a and dh take the weight, and dwp [M, cdiv(N, SUB)] gets each SUB columns' part
+  of the weight's gradient, Σ da · silu(gate) · up over them (stored at once: a sum carried
+  through the loop spilled at 255 registers)."""
   found, g, start, end, row0, col0 = _program_tile(sizes, M, N, G, GP, BM, BN, GROUP_M)
   if not found:
     return
@@ -194,11 +198,18 @@ def _grouped_dx_gated_silu_triton(sizes, dy, w, h, dh, a, M: tl.constexpr, K: tl
     up = tl.load(h_tile + r * (2 * N) + N + c, mask=ok, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))   # tl.sigmoid: a library function the interpreter lacks
     silu = gate * sig
+    act = silu * up
+    if WEIGHTED:   # masked loads are 0: no NaN from padding rows; tl.reduce as kda's fp32_sum
+      weight = tl.load(rw + r0 + r, mask=own[:, None], other=0.0)
+      tl.store(dwp + (r0 + r) * ((N + SUB - 1) // SUB) + (col0 // SUB + j),
+               tl.reduce(da_j * act, 1, tl.standard._sum_combine, keep_dims=True),
+               mask=own[:, None] & (col0 + j * SUB < N))
+      da_j, act = da_j * weight, act * weight
     # d silu(x)/dx = σ(x)(1 + x(1 - σ(x))) = σ(x) + silu(x)(1 - σ(x))
     tl.store(dh_tile + r * (2 * N) + c, (da_j * up * (sig + silu * (1.0 - sig))).to(
         dh.dtype.element_ty), mask=ok)
     tl.store(dh_tile + r * (2 * N) + N + c, (da_j * silu).to(dh.dtype.element_ty), mask=ok)
-    tl.store(a_tile + r * N + c, (silu * up).to(a.dtype.element_ty), mask=ok)
+    tl.store(a_tile + r * N + c, act.to(a.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -267,31 +278,44 @@ def ragged_dot(x_MxK, w_GxKxN, sizes_G, *, config: Config | None = None,
 EPILOGUE_COLUMNS = 64   # ragged_dx_gated_silu's epilogue: columns of its tile at a time
 
 
-def ragged_dx_gated_silu(dy_MxK, w_GxNxK, h_Mx2N, sizes_G, *, config: Config | None = None,
-                         interpret: bool | None = None):
+def ragged_dx_gated_silu(dy_MxK, w_GxNxK, h_Mx2N, sizes_G, weights_M=None, *,
+                         config: Config | None = None, interpret: bool | None = None):
   """(dh [M, 2N], a [M, N]), h's dtype: the backward of y = ragged_dot(silu(gate) · up, w)
   through the SwiGLU, from dy [M, K] and w [G, N, K] (the down projection, read transposed
   in place) and h = [gate | up] [M, 2N]. da = dy · w[g]ᵀ gets no array of its own (it
   passes through a's tile, rounded to h's dtype as the unfused path stores it); a, the down
   projection's dw operand, is recomputed from h beside dh. Rows past sum(sizes) are left
-  unwritten."""
+  unwritten.
+
+  With weights_M [M] (each row's routing weight, model.moe.weights_before_down: y =
+  ragged_dot(weights · silu(gate) · up, w)): (dh, a, dweights [M] fp32), a and dh with the
+  weight, dweights = Σ_N da · silu(gate) · up (0 past sum(sizes))."""
   check_operands("ragged_dx_gated_silu", dy_MxK, w_GxNxK, sizes_G)
   M = dy_MxK.shape[0]
   K, N, G = dot_dims(dy_MxK, w_GxNxK, sizes_G, True)
   if h_Mx2N.shape != (M, 2 * N) or h_Mx2N.dtype != dy_MxK.dtype:
     raise ValueError(f"ragged_dx_gated_silu: h must be [M, 2N] = [{M}, {2 * N}] in "
                      f"{dy_MxK.dtype}, got {h_Mx2N.shape} {h_Mx2N.dtype}")
+  if weights_M is not None and weights_M.shape != (M,):
+    raise ValueError(f"ragged_dx_gated_silu: weights must be [M] = [{M}], got "
+                     f"{weights_M.shape}")
   c = config or default_config("dx", K, N)
   tiles, meta = _row_tile_plan("ragged_dx_gated_silu", c, M, K, N, G)
-  meta["SUB"] = min(EPILOGUE_COLUMNS, c.block_n)
-  dh, a = triton_launch.launch(
+  weighted = weights_M is not None
+  meta.update(SUB=min(EPILOGUE_COLUMNS, c.block_n), WEIGHTED=weighted)
+  subs = triton.cdiv(N, meta["SUB"]) if weighted else 1   # unweighted: 1-element stand-ins
+  rw = weights_M.astype(jnp.float32) if weighted else jnp.zeros((1,), jnp.float32)
+  dh, a, dwp = triton_launch.launch(
       _grouped_dx_gated_silu_triton, (tiles,),
-      (sizes_G.astype(jnp.int32), dy_MxK, w_GxNxK, h_Mx2N),
-      [jax.ShapeDtypeStruct((M, 2 * N), h_Mx2N.dtype), jax.ShapeDtypeStruct((M, N), h_Mx2N.dtype)],
-      meta, name=f"grouped_triton_dx_gated_silu_{K}x{N}",
+      (sizes_G.astype(jnp.int32), dy_MxK, w_GxNxK, h_Mx2N, rw),
+      [jax.ShapeDtypeStruct((M, 2 * N), h_Mx2N.dtype), jax.ShapeDtypeStruct((M, N), h_Mx2N.dtype),
+       jax.ShapeDtypeStruct((M if weighted else 1, subs), jnp.float32)],
+      meta, name=f"grouped_triton_dx_gated_silu{'_weighted' if weighted else ''}_{K}x{N}",
       interpret=platform.interpret_off_gpu(interpret), warps=c.warps, max_stages=c.stages,
       stages=c.stages)
-  return dh, a
+  if not weighted:
+    return dh, a
+  return dh, a, jnp.where(jnp.arange(M) < sizes_G.sum(), dwp.sum(-1), 0.0)
 
 
 def ragged_dw(x_MxK, dy_MxN, sizes_G, *, config: Config | None = None,
