@@ -27,23 +27,12 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import bench_train   # its --set flag, the rows' configs
+from pallas_kernels.platform import target_mesh
 
 _ROW = flags.DEFINE_string("row", "1b_dropless", "A row of benchmarks/bench_train.py.")
 _TARGET = flags.DEFINE_enum("target", "gpu", ["gpu", "tpu", "cpu"],
                             "The platform the kernels resolve for (pallas_kernels/platform.py): "
                             "the residuals are those of its kernels' custom VJPs.")
-
-
-def target_mesh(platform: str):
-  """A one-device abstract mesh of `platform` devices: kernel choices resolve for it while
-  the host stays a CPU (as tests/conftest.py's target_mesh); no mesh for the CPU, the host."""
-  if platform == "cpu":
-    return contextlib.nullcontext()
-  from jax._src.mesh import AbstractDevice   # no public constructor for one yet
-  kind = {"gpu": "NVIDIA H100 80GB HBM3", "tpu": "TPU v5"}[platform]
-  device = AbstractDevice(device_kind=kind, num_cores=1, platform=platform)
-  return jax.sharding.use_abstract_mesh(
-      jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device))
 
 
 def vjp_jaxpr(c, platform: str = "gpu"):
@@ -65,7 +54,8 @@ def vjp_jaxpr(c, platform: str = "gpu"):
     loss = lambda p: step_lib.loss_fn(p, variables["router"], model.apply, batch)[0]
     return jax.vjp(loss, params)[1]
 
-  with target_mesh(platform):
+  kind = {"gpu": "NVIDIA H100 80GB HBM3", "tpu": "TPU v5"}.get(platform)
+  with contextlib.nullcontext() if kind is None else target_mesh(platform, kind):
     return jax.make_jaxpr(residuals)(variables["params"]).jaxpr
 
 

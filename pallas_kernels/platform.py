@@ -19,6 +19,17 @@ def target() -> str:
   return device.platform if device is not None else jax.default_backend()
 
 
+def target_mesh(platform: str = "tpu", device_kind: str = "TPU v5"):
+  """A one-device mesh of abstract `platform` devices in context: kernel choices resolve as
+  for that target (`target`) while the host stays a CPU; jax.export with platforms=[...]
+  lowers for it. The tests' and benchmarks/scan_residuals.py's way to see another
+  platform's program from a CPU host."""
+  from jax._src.mesh import AbstractDevice   # no public constructor for one yet
+  device = AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device))
+
+
 def interpret_off_gpu(interpret: bool | None) -> bool:
   """A GPU kernel's `interpret` argument resolved: None means natively where the target
   platform is a GPU, else in an interpreter (CPU tests)."""

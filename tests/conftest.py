@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from configs import tiny  # noqa: E402
+from pallas_kernels.platform import target_mesh  # noqa: E402,F401 (the tests import it here)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,14 +136,6 @@ def x64():
   jax.config.update("jax_enable_x64", False)
 
 
-def target_mesh(platform="tpu", device_kind="TPU v5"):
-  """A one-device mesh of abstract `platform` devices in context: kernel choices resolve as
-  for that target (pallas_kernels/platform.py) while the host stays a CPU; jax.export with
-  platforms=[...] lowers for it."""
-  from jax._src.mesh import AbstractDevice   # no public constructor for one yet
-  device = AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)
-  return jax.sharding.use_abstract_mesh(
-      jax.sharding.AbstractMesh((1,), ("data",), abstract_device=device))
 
 
 def rel_err(a, b) -> float:

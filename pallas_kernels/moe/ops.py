@@ -217,53 +217,35 @@ def swiglu_grad_in_kernel(implementation: str, F: int, D: int) -> bool:
 
 
 @jax.custom_vjp
-def _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G):
+def _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G, weights_M):
+  """weights_M None: silu(gate) · up in XLA's steps in h's dtype; else times the weights, in
+  fp32 and rounded once (as experts.weighted_gated_silu)."""
   F = down_GxFxD.shape[1]
-  a_MxF = jax.nn.silu(h_Mx2F[:, :F]) * h_Mx2F[:, F:]
+  if weights_M is None:
+    a_MxF = jax.nn.silu(h_Mx2F[:, :F]) * h_Mx2F[:, F:]
+  else:
+    gate, up = h_Mx2F[:, :F].astype(F32), h_Mx2F[:, F:].astype(F32)
+    a_MxF = (jax.nn.silu(gate) * up * weights_M[:, None].astype(F32)).astype(h_Mx2F.dtype)
   return jax.lax.optimization_barrier(       # as _gpu_grouped's: the kernel once
       _triton_grouped().ragged_dot(a_MxF, down_GxFxD, group_sizes_G))
 
 
-def _swiglu_down_fwd(h_Mx2F, down_GxFxD, group_sizes_G):
-  return _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G), (h_Mx2F, down_GxFxD, group_sizes_G)
-
-
-def _swiglu_down_bwd(res, dy_MxD):
-  h_Mx2F, down_GxFxD, group_sizes_G = res
-  dy_MxD = dy_MxD.astype(h_Mx2F.dtype)
-  dh_Mx2F, a_MxF = _triton_grouped().ragged_dx_gated_silu(dy_MxD, down_GxFxD, h_Mx2F,
-                                                          group_sizes_G)
-  ddown = _triton_dw(a_MxF, dy_MxD, group_sizes_G).astype(down_GxFxD.dtype)
-  return dh_Mx2F, ddown, None
-
-
-_swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
-
-
-@jax.custom_vjp
-def _swiglu_down_weighted(h_Mx2F, down_GxFxD, group_sizes_G, weights_M):
-  F = down_GxFxD.shape[1]
-  gate, up = h_Mx2F[:, :F].astype(F32), h_Mx2F[:, F:].astype(F32)
-  a_MxF = (jax.nn.silu(gate) * up * weights_M[:, None].astype(F32)).astype(h_Mx2F.dtype)
-  return jax.lax.optimization_barrier(       # as _gpu_grouped's: the kernel once
-      _triton_grouped().ragged_dot(a_MxF, down_GxFxD, group_sizes_G))
-
-
-def _swiglu_down_weighted_fwd(h_Mx2F, down_GxFxD, group_sizes_G, weights_M):
-  return (_swiglu_down_weighted(h_Mx2F, down_GxFxD, group_sizes_G, weights_M),
+def _swiglu_down_fwd(h_Mx2F, down_GxFxD, group_sizes_G, weights_M):
+  return (_swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G, weights_M),
           (h_Mx2F, down_GxFxD, group_sizes_G, weights_M))
 
 
-def _swiglu_down_weighted_bwd(res, dy_MxD):
+def _swiglu_down_bwd(res, dy_MxD):
   h_Mx2F, down_GxFxD, group_sizes_G, weights_M = res
   dy_MxD = dy_MxD.astype(h_Mx2F.dtype)
-  dh_Mx2F, a_MxF, dweights_M = _triton_grouped().ragged_dx_gated_silu(
+  dh_Mx2F, a_MxF, *dweights = _triton_grouped().ragged_dx_gated_silu(
       dy_MxD, down_GxFxD, h_Mx2F, group_sizes_G, weights_M)
   ddown = _triton_dw(a_MxF, dy_MxD, group_sizes_G).astype(down_GxFxD.dtype)
-  return dh_Mx2F, ddown, None, dweights_M.astype(weights_M.dtype)
+  return (dh_Mx2F, ddown, None,
+          None if weights_M is None else dweights[0].astype(weights_M.dtype))
 
 
-_swiglu_down_weighted.defvjp(_swiglu_down_weighted_fwd, _swiglu_down_weighted_bwd)
+_swiglu_down.defvjp(_swiglu_down_fwd, _swiglu_down_bwd)
 
 
 @jax.jit
@@ -277,6 +259,4 @@ def swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G, weights_M=None):
   forward's in XLA's bf16 steps); da is rounded to h's dtype, as the unfused path stores
   it. weights_M (model.moe.weights_before_down): each row's activation times its routing
   weight, the weight's gradient from the same kernel."""
-  if weights_M is None:
-    return _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G)
-  return _swiglu_down_weighted(h_Mx2F, down_GxFxD, group_sizes_G, weights_M)
+  return _swiglu_down(h_Mx2F, down_GxFxD, group_sizes_G, weights_M)
