@@ -17,7 +17,8 @@
 # XLA_PYTHON_CLIENT_MEM_FRACTION=$MEM_FRACTION each (default 0.46: GRPO's :h200 needs about
 # 30 GB, so three fit an H200's 139 GB at 0.30 but not an H100's 80; a context stage asks for
 # 0.95 and runs alone). LIMIT (default 540 s) is when SIGTERM comes, KILL (30 s)
-# the grace after it. Carry .whl_gpu and .whl_prof (tokamax imports xprof). Then, here:
+# the grace after it. Carry the wheels in WHEELS (default ".whl_gpu .whl_prof": tokamax imports
+# xprof; a copy of .whl_gpu without the notebook wheels also serves). Then, here:
 #   tar xzf g1.tgz -C /tmp
 #   python -m benchmarks.grpo_gpu --workdirs=/tmp/g1,... --out=benchmarks --machine="..."
 #   python -m benchmarks.context_gpu --workdirs=/tmp/s1,... --out=benchmarks --machine="..."
@@ -25,9 +26,11 @@ set -o pipefail
 : "${UNITS:?UNITS=kind:name:flags[;...] (kind grpo or context)}"
 OUT=${OUT:-/tmp/gpu_runs_out}; LIMIT=${LIMIT:-540}; KILL=${KILL:-30}; STAGGER=${STAGGER:-10}
 ROOT=${RUNS_DIR:-/tmp/gpu_runs}; SITE=${SITE:-/tmp/site}; mkdir -p "$OUT" "$ROOT"
+WHEELS=${WHEELS:-.whl_gpu .whl_prof}
 if [ ! -f "$SITE/.installed" ]; then
+  wheels=(); for d in $WHEELS; do wheels+=("$d"/*.whl); done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .whl_gpu/*.whl .whl_prof/*.whl && touch "$SITE/.installed" || exit 1
+    --target "$SITE" "${wheels[@]}" && touch "$SITE/.installed" || exit 1
 fi
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 IFS=';' read -ra units <<< "$UNITS"
