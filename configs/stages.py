@@ -8,8 +8,8 @@
         at 2K on stdlib documents with 80% passkey and MQAR rows, then 8K and 32K, at 64K
         tokens a step on one GPU; evals at 1×, 2×, 4× and 8× of 32K with passkey at five
         depths. On an H100 the stages take about 10 minutes, the direct control about 11
-        (94K tokens/s at 32K) and a run's evals 9 with 16 rows at every length
-        (benchmarks/context_extension.md). The checkpoints (10 GB) stay on the machine's
+        (94K tokens/s at 32K) and a run's evals about 7 with 16 rows per task at 32K and 8
+        at 64K–256K (benchmarks/context_extension.md). The checkpoints (10 GB) stay on the machine's
         disk, so a run's jobs go back to back on one machine; rerun, it resumes where it
         stopped, the evals too (by length). --nocontrol trains the stages alone,
         --nostaged the direct control alone. The controls:
@@ -105,11 +105,13 @@ def get_config(arg="cpu"):
     sc.stage_names = "s2k,s8k,s32k"
     ev.multipliers = "1,2,4,8"
     ev.max_windows = 4
-    # 16 rows per task and depth, 64 at the trained length, where the goal is judged and a
-    # row costs least: with 16 everywhere the evals of one run took 546 s on an H100 (55, 52,
-    # 114 and 328 s at 32K to 256K; 8× is attention-bound).
-    ev.retrieval_rows = 16
-    ev.retrieval_rows_at_trained = 64
+    # 16 rows per task and depth at the trained length, where the goal is judged, 8 beyond:
+    # a run (stages or control, then its evals) must fit one ~25-minute device lease. With
+    # 16 everywhere the evals took 546 s on an H100 (55, 52, 114 and 328 s at 32K to 256K;
+    # 8× is attention-bound); with 16 and 8, 73, 72, 106 and 153 s
+    # (benchmarks/context_extension.md, 2026-12-07).
+    ev.retrieval_rows = 8
+    ev.retrieval_rows_at_trained = 16
     ev.chunk = 8192
     ev.passkey_depths = "0,0.25,0.5,0.75,1"
   elif arg == "1b":
