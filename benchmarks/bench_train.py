@@ -32,6 +32,10 @@ pallas_kernels and configs: the previous default) in the same run, as row
 `<row>_baseline`: its loss after the timed steps sits beside the row's, the same data and
 seeds. `.baseline/` is ignored by git, for a checkout to carry to another machine:
   mkdir -p .baseline && git archive <rev> moe_jax pallas_kernels configs | tar -x -C .baseline
+
+--label=NAME records the rows as `<row>_NAME` (and `<row>_NAME_baseline`), each with
+`base_row`: the variants of one row then sit side by side in one train.json
+(benchmarks/train_variants.sh runs a list of them).
 """
 
 import time
@@ -78,6 +82,8 @@ _RESTATE = flags.DEFINE_bool("restate", False, "Re-derive the MFU of every GPU r
 _CODE = flags.DEFINE_string("code_dir", "", "Internal: import moe_jax and configs from here.")
 _SET = flags.DEFINE_multi_string("set", [], "Extra config override key=value for every row "
                                  "(e.g. model.remat=True), applied last.")
+_LABEL = flags.DEFINE_string("label", "", "Record each row as <row>_<label> (a variant's name; "
+                             "letters, digits and _).")
 
 PEAK_FLOPS = 989e12   # H100/H200 dense bf16 spec peak (the field's MFU denominator)
 MEASURED_PEAK_FLOPS = 762e12   # bf16 dense matmul measured through JAX on the H200
@@ -389,7 +395,7 @@ def restate(rec: dict) -> dict:
   the data of the row whose name it extends (`1b_…` → 1b_dropless, `h200_…` →
   h200_dropless) and keeps its recorded matmul and KDA terms."""
   from moe_jax import config as config_lib
-  name = rec["row"].removesuffix("_baseline")
+  name = rec.get("base_row") or rec["row"].removesuffix("_baseline")
   base = name if name in ROWS else ("1b_dropless" if name.startswith("1b_") else "h200_dropless")
   c = config_lib.validate(row_config(base))
   tokens = c.data.batch_size * c.data.seq_len
@@ -414,7 +420,7 @@ def restate(rec: dict) -> dict:
 def run_row(name: str, steps: int, extra, code_dir: str = "") -> list[dict]:
   """The cold and the warm process of one row, on a fresh cache; with code_dir, on the
   code there, as row `<name>_baseline`."""
-  label = f"{name}_baseline" if code_dir else name
+  label = "_".join(filter(None, (name, _LABEL.value, "baseline" if code_dir else "")))
   cache = tempfile.mkdtemp(prefix=f"xla_cache_{label}_")
   logs = _LOGS.value or os.path.join(_OUT.value, "logs")
   os.makedirs(logs, exist_ok=True)
@@ -437,7 +443,7 @@ def run_row(name: str, steps: int, extra, code_dir: str = "") -> list[dict]:
     log = os.path.join(logs, f"{label}_{mode}.log")
     with open(log, "w") as f:
       f.write(proc.stdout + proc.stderr)
-    stamp = {"row": label, "date": provenance.today(),
+    stamp = {"row": label, "base_row": name, "date": provenance.today(),
              "commit": "baseline:" + os.path.basename(os.path.abspath(code_dir)) if code_dir
              else provenance.commit(), "set": list(extra), "extra_xla_flags": _XLA_FLAGS.value}
     if proc.returncode:
@@ -556,6 +562,8 @@ def main(argv):
   for name in _ROWS.value:
     if name not in ROWS:
       raise app.UsageError(f"--rows: unknown row {name!r}; known: {sorted(ROWS)}")
+  if _LABEL.value and not re.fullmatch(r"\w+", _LABEL.value):
+    raise app.UsageError(f"--label: {_LABEL.value!r} is not a name (letters, digits and _)")
   if _BASELINE_DIR.value and not os.path.isdir(os.path.join(_BASELINE_DIR.value, "moe_jax")):
     raise app.UsageError(f"--baseline_dir={_BASELINE_DIR.value!r} has no moe_jax/: give a "
                          "checkout of the baseline code")
@@ -568,8 +576,7 @@ def main(argv):
   # (a GPU client here would have held device memory while they ran).
   import jax
   jax.config.update("jax_platforms", "cpu")
-  records = [add_mfu(r, r["row"].removesuffix("_baseline"), _SET.value) if "step_ms" in r
-             else r for r in records]
+  records = [add_mfu(r, r["base_row"], _SET.value) if "step_ms" in r else r for r in records]
   old = json.load(open(json_path)) if os.path.exists(json_path) else []
   measured = {r["row"] for r in records}
   keep = [r for r in old if r["row"] not in measured]

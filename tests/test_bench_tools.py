@@ -335,26 +335,40 @@ def test_attention_flops_count_causal_pairs_within_documents():
 
 @pytest.mark.slow
 def test_bench_train_row_and_its_baseline_on_cpu(tmp_path):
-  """A row and its `_baseline` (the same code, given as --baseline_dir) in one call: both
-  dated and stamped with a commit, the same loss after the same data, the markdown's
-  "× baseline" column, and the attention pairs of the batches the timed steps ran."""
+  """A row and its `_baseline` (the same code, given as --baseline_dir) in one call, named by
+  --label: both dated and stamped with a commit and their base row, the same loss after the
+  same data, the markdown's "× baseline" column, and the attention pairs of the batches the
+  timed steps ran."""
   import json
   out = tmp_path / "out"
   run = subprocess.run(
       [sys.executable, "-m", "benchmarks.bench_train", "--rows=tiny_cpu", f"--out={out}",
        "--steps=2", "--warm=", f"--baseline_dir={ROOT}", "--set=data.seq_len=128",
-       "--set=data.batch_size=4"], cwd=ROOT, capture_output=True, text=True, timeout=900,
-      env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu"))
+       "--set=data.batch_size=4", "--label=short"], cwd=ROOT, capture_output=True, text=True,
+      timeout=900, env=subprocess_env(MOE_JAX_COMMIT="abc1234", JAX_PLATFORMS="cpu"))
   assert run.returncode == 0, run.stderr[-3000:]
   rows = {r["row"]: r for r in json.load(open(out / "train.json"))}
-  row, base = rows["tiny_cpu"], rows["tiny_cpu_baseline"]
+  row, base = rows["tiny_cpu_short"], rows["tiny_cpu_short_baseline"]
+  assert row["base_row"] == base["base_row"] == "tiny_cpu"
   assert row["commit"] == "abc1234" and base["commit"].startswith("baseline:")
   assert row["date"] == base["date"] and row["dispatch"] == base["dispatch"] == "dropless"
   assert row["loss_after"] == pytest.approx(base["loss_after"], rel=1e-5)
   assert 0 < row["attention_pairs_per_step"] <= 4 * 128 * 129 / 2
   assert row["flops"]["attention_pairs"] == row["attention_pairs_per_step"]
   md = (out / "train.md").read_text()
-  assert "commit abc1234" in md and "× baseline" in md and "tiny_cpu_baseline" in md
+  assert "commit abc1234" in md and "× baseline" in md and "tiny_cpu_short_baseline" in md
+
+
+def test_bench_train_rejects_a_label_that_is_not_a_name(tmp_path):
+  """--label becomes part of a row's name: anything but letters, digits and _ is refused
+  before a row runs, with the flag and the value in the message."""
+  run = subprocess.run(
+      [sys.executable, "-m", "benchmarks.bench_train", "--rows=tiny_cpu", f"--out={tmp_path}",
+       "--label=fused swiglu"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+      env=subprocess_env(JAX_PLATFORMS="cpu"))
+  assert run.returncode != 0
+  assert "--label: 'fused swiglu' is not a name" in run.stderr
+  assert not (tmp_path / "train.json").exists()
 
 
 def test_phase_floors_are_flops_at_peak_or_bytes_at_bandwidth():
