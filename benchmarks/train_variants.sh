@@ -9,7 +9,8 @@
 #     ROWS=1b_dropless BUDGET=420 bash benchmarks/train_variants.sh
 #
 # VARIANTS: ';'-separated name:flags (flags: bench_train's --set=k=v, --xla_flags=...,
-# --baseline_dir=DIR, --steps=N; name `default` records the row under its own name).
+# --baseline_dir=DIR, --steps=N, as shell words, so --xla_flags='--a=true --b=true' is one;
+# name `default` records the row under its own name).
 # Carry the wheels in WHEELS (default ".whl_gpu .whl_prof": the profile needs xprof). The
 # per-process logs and HLO dumps stay in $OUT/logs unless KEEP_LOGS=0 (they are large).
 set -o pipefail
@@ -32,9 +33,9 @@ for v in "${variants[@]}"; do
   if [ "$SECONDS" -ge "$BUDGET" ]; then echo "== $name: skipped at $SECONDS s (BUDGET $BUDGET)"; continue; fi
   label=(); [ "$name" != default ] && label=(--label="$name")
   start=$SECONDS
-  # shellcheck disable=SC2086  # flags split into arguments on purpose
-  python3 -m benchmarks.bench_train --rows="$ROWS" --warm=none --out="$OUT" "${label[@]}" $flags \
-    > "$OUT/$name.out" 2>&1
+  eval "args=($flags)"   # shell words: a quoted value may hold spaces (--xla_flags='--a --b')
+  python3 -m benchmarks.bench_train --rows="$ROWS" --warm=none --out="$OUT" "${label[@]}" \
+    "${args[@]}" > "$OUT/$name.out" 2>&1
   echo "== $name: rc=$? after $((SECONDS - start)) s"; grep -E "first step|failed" "$OUT/$name.out"
   labels+=("$name")
 done
