@@ -364,7 +364,9 @@ def add_mfu(rec: dict, name: str, extra=()) -> dict:
   a `_baseline` row: both rows are counted alike), each phase's floor and, on a GPU, MFU."""
   c = row_config(name, extra)
   rec["flops"] = flops = model_flops_per_step(c, rec["attention_pairs_per_step"])
-  rec["phase_floor_ms"] = train_floors.phase_floors_ms(c, flops, PEAK_FLOPS)
+  bw = train_floors.hbm_bytes_per_s(rec.get("device"))
+  rec["phase_floor_ms"] = train_floors.phase_floors_ms(c, flops, PEAK_FLOPS, bw)
+  rec["phase_floor_hbm_tb_per_s"] = bw / 1e12
   return _with_mfu(rec, flops) if rec["platform"] == "gpu" else rec
 
 
@@ -513,7 +515,7 @@ def markdown(records: list[dict], extra) -> str:
   lines += ["", "Per-phase device time (ms per step: GPU kernel time by the named scope of the "
             "op it ran for; `kernels` is their sum, against the step time). Under each row, "
             "each phase's floor (benchmarks/train_floors.py: its FLOPs at 989 TFLOP/s or its "
-            "HBM traffic at 4.8 TB/s):", ""]
+            "HBM traffic at the device's spec bandwidth, H100 3.35 TB/s, H200 4.8):", ""]
   lines += ["| row | kernels | " + " | ".join(phases) + " |",
             "|---|---|" + "---|" * len(phases)]
   for row, rs in by_row.items():

@@ -16,7 +16,18 @@ Memory traffic counted (lower bounds; caches and fusion cannot remove it):
 import jax.numpy as jnp
 
 PEAK_FLOPS = 989e12          # H100/H200 dense bf16 spec
-HBM_BYTES_PER_S = 4.8e12     # H200 spec (H100 SXM: 3.35e12)
+HBM_BYTES_PER_S = 4.8e12     # H200 spec
+# Spec HBM bandwidth by device kind (the same dense bf16 peak for both).
+HBM_BY_KIND = {"H100": 3.35e12, "H200": 4.8e12}   # H100 SXM's HBM3, H200's HBM3e
+
+
+def hbm_bytes_per_s(device_kind: str | None) -> float:
+  """The spec HBM bandwidth of a device kind ("NVIDIA H100 80GB HBM3" → 3.35 TB/s), the
+  H200's for any other kind (CPU rows have no meaningful floor)."""
+  for name, bw in HBM_BY_KIND.items():
+    if name in (device_kind or ""):
+      return bw
+  return HBM_BYTES_PER_S
 
 
 def phase_floors_ms(c, flops: dict, peak_flops: float = PEAK_FLOPS,

@@ -392,6 +392,15 @@ def test_phase_floors_are_flops_at_peak_or_bytes_at_bandwidth():
   slow = train_floors.phase_floors_ms(c, flops, hbm_bytes_per_s=2.4e12)
   assert slow["optimizer"] == pytest.approx(2 * fl["optimizer"])
   assert slow["loss"] == fl["loss"] and slow["kda"] == fl["kda"]
+  # a row's floors use its own device's bandwidth: an H100's is 3.35 TB/s, not the H200's
+  assert train_floors.hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+  assert train_floors.hbm_bytes_per_s("NVIDIA H200") == 4.8e12
+  assert train_floors.hbm_bytes_per_s(None) == 4.8e12
+  h100 = bench_train.add_mfu({"attention_pairs_per_step": flops["attention_pairs"],
+                              "platform": "gpu", "device": "NVIDIA H100 80GB HBM3",
+                              "step_ms": 300.0}, "h200_slice")
+  assert h100["phase_floor_hbm_tb_per_s"] == 3.35
+  assert h100["phase_floor_ms"]["optimizer"] == pytest.approx(fl["optimizer"] * 4.8 / 3.35)
 
 
 def test_decode_floors_at_1m_by_hand():
