@@ -105,10 +105,10 @@ def get_config(arg="cpu"):
     sc.stage_names = "s2k,s8k,s32k"
     ev.multipliers = "1,2,4,8"
     ev.max_windows = 4
-    # 16 rows per task and depth at the trained length, where the goal is judged, 8 beyond:
-    # a run (stages or control, then its evals) must fit one ~25-minute device lease. With
-    # 16 everywhere the evals took 546 s on an H100 (55, 52, 114 and 328 s at 32K to 256K;
-    # 8× is attention-bound); with 16 and 8, 73, 72, 106 and 153 s
+    # 16 rows per task and depth at the trained length, where the goal is judged, 8 beyond,
+    # so that a whole run (stages or control, then its evals) takes about 22 minutes on one
+    # H100. With 16 everywhere the evals took 546 s there (55, 52, 114 and 328 s at 32K to
+    # 256K; 8× is attention-bound); with 16 and 8, 73, 72, 106 and 153 s
     # (benchmarks/context_extension.md, 2026-12-07).
     ev.retrieval_rows = 8
     ev.retrieval_rows_at_trained = 16
