@@ -38,6 +38,7 @@ TOL = 1e-4   # ‖ours − reference‖ / ‖reference‖ in fp32 (measured: 2.7
 REFERENCE_PYTHON = os.environ.get("KIMI_REFERENCE_PYTHON",
                                   os.path.join(ROOT, ".venv-ref", "bin", "python"))
 REFERENCE_TORCH = "2.13.0+cpu"   # Makefile's reference-env, which made tests/data/kimi_tiny
+SAME_BUILD_TOL = 1e-6   # that torch on another host's CPU kernels (measured: 1.6e-7)
 
 
 @pytest.fixture(scope="module")
@@ -259,10 +260,13 @@ def test_live_against_transformers(tmp_path):
   _reference("make", "--out", tmp_path / "ref")
   ref = dict(np.load(tmp_path / "ref" / "reference.npz"))
   fixture = dict(np.load(os.path.join(FIXTURE, "reference.npz")))
-  # The fixture is current: bit-equal under `make reference-env`'s torch; another build's
-  # CPU kernels (the GPU image's torch) may round differently, so there only within TOL.
+  # The fixture is current: under `make reference-env`'s torch equal to rounding (the same
+  # build picks other CPU kernels on another host: 1.6e-7 relative, 8.9e-8 at most, on an
+  # AVX-512 host against the fixture's), with the same greedy tokens; another build (the
+  # GPU image's torch) within TOL.
   if _reference_torch() == REFERENCE_TORCH:
-    np.testing.assert_array_equal(ref["logits"], fixture["logits"])
+    assert rel_err(ref["logits"], fixture["logits"]) < SAME_BUILD_TOL
+    np.testing.assert_array_equal(ref["greedy"], fixture["greedy"])
   else:
     assert rel_err(ref["logits"], fixture["logits"]) < TOL
   config, variables = kimi_hf.load(str(tmp_path / "ref" / "released"))
