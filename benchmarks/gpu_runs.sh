@@ -18,7 +18,7 @@
 # 30 GB, so three fit an H200's 139 GB at 0.30 but not an H100's 80; a context stage asks for
 # 0.95 and runs alone). LIMIT (default 540 s) is when SIGTERM comes, KILL (30 s)
 # the grace after it. Carry the wheels in WHEELS (default ".whl_gpu .whl_prof": tokamax imports
-# xprof; a copy of .whl_gpu without the notebook wheels also serves). Then, here:
+# xprof; ".whl_run .whl_prof" is smaller, tests/gpu_wheels.sh). Then, here:
 #   tar xzf g1.tgz -C /tmp
 #   python -m benchmarks.grpo_gpu --workdirs=/tmp/g1,... --out=benchmarks --machine="..."
 #   python -m benchmarks.context_gpu --workdirs=/tmp/s1,... --out=benchmarks --machine="..."
@@ -26,13 +26,9 @@ set -o pipefail
 : "${UNITS:?UNITS=kind:name:flags[;...] (kind grpo or context)}"
 OUT=${OUT:-/tmp/gpu_runs_out}; LIMIT=${LIMIT:-540}; KILL=${KILL:-30}; STAGGER=${STAGGER:-10}
 ROOT=${RUNS_DIR:-/tmp/gpu_runs}; SITE=${SITE:-/tmp/site}; mkdir -p "$OUT" "$ROOT"
-WHEELS=${WHEELS:-.whl_gpu .whl_prof}
-if [ ! -f "$SITE/.installed" ]; then
-  wheels=(); for d in $WHEELS; do wheels+=("$d"/*.whl); done
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "${wheels[@]}" && touch "$SITE/.installed" || exit 1
-fi
-export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+source tests/gpu_site.sh
+# shellcheck disable=SC2086  # folders of wheels, space-separated
+install_wheels "$SITE" ${WHEELS:-.whl_gpu .whl_prof} || exit 1
 IFS=';' read -ra units <<< "$UNITS"
 gpus=$(nvidia-smi -L | wc -l)
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown);" \

@@ -16,21 +16,21 @@
 set -o pipefail
 : "${VARIANTS:?VARIANTS=name:flags[;...]}"
 ROWS=${ROWS:-1b_dropless}; BUDGET=${BUDGET:-420}; OUT=${OUT:-/tmp/train_variants}
-SITE=${SITE:-/tmp/site}; WHEELS=${WHEELS:-.whl_gpu .whl_prof}; mkdir -p "$OUT"
-if [ ! -f "$SITE/.installed" ]; then
-  wheels=(); for d in $WHEELS; do wheels+=("$d"/*.whl); done
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "${wheels[@]}" && touch "$SITE/.installed" || exit 1
-fi
-export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+source tests/gpu_site.sh
+# shellcheck disable=SC2086  # folders of wheels, space-separated
+install_wheels "${SITE:-/tmp/site}" ${WHEELS:-.whl_gpu .whl_prof} || exit 1
 cp benchmarks/train.json "$OUT/train.json"
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); $gpu"
 
 IFS=';' read -ra variants <<< "$VARIANTS"
 labels=(); SECONDS=0
 for v in "${variants[@]}"; do
   name=${v%%:*}; flags=${v#*:}; [ "$flags" = "$v" ] && flags=""
-  if [ "$SECONDS" -ge "$BUDGET" ]; then echo "== $name: skipped at $SECONDS s (BUDGET $BUDGET)"; continue; fi
+  if [ "$SECONDS" -ge "$BUDGET" ]; then
+    echo "== $name: skipped at $SECONDS s (BUDGET $BUDGET)"; continue
+  fi
   label=(); [ "$name" != default ] && label=(--label="$name")
   start=$SECONDS
   eval "args=($flags)"   # shell words: a quoted value may hold spaces (--xla_flags='--a --b')
@@ -52,8 +52,8 @@ print("| row | " + " | ".join(cols) + " | phases (ms) |")
 print("|---|" + "---|" * (len(cols) + 1))
 for row in rows:
   for lab in labels:
-    for name in (row if lab == "default" else f"{row}_{lab}",
-                 (row if lab == "default" else f"{row}_{lab}") + "_baseline"):
+    variant = row if lab == "default" else f"{row}_{lab}"
+    for name in (variant, f"{variant}_baseline"):
       r = recs.get(name)
       if r is None or "error" in r:
         continue

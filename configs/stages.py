@@ -9,8 +9,8 @@
         tokens a step on one GPU; evals at 1×, 2×, 4× and 8× of 32K with passkey at five
         depths. On an H100 the stages take about 10 minutes, the direct control about 11
         (94K tokens/s at 32K) and a run's evals about 7 with 16 rows per task at 32K and 8
-        at 64K–256K (benchmarks/context_extension.md). The checkpoints (10 GB) stay on the machine's
-        disk, so a run's jobs go back to back on one machine; rerun, it resumes where it
+        at 64K–256K (benchmarks/context_extension.md). The checkpoints (10 GB) stay on the
+        machine's disk, so a run's jobs go back to back on one machine; rerun, it resumes where it
         stopped, the evals too (by length). --nocontrol trains the stages alone,
         --nostaged the direct control alone. The controls:
           --config.run.model.mla_rope_theta=10000.0   RoPE on those dims (run `rope`)

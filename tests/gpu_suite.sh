@@ -15,15 +15,9 @@
 # Each output line starts with the seconds since the start; failures are written to
 # failures.txt as they happen, so a run the time limit stops still says why each failed.
 set -o pipefail
-wheel_files=()
-for d in ${WHEELS:-.whl}; do   # carried folders of wheels, space-separated
-  [ -d "$d" ] && wheel_files+=("$d"/*.whl)
-done
-if [ ${#wheel_files[@]} -gt 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "${wheel_files[@]}" || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source "$(dirname "$0")/gpu_site.sh"
+# shellcheck disable=SC2086  # carried folders of wheels, space-separated
+install_wheels /tmp/site ${WHEELS:-.whl} || exit 1
 # The live Kimi Linear comparison (tests/test_kimi_hf.py) runs transformers 5.23 in a
 # subprocess: the image's Python with .whl_ref's transformers in front of its own 5.17.
 ref_wheels=${REF_WHEELS:-.whl_ref}
