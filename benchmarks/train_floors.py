@@ -16,9 +16,9 @@ Memory traffic counted (lower bounds; caches and fusion cannot remove it):
 import jax.numpy as jnp
 
 PEAK_FLOPS = 989e12          # H100/H200 dense bf16 spec
-HBM_BYTES_PER_S = 4.8e12     # H200 spec
 # Spec HBM bandwidth by device kind (the same dense bf16 peak for both).
 HBM_BY_KIND = {"H100": 3.35e12, "H200": 4.8e12}   # H100 SXM's HBM3, H200's HBM3e
+HBM_BYTES_PER_S = HBM_BY_KIND["H200"]              # the default: the project's reference GPU
 
 
 def hbm_bytes_per_s(device_kind: str | None) -> float:
