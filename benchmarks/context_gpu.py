@@ -40,14 +40,22 @@ def _last_stage_config(workdir: str) -> dict:
 def rows_of(workdir: str, stamp: dict) -> list[dict]:
   """The record rows of one extend_context.py workdir."""
   path = os.path.join(workdir, "extrapolation.json")
-  if not os.path.exists(path):
-    raise ValueError(f"--workdirs: {workdir!r} has no extrapolation.json (evals not run)")
+  if os.path.exists(path):
+    runs = json.load(open(path))
+  elif os.path.exists(partial := os.path.join(workdir, "extrapolation_partial.json")):
+    # The lengths whose evals finished before the job ended (the longest can outlast it).
+    runs = json.load(open(partial))["runs"]
+    print(f"{workdir}: evals unfinished; the lengths done: "
+          f"{ {run: [r['length'] for r in rs] for run, rs in runs.items()} }")
+  else:
+    raise ValueError(f"--workdirs: {workdir!r} has no extrapolation.json or "
+                     "extrapolation_partial.json (evals not run)")
   c = _last_stage_config(workdir)
   rope = bool(c["model"].get("mla_rope_theta", 0.0))
   names = {"staged": "rope" if rope else "staged", "control": "rope_direct" if rope else "direct"}
   trained = c["data"]["seq_len"]
   out = []
-  for run, results in json.load(open(path)).items():
+  for run, results in runs.items():
     for r in results:
       depths = {k.split("@")[1].split("/")[0]: v for k, v in r.items()
                 if k.startswith("passkey@") and k.endswith("/row_acc")}

@@ -224,7 +224,7 @@ def test_context_record_rows_from_extend_context_workdirs(tmp_path):
   md = context_gpu.markdown(rows)
   assert "passkey @ 0 | passkey @ 0.5" in md and "| staged | 1 | 8192 | 65536 | 8 | 0.500 |" in md
   assert "| 0.250 | 0.750 | 8.554 | 2 joined | 16 | d, c, m |" in md
-  with pytest.raises(ValueError, match="has no extrapolation.json"):
+  with pytest.raises(ValueError, match="has no extrapolation.json or"):
     context_gpu.rows_of(str(tmp_path / "nope" / "s2k"), stamp)
   alone = tmp_path / "alone"   # extend_context.py --nostaged: the control run only
   (alone / "control").mkdir(parents=True)
@@ -233,6 +233,11 @@ def test_context_record_rows_from_extend_context_workdirs(tmp_path):
   (alone / "extrapolation.json").write_text(json.dumps({"control": [result(8192, 0.7)]}))
   assert [(r["run"], r["seed"], r["trained_len"]) for r in
           context_gpu.rows_of(str(alone), stamp)] == [("direct", 2, 8192)]
+  (alone / "extrapolation.json").unlink()   # a job ended during the evals: the lengths done
+  (alone / "extrapolation_partial.json").write_text(json.dumps(
+      {"eval": {}, "runs": {"control": [result(8192, 0.7), result(16384, 0.6)]}}))
+  assert [(r["eval_len"], r["passkey_acc"]) for r in context_gpu.rows_of(str(alone), stamp)] \
+      == [(8192, 0.7), (16384, 0.6)]
   out = tmp_path / "out"   # the command line, as a device call runs it
   run = subprocess.run([sys.executable, "-m", "benchmarks.context_gpu",
                         f"--workdirs={tmp_path / 'nope'},{tmp_path / 'rope'}", f"--out={out}",
