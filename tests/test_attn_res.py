@@ -28,6 +28,7 @@ def _model(mode, n_layers=3, block_size=2, **extra):
   return cfg, variables, batch
 
 
+@pytest.mark.slow   # the "mix" mode; make test keeps none and block
 def test_depth_mix_at_init_is_the_uniform_average():
   cfg, _, _ = _model("block")
   srcs = tuple(jax.random.normal(jax.random.key(i), (2, 5, 8)) * (i + 1) for i in range(4))
@@ -63,7 +64,7 @@ def test_block_model_at_init_reads_uniform_averages():
   assert logits.shape == (2, 32, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
 
 
-@pytest.mark.parametrize("mode", ["block", "full"])
+@pytest.mark.parametrize("mode", ["block", pytest.param("full", marks=pytest.mark.slow)])
 def test_gradients_reach_every_pseudo_query(mode):
   cfg, variables, batch = _model(mode)
 

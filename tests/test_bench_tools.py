@@ -294,6 +294,7 @@ def test_bench_kimi_48b_prefills_in_parts(tmp_path):
   assert row["decode_ms_per_token"] > 0 and os.listdir(tmp_path / "state") == []
 
 
+@pytest.mark.slow   # a benchmark script end to end: second tier
 def test_bench_kimi_48b_memory_only(tmp_path):
   """--memory_only compiles both programs from shapes and prints their memory, without
   allocating weights or writing a record."""
@@ -499,6 +500,7 @@ def test_bench_decode_rows_on_cpu(tmp_path):
   assert "| 64 | hybrid | kda_decode=kernel | 1 |" in table and "| 64 | hybrid | defaults | 1 |" in table
 
 
+@pytest.mark.slow   # a benchmark script end to end: second tier
 def test_bench_cached_attention_times_each_launch_width(tmp_path):
   """bench_cached_attention's prefill rows at Kimi's head dims (192 / 128), shrunk, on CPU:
   one timing per (--num_warps, --split) pair, in one process, their outputs equal."""
@@ -519,6 +521,7 @@ def test_bench_cached_attention_times_each_launch_width(tmp_path):
     assert r["rel_err_between_variants"] < 1e-2   # bf16: split and padded sum in other orders
 
 
+@pytest.mark.slow   # a benchmark script end to end: second tier
 def test_bench_attention_rounds_interleave_rows(tmp_path):
   """--rounds times every row that many times, interleaved, and reports each row's median
   round; a row that cannot run here (cuDNN off a GPU) is dropped, not fatal."""

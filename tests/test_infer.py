@@ -72,9 +72,11 @@ def _decode_errors(step, variables, cache, tokens, full, prompt, lengths):
   return errs, cache
 
 
-@pytest.mark.parametrize("key_block,impl,matmul", [(1024, "xla", "xla"), (8, "xla", "xla"),
-                                                   (1024, "gpu", "xla"),
-                                                   (1024, "xla", "pallas")])
+# make test: XLA over several key blocks, the GPU attention and the Pallas matmuls; XLA
+# over one block (the others' own case) in the second tier.
+@pytest.mark.parametrize("key_block,impl,matmul", [
+    pytest.param(1024, "xla", "xla", marks=pytest.mark.slow), (8, "xla", "xla"),
+    (1024, "gpu", "xla"), (1024, "xla", "pallas")])
 def test_decode_reproduces_full_forward(hybrid, key_block, impl, matmul, monkeypatch):
   """Prefill prompts of 13/5/9 tokens in chunks of 4, then feed the true tokens one by one.
   key_block 8: MLA's online softmax runs over several cache blocks (the last one partial).
@@ -240,7 +242,8 @@ def _prefill_then_decode_errors(c, lengths, prompt, cache_len, seed, init_model=
   return variables, errs
 
 
-@pytest.mark.parametrize("layout", ["fused", "six"])
+# fused is what test_decode_reproduces_full_forward decodes: make test keeps the six.
+@pytest.mark.parametrize("layout", [pytest.param("fused", marks=pytest.mark.slow), "six"])
 def test_either_projection_layout_decodes_to_the_full_forward(layout):
   """The inference model reads KDA's input projections in the layout its params hold:
   fused (one `in_proj`, what it initialises and inference_variables gives) or six (training
@@ -257,6 +260,7 @@ def test_either_projection_layout_decodes_to_the_full_forward(layout):
   assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
 
 
+@pytest.mark.slow   # an opt-in MoE (moe.latent_dim > 0): second tier, 10 s on 2 cores
 def test_latent_moe_decode_reproduces_full_forward():
   """Latent MoE (model.moe.latent_dim) at inference: prefill + token-by-token decode give the
   full forward's logits (decode takes the gathered-experts path, the full forward the
@@ -270,6 +274,7 @@ def test_latent_moe_decode_reproduces_full_forward():
   assert len(errs) == (lengths - prompt).sum() and max(errs) < 1e-4
 
 
+@pytest.mark.slow   # the RoPE control (mla_rope_theta > 0; NoPE is the default): 11 s
 def test_rope_mla_decode_reproduces_full_forward():
   """RoPE on MLA's shared key dims (model.mla_rope_theta): the cache stores the turned key
   dims at each row's positions and decode turns each new query by its own, so prefill +

@@ -54,8 +54,11 @@ def test_shapes_and_logical_axes(small_config, tie):
     assert abs(float(stats["load"].sum()) - 1.0) < 1e-6
 
 
-# scan=False: 14 s on 2 cores, in make test-all; make test keeps the scanned layout.
-@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])
+# An opt-in layout (model.fused_projections = False by default): second tier, 16 s a case on
+# 2 cores. make test checks the fused layout's forward where inference uses it
+# (test_infer, test_kimi_hf's export of a fused model).
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
 def test_fused_projections_equal_the_six_and_train_the_same(small_config, scan):
   """model.fused_projections: one matmul for a KDA layer's six input projections, over the
   same kernels side by side, gives the six's logits and gradients (a packed row, scanned
@@ -86,7 +89,8 @@ def test_fused_projections_equal_the_six_and_train_the_same(small_config, scan):
     assert rel_err(a, b) < 1e-4   # 1.2e-5 measured: dx sums the fused width in one product
 
 
-@pytest.mark.parametrize("pattern", ["KA", "AK"])
+# make test keeps the MLA layer after the KDA one; the other order in the second tier.
+@pytest.mark.parametrize("pattern", [pytest.param("KA", marks=pytest.mark.slow), "AK"])
 def test_second_packed_document_matches_it_alone(small_config, pattern):
   """State (KDA, conv) and attention (MLA) reset at the document boundary; padding is inert."""
   model = _model(small_config, layer_pattern=pattern, dtype="float32")
@@ -205,6 +209,7 @@ def test_remat_residuals_policies_run_each_kernel_forward_once(small_config):
   assert all(lean_n[n] == after[n] for n in after if n != "kda_prologue"), (after, lean_n)
 
 
+@pytest.mark.slow   # an opt-in, off by default (train.md: 6 ms slower): 22 s on 2 cores
 def test_remat_expert_rows_saves_the_dispatch_gathers_and_swiglu(small_config):
   """model.remat_expert_rows: the same loss and gradients, and the compiled backward no
   longer runs the dispatch's row gathers or the experts' SwiGLU a second time (their ops

@@ -43,8 +43,10 @@ def _inputs(dtype, B=2, T=150, C=200, W=4, seed=0):
   return x, w, jnp.asarray(seg), ct
 
 
-@pytest.mark.parametrize("dtype,bound,W", [("float32", 1e-6, 4), ("bfloat16", 5e-3, 4),
-                                           ("float32", 1e-6, 3)])
+# The Triton conv is an opt-in (XLA's is the default): make test keeps fp32 at Kimi's width 4.
+@pytest.mark.parametrize("dtype,bound,W", [
+    ("float32", 1e-6, 4), pytest.param("bfloat16", 5e-3, 4, marks=pytest.mark.slow),
+    pytest.param("float32", 1e-6, 3, marks=pytest.mark.slow)])
 def test_matches_xla_with_gradients(dtype, bound, W):
   """Against XLA's form in fp32 on the same (rounded) inputs: fp32 to 1e-6 (measured
   ≤ 1.6e-7); bf16 to its output rounding (measured 2.4e-3 / 3.0e-3 / 2.5e-3 for y, dx,

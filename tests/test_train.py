@@ -160,6 +160,7 @@ def test_split_step_equals_one_program_and_skips_a_nonfinite_gradient(small_conf
   assert all(changed)
 
 
+@pytest.mark.slow   # a training run (19 s on 2 cores); make test checks the MQAR rows in test_data
 def test_mqar_source_trains(small_config, tmp_path):
   c = small_config
   c.data.source, c.data.seq_len, c.data.mqar_num_pairs = "mqar", 64, 8
