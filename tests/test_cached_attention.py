@@ -144,7 +144,8 @@ def test_lowers_to_triton(h200, D, Dv, lse):  # noqa: F811
   assert "cached_attention" in text
 
 
-@pytest.mark.parametrize("D,Dv", [(64, 64), (192, 128)])
+# make test builds Kimi's dims (the larger tiles); 64 / 64 in the second tier.
+@pytest.mark.parametrize("D,Dv", [pytest.param(64, 64, marks=pytest.mark.slow), (192, 128)])
 def test_prefill_kernel_does_not_spill(D, Dv, tmp_path):
   """The prefill kernel at the launch width it ships with for each head dim, compiled for
   sm_90a by the triton package: no register spills, and shared memory within an H100/H200

@@ -406,10 +406,18 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
               triton_gpu.PROLOGUE_BWD_WARPS)}
 
 
-# make test builds the seeds' head dims (128); long_context_1b's 64 in the second tier (15 s)
+# Optional forms the default path does not launch: the bounded fused stage 1
+# (STAGE1_FUSED = False) and the 16-row forward (FWD16 = False).
+_OPTIONAL_KERNELS = (triton_gpu_stage1._kda_stage1_triton, triton_gpu_fwd16._kda16_prepare_triton,
+                     triton_gpu_fwd16._kda16_recurrence_triton)
+
+
+# make test builds the shipped kernels at the seeds' head dims (128); long_context_1b's 64
+# (15 s) and the optional forms (about 20 s with an empty Triton cache) in the second tier.
+@pytest.mark.parametrize("forms", ["shipped", pytest.param("optional", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("D", [pytest.param(64, marks=pytest.mark.slow), 128])
-def test_compiles_for_h200_within_registers_and_shared_memory(D):
-  """The kernels in bf16 (the optional forms' too: the fused stage 1, the 16-row forward),
+def test_compiles_for_h200_within_registers_and_shared_memory(D, forms):
+  """The kernels in bf16 (forms: those the default path launches, or the optional ones),
   built as jax_triton builds them for sm_90a (Triton 3.6, the GPU
   machine's, and ptxas) at the shipped knobs and pipeline depths (stage 1's fixed, the
   recurrences' as fitting_stages picks them): within the H200's 227 KB of shared memory
@@ -421,6 +429,8 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D):
   35 s, so not here.)"""
   for kernel, (arrays, meta, warps) in _kernel_arrays(4, 8192, 16, D, 64,
                                                       jnp.bfloat16).items():
+    if (kernel in _OPTIONAL_KERNELS) != (forms == "optional"):
+      continue
     fixed = {triton_gpu._kda_tiles_bwd_triton: triton_gpu.TILES_BWD_STAGES,
              triton_gpu._kda_recurrence_grads_triton: triton_gpu.GRADS_STAGES,
              triton_gpu._kda_wu_bwd_triton: triton_gpu.WU_BWD_STAGES,

@@ -165,7 +165,8 @@ def test_forward_and_backward_lower_to_triton(h200, D, Dv):  # noqa: F811
     assert kernel in text
 
 
-@pytest.mark.parametrize("D,Dv", [(64, 64), (192, 128)])
+# make test builds Kimi's dims (the larger tiles); 64 / 64 in the second tier.
+@pytest.mark.parametrize("D,Dv", [pytest.param(64, 64, marks=pytest.mark.slow), (192, 128)])
 def test_kernels_fit_the_gpus_shared_memory(D, Dv, tmp_path):
   """Each training flash kernel, compiled for sm_90a by the triton package at the pipeline
   depth it launches with, asks for at most the 232,448 bytes of shared memory an H100/H200
