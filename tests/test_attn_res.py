@@ -28,7 +28,6 @@ def _model(mode, n_layers=3, block_size=2, **extra):
   return cfg, variables, batch
 
 
-@pytest.mark.slow   # the "mix" mode; make test keeps none and block
 def test_depth_mix_at_init_is_the_uniform_average():
   cfg, _, _ = _model("block")
   srcs = tuple(jax.random.normal(jax.random.key(i), (2, 5, 8)) * (i + 1) for i in range(4))

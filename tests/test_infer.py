@@ -72,8 +72,8 @@ def _decode_errors(step, variables, cache, tokens, full, prompt, lengths):
   return errs, cache
 
 
-# make test: XLA over several key blocks, the GPU attention and the Pallas matmuls; XLA
-# over one block (the others' own case) in the second tier.
+# make test: XLA over several key blocks, the GPU attention and the Pallas matmuls (both
+# over one block); XLA over one block in the second tier.
 @pytest.mark.parametrize("key_block,impl,matmul", [
     pytest.param(1024, "xla", "xla", marks=pytest.mark.slow), (8, "xla", "xla"),
     (1024, "gpu", "xla"), (1024, "xla", "pallas")])
