@@ -257,12 +257,17 @@ def test_fwd16_matches_fp64_spec_and_keeps_the_training_path(monkeypatch):
   assert o.dtype == jnp.bfloat16 and rel_err(o, o_ref) <= 1e-2 and rel_err(S, S_ref) <= 1e-2
 
 
-@pytest.mark.slow   # 8 s; the first tier has the unbounded fp64 spec test below
-def test_fused_stage1_of_unbounded_gates_equals_pallas(monkeypatch):
+# 8 s each; the default's first-tier case is the unbounded fp64 spec test below, the products
+# form's (an opt-in) this one
+@pytest.mark.parametrize("diagonal", [pytest.param("columns", marks=pytest.mark.slow),
+                                      "products"])
+def test_fused_stage1_of_unbounded_gates_equals_pallas(diagonal, monkeypatch):
   """Kimi's unbounded gates (steps to -120, so a 16-row block's exponents overflow e^{88}
-  from any one anchor): the fused kernel's diagonal blocks column by column against
-  pallas_gpu's unbounded stage 1, every output and both residuals, in fp32."""
+  from any one anchor): the fused kernel's diagonal blocks (column by column, or as
+  products) against pallas_gpu's unbounded stage 1, every output and both residuals, in
+  fp32."""
   monkeypatch.setattr(triton_gpu_stage1, "STAGE1_FUSED_UNBOUNDED", True)
+  monkeypatch.setattr(triton_gpu_stage1, "UNBOUNDED_DIAGONAL", diagonal)
   B, Tp, H, K, V, C = 1, 128, 2, 32, 32, 64
   rng = np.random.default_rng(3)
   arr = lambda D, s=0.3: jnp.asarray(rng.normal(size=(B, Tp, H, D)) * s, jnp.float32)
@@ -279,6 +284,15 @@ def test_fused_stage1_of_unbounded_gates_equals_pallas(monkeypatch):
   for name, a, b in [("A", A_ours, A), ("T", T_ours, T), *((n, ours[n], st[n]) for n in st)]:
     assert np.isfinite(np.asarray(a)).all(), name
     _close(a, b, 1e-5 if name == "T" else 1e-6, name)
+
+
+def test_unbounded_diagonal_knob_rejects_unknown_forms(monkeypatch):
+  monkeypatch.setattr(triton_gpu_stage1, "UNBOUNDED_DIAGONAL", "rows")
+  x = jnp.zeros((1, 64, 1, 16), jnp.float32)
+  with pytest.raises(ValueError, match="UNBOUNDED_DIAGONAL must be 'columns' or 'products', "
+                     "got 'rows'"):
+    triton_gpu_stage1.stage1_call(x, x, x, x, jnp.zeros((1, 64, 1)), jnp.zeros((1, 64), int),
+                                  scale=0.25, residuals=False, interpret=True, bounded=False)
 
 
 @pytest.mark.usefixtures("x64")
@@ -326,7 +340,8 @@ def test_prologue_equals_the_pallas_kernels(dtype):
 
 
 def _kernel_arrays(B, Tp, H, D, C, dtype):
-  """Each kernel's arrays (inputs, then outputs) as shapes and dtypes, and its meta."""
+  """Each kernel form by name: (kernel, its arrays (inputs, then outputs) as shapes and
+  dtypes, its meta, its warps)."""
   rows = lambda d, dt=dtype: jax.ShapeDtypeStruct((B, Tp, H, d), dt)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   decay, S, states = f32(B, Tp // C, H, D), f32(B, H, D, D), f32(B, H, Tp // C, D, D)
@@ -368,8 +383,11 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
            dict(Tp=Tp, H=H, K=D, V=D, BK=min(D, triton_gpu_stage1.STAGE1_BLOCK_K),
                 BW=min(D, triton_gpu_stage1.STAGE1_WU_BLOCK), SCALE=D ** -0.5, PREC="tf32",
                 SOLVE=triton_gpu_stage1.STAGE1_SOLVE_PREC, LOW_DOTS=triton_gpu.WU_LOW_DOTS,
-                RESIDUALS=True, BOUNDED=True),
+                RESIDUALS=True, DIAG="anchored"),
            triton_gpu_stage1.STAGE1_WARPS)
+  # and Kimi's unbounded gates through it (STAGE1_FUSED_UNBOUNDED), the diagonal blocks
+  # either way (UNBOUNDED_DIAGONAL)
+  unbounded = lambda diag: (fused[0], dict(fused[1], DIAG=diag), fused[2])
   # the 16-row forward (triton_gpu_fwd16): its prepare kernel (the gate and L2 norm in it)
   # and its recurrence
   tiles16 = jax.ShapeDtypeStruct((B, Tp // 16, H, D), jnp.float32)
@@ -382,34 +400,48 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
   recurrence16 = ([rows(D), rows(D), rows(D), tiles16, rows(16), rows(D), S, rows(D), S],
                   dict(Tp=Tp, H=H, K=D, V=D, BV=min(D, triton_gpu_fwd16.FWD16_BLOCK_V),
                        PREC="tf32"), triton_gpu_fwd16.FWD16_WARPS)
-  return {triton_gpu_fwd16._kda16_prepare_triton: prepare16,
-          triton_gpu_fwd16._kda16_recurrence_triton: recurrence16,
-          triton_gpu_stage1._kda_stage1_triton: fused,
-          triton_gpu._kda_tiles_triton: fwd_tiles, triton_gpu._kda_wu_triton: fwd_wu,
-          triton_gpu._kda_tiles_blocks_triton: by_tile,
-          triton_gpu._kda_recurrence_triton: ([*st, S, rows(D), S, states],
-                                              dict(meta, WITH_STATES=True), triton_gpu.WARPS),
-          triton_gpu._kda_recurrence_bwd_triton: ([*st, states, rows(D), S, rows(D), rows(D),
-                                                   states, S], meta, triton_gpu.WARPS),
-          triton_gpu._kda_recurrence_grads_triton: (
-              [states, states, rows(D), rows(D), rows(D), rows(D), rows(D), rows(D), rows(C),
-               decay], dict(meta, BK=min(D, triton_gpu.GRADS_BLOCK_K),
-                            BV=min(D, triton_gpu.GRADS_BLOCK_V)), triton_gpu.GRADS_WARPS),
-          triton_gpu._kda_tiles_bwd_triton: (tiles, tiles_meta, triton_gpu.TILES_BWD_WARPS),
-          triton_gpu._kda_wu_bwd_triton: (wu, wu_meta, triton_gpu.WU_BWD_WARPS),
-          prologue_triton._kda_prologue_triton: pro,
-          prologue_triton._kda_prologue_bwd_triton: pro_bwd,
-          prologue_triton._kda_gate_triton: ([rows(D), per_head, per_head, live, fp32],
-                                             pro_meta, triton_gpu.PROLOGUE_WARPS),
-          prologue_triton._kda_gate_bwd_triton: (
-              [rows(D), per_head, per_head, live, fp32, rows(D), partial, partial], pro_meta,
-              triton_gpu.PROLOGUE_BWD_WARPS)}
+  by_name = {
+      "fwd16_prepare": (triton_gpu_fwd16._kda16_prepare_triton, *prepare16),
+      "fwd16_recurrence": (triton_gpu_fwd16._kda16_recurrence_triton, *recurrence16),
+      "stage1_fused_bounded": (triton_gpu_stage1._kda_stage1_triton, *fused),
+      "stage1_fused_unbounded": (triton_gpu_stage1._kda_stage1_triton, *unbounded("columns")),
+      "stage1_fused_unbounded_products": (triton_gpu_stage1._kda_stage1_triton,
+                                          *unbounded("products")),
+      "tiles": (triton_gpu._kda_tiles_triton, *fwd_tiles),
+      "wu": (triton_gpu._kda_wu_triton, *fwd_wu),
+      "tiles_blocks": (triton_gpu._kda_tiles_blocks_triton, *by_tile),
+      "recurrence": (triton_gpu._kda_recurrence_triton, [*st, S, rows(D), S, states],
+                     dict(meta, WITH_STATES=True), triton_gpu.WARPS),
+      "recurrence_bwd": (triton_gpu._kda_recurrence_bwd_triton,
+                         [*st, states, rows(D), S, rows(D), rows(D), states, S], meta,
+                         triton_gpu.WARPS),
+      "recurrence_grads": (
+          triton_gpu._kda_recurrence_grads_triton,
+          [states, states, rows(D), rows(D), rows(D), rows(D), rows(D), rows(D), rows(C),
+           decay], dict(meta, BK=min(D, triton_gpu.GRADS_BLOCK_K),
+                        BV=min(D, triton_gpu.GRADS_BLOCK_V)), triton_gpu.GRADS_WARPS),
+      "tiles_bwd": (triton_gpu._kda_tiles_bwd_triton, tiles, tiles_meta,
+                    triton_gpu.TILES_BWD_WARPS),
+      "wu_bwd": (triton_gpu._kda_wu_bwd_triton, wu, wu_meta, triton_gpu.WU_BWD_WARPS),
+      "prologue": (prologue_triton._kda_prologue_triton, *pro),
+      "prologue_bwd": (prologue_triton._kda_prologue_bwd_triton, *pro_bwd),
+      "gate": (prologue_triton._kda_gate_triton, [rows(D), per_head, per_head, live, fp32],
+               pro_meta, triton_gpu.PROLOGUE_WARPS),
+      "gate_bwd": (prologue_triton._kda_gate_bwd_triton,
+                   [rows(D), per_head, per_head, live, fp32, rows(D), partial, partial],
+                   pro_meta, triton_gpu.PROLOGUE_BWD_WARPS)}
+  return by_name
 
 
 # Optional forms the default path does not launch: the bounded fused stage 1
-# (STAGE1_FUSED = False) and the 16-row forward (FWD16 = False).
-_OPTIONAL_KERNELS = (triton_gpu_stage1._kda_stage1_triton, triton_gpu_fwd16._kda16_prepare_triton,
-                     triton_gpu_fwd16._kda16_recurrence_triton)
+# (STAGE1_FUSED = False), its unbounded diagonal as products (UNBOUNDED_DIAGONAL =
+# "columns") and the 16-row forward (FWD16 = False).
+_OPTIONAL_FORMS = ("stage1_fused_bounded", "stage1_fused_unbounded_products", "fwd16_prepare",
+                   "fwd16_recurrence")
+# Bytes a thread spilled that a form was adopted with: the unbounded fused stage 1 with its
+# diagonal column by column spills 56 at 4 warps and is still 1.28x the three kernels'
+# forward (triton_gpu_stage1's knobs, benchmarks/kda.md); its products form 4-8.
+_SPILLS = {"stage1_fused_unbounded": 56, "stage1_fused_unbounded_products": 8}
 
 
 # make test builds the shipped kernels at the seeds' head dims (128); long_context_1b's 64
@@ -422,14 +454,14 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D, forms):
   machine's, and ptxas) at the shipped knobs and pipeline depths (stage 1's fixed, the
   recurrences' as fitting_stages picks them): within the H200's 227 KB of shared memory
   (3 stages of the K = V = 128 backward asked for 237 KB and failed to launch; shared_for,
-  which fitting_stages asks, reads the same number), no spills
-  (the state [K, BLOCK_V] would go through local memory every chunk) and at least 2 stages
-  in flight. (fp32,
+  which fitting_stages asks, reads the same number), no spills beyond those a form was
+  timed and adopted with (_SPILLS; the state [K, BLOCK_V] would go through local memory
+  every chunk) and at least 2 stages in flight. (fp32,
   IEEE dots off the training path, spills and gets 1 stage at K = 128; its builds take
   35 s, so not here.)"""
-  for kernel, (arrays, meta, warps) in _kernel_arrays(4, 8192, 16, D, 64,
-                                                      jnp.bfloat16).items():
-    if (kernel in _OPTIONAL_KERNELS) != (forms == "optional"):
+  for name, (kernel, arrays, meta, warps) in _kernel_arrays(4, 8192, 16, D, 64,
+                                                            jnp.bfloat16).items():
+    if (name in _OPTIONAL_FORMS) != (forms == "optional"):
       continue
     fixed = {triton_gpu._kda_tiles_bwd_triton: triton_gpu.TILES_BWD_STAGES,
              triton_gpu._kda_recurrence_grads_triton: triton_gpu.GRADS_STAGES,
@@ -449,11 +481,11 @@ def test_compiles_for_h200_within_registers_and_shared_memory(D, forms):
     shared = compiled.metadata.shared
     # fitting_stages's lighter check (passes up to LLVM IR) reads the same bytes
     signature = triton_launch.signature(kernel, arrays, meta, stages)
-    assert triton_launch.shared_for(kernel, *signature, warps, stages) == shared, kernel.__name__
+    assert triton_launch.shared_for(kernel, *signature, warps, stages) == shared, name
     regs, spilled = triton_report(compiled, tempfile.mkdtemp())
-    assert shared <= triton_launch.MAX_SHARED[90], (kernel.__name__, stages, shared)
-    assert stages >= 2 or fixed.get(kernel) == 1, (kernel.__name__, stages)
-    assert 0 < regs <= 255 and spilled == 0, (kernel.__name__, stages, regs, spilled)
+    assert shared <= triton_launch.MAX_SHARED[90], (name, stages, shared)
+    assert stages >= 2 or fixed.get(kernel) == 1, (name, stages)
+    assert 0 < regs <= 255 and spilled <= _SPILLS.get(name, 0), (name, stages, regs, spilled)
 
 
 @pytest.mark.gpu

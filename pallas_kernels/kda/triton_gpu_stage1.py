@@ -9,9 +9,10 @@ kernel reads T, q, k, v and G again. At 8×4096×32 (K = V = 128, H200) those to
 the chunk's 4×4 grid of [16, 16] blocks in registers:
 
   1. A and Aqk block by block over K: a diagonal block on decays anchored at its middle
-     row (both factors ≤ e^40 at the gate's bound; unbounded gates: column by column,
-     every factor ≤ 1), an off-diagonal block (a, c < a) at the first row of a (both
-     factors ≤ 1: e^{G_r - G_a0} and e^{G_a0 - G_j}).
+     row (both factors ≤ e^40 at the gate's bound; unbounded gates: column by column, or
+     as [16, 16, 8] products (UNBOUNDED_DIAGONAL), every factor ≤ 1), an off-diagonal
+     block (a, c < a) at the first row of a (both factors ≤ 1: e^{G_r - G_a0} and
+     e^{G_a0 - G_j}).
   2. The solve in registers: each diagonal block (I + N)^-1 = (I - N)(I + N²)(I + N⁴)(I + N⁸)
      for the strictly lower N = Diag(β)A_aa (N^16 = 0): six dependent [16, 16] dots, where
      row-by-row substitution takes fifteen steps (the reason a solve fused into the W/U
@@ -53,6 +54,11 @@ UNBOUNDED_WU_BWD = True         # unbounded gates' backward: triton_gpu's W/U ba
                                 # factors are all ≤ 1, safe for any gate) before pallas_gpu's
                                 # unbounded tiles backward; else pallas_gpu's whole backward
                                 # (1x8192x32 fwd+bwd 9.79 against 10.05 ms on an H100, kda.md)
+UNBOUNDED_DIAGONAL = "columns"  # unbounded gates' diagonal blocks in the fused kernel: a
+                                # loop over their 16 columns inside each block row's K loop
+                                # ("columns"), or [16, 16, 8] products in a K loop of their
+                                # own after it ("products": 4-8 bytes a thread spilled, not
+                                # 56; untimed)
 STAGE1_BLOCK_K = 16       # K columns per step of the tiles loops
 STAGE1_WU_BLOCK = 32      # K / V columns per step of the W/U loops
 STAGE1_WARPS = 4
@@ -103,16 +109,48 @@ def _diagonal_columns(q_a, k_a, G_a, k, G, row0, t, col, A_aa, Aqk_aa, H: tl.con
 
 
 @triton.jit
+def _diagonal_products(q_a, k_a, G_a, A_aa, Aqk_aa):
+  """Block (a, a) for unbounded gates, one BD column block: A_ij = Σ_k k_ik k_jk e^{G_ik - G_jk}
+  over rows i ≥ j as one [16, 16, BD] product, every factor ≤ 1 whatever the gate, summed in
+  fp32 (the columns of _diagonal_columns at once, without reloading a's rows)."""
+  i_L = tl.arange(0, 16)
+  seen = (i_L[:, None] >= i_L[None, :])[:, :, None]
+  e = tl.where(seen, tl.exp(tl.where(seen, G_a[:, None, :] - G_a[None, :, :], 0.0)), 0.0)
+  e = e * k_a[None, :, :]
+  return (A_aa + fp32_sum(k_a[:, None, :] * e, 2), Aqk_aa + fp32_sum(q_a[:, None, :] * e, 2))
+
+
+@triton.jit
 def _diagonal_block(q_a, k_a, G_a, k, G, row0, t, col, A_aa, Aqk_aa, H: tl.constexpr,
                     K: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                    BOUNDED: tl.constexpr):
+                    DIAG: tl.constexpr):
   """Block (a, a) of A and Aqk, one BK column block (t = a's first row): two dots on decays
-  anchored at a's middle row where the gate is bounded, else column by column."""
-  if BOUNDED:
+  anchored at a's middle row ("anchored": bounded gates), or column by column ("columns");
+  "products" leaves it to _diagonal_row, after the block row's loop."""
+  if DIAG == "anchored":
     return _diagonal(q_a, k_a, G_a, _gate_row(G, row0, t + 8, col, H, K, BK), A_aa, Aqk_aa,
                      PREC)
-  else:
+  elif DIAG == "columns":
     return _diagonal_columns(q_a, k_a, G_a, k, G, row0, t, col, A_aa, Aqk_aa, H, K, BK)
+  else:
+    return A_aa, Aqk_aa
+
+
+@triton.jit
+def _diagonal_row(q, k, G, row0, r, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
+                  BK: tl.constexpr, NUM_STAGES: tl.constexpr):
+  """Block (r, r) of A and Aqk for unbounded gates ("products"), over all of K in a loop of
+  its own, 8 columns a step: [16, 16, 16] products beside a block row's other accumulators
+  spill registers (20-24 bytes a thread at 4 warps against 4-8 so)."""
+  BD: tl.constexpr = 8
+  z = tl.full((16, 16), 0.0, tl.float32)
+  A_rr, Q_rr = z, z
+  for ik in tl.range(0, K // BD, num_stages=NUM_STAGES):
+    col = ik * BD
+    A_rr, Q_rr = _diagonal_products(_rows(q, row0, r, col, Tp, H, K, BD),
+                                   _rows(k, row0, r, col, Tp, H, K, BD),
+                                   _rows(G, row0, r, col, Tp, H, K, BD), A_rr, Q_rr)
+  return A_rr, Q_rr
 
 
 @triton.jit
@@ -135,22 +173,24 @@ def _row_operands(q, k, G, row0, r, t, col, Tp: tl.constexpr, H: tl.constexpr,
 
 @triton.jit
 def _row0(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
+          BK: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr,
           NUM_STAGES: tl.constexpr):
   """Block (0, 0) of A and Aqk."""
+  if DIAG == "products":
+    return _diagonal_row(q, k, G, row0, r0, Tp, H, K, BK, NUM_STAGES)
   z = tl.full((16, 16), 0.0, tl.float32)
   A00, Q00 = z, z
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
     col = ik * BK
     q0, k0, G0, _ = _row_operands(q, k, G, row0, r0, t0, col, Tp, H, K, BK)
     A00, Q00 = _diagonal_block(q0, k0, G0, k, G, row0, t0, col, A00, Q00, H, K,
-                               BK, PREC, BOUNDED)
+                               BK, PREC, DIAG)
   return A00, Q00
 
 
 @triton.jit
 def _row1(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
+          BK: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr,
           NUM_STAGES: tl.constexpr):
   """Blocks (1, 0) and (1, 1) of A and Aqk."""
   z = tl.full((16, 16), 0.0, tl.float32)
@@ -159,16 +199,18 @@ def _row1(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
     col = ik * BK
     q1, k1, G1, f1 = _row_operands(q, k, G, row0, r0 + 1, t0 + 16, col, Tp, H, K, BK)
     A11, Q11 = _diagonal_block(q1, k1, G1, k, G, row0, t0 + 16, col, A11, Q11, H, K,
-                               BK, PREC, BOUNDED)
+                               BK, PREC, DIAG)
     left = tl.exp(G1 - f1[None, :])
     A10, Q10 = _below(k1 * left, q1 * left, f1, _rows(k, row0, r0, col, Tp, H, K, BK),
                       _rows(G, row0, r0, col, Tp, H, K, BK), A10, Q10, PREC)
+  if DIAG == "products":
+    A11, Q11 = _diagonal_row(q, k, G, row0, r0 + 1, Tp, H, K, BK, NUM_STAGES)
   return A10, Q10, A11, Q11
 
 
 @triton.jit
 def _row2(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
+          BK: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr,
           NUM_STAGES: tl.constexpr):
   """Blocks (2, 0), (2, 1), (2, 2) of A and Aqk."""
   z = tl.full((16, 16), 0.0, tl.float32)
@@ -177,19 +219,21 @@ def _row2(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
     col = ik * BK
     q2, k2, G2, f2 = _row_operands(q, k, G, row0, r0 + 2, t0 + 32, col, Tp, H, K, BK)
     A22, Q22 = _diagonal_block(q2, k2, G2, k, G, row0, t0 + 32, col, A22, Q22, H, K,
-                               BK, PREC, BOUNDED)
+                               BK, PREC, DIAG)
     left = tl.exp(G2 - f2[None, :])
     kl, ql = k2 * left, q2 * left
     A20, Q20 = _below(kl, ql, f2, _rows(k, row0, r0, col, Tp, H, K, BK),
                       _rows(G, row0, r0, col, Tp, H, K, BK), A20, Q20, PREC)
     A21, Q21 = _below(kl, ql, f2, _rows(k, row0, r0 + 1, col, Tp, H, K, BK),
                       _rows(G, row0, r0 + 1, col, Tp, H, K, BK), A21, Q21, PREC)
+  if DIAG == "products":
+    A22, Q22 = _diagonal_row(q, k, G, row0, r0 + 2, Tp, H, K, BK, NUM_STAGES)
   return A20, Q20, A21, Q21, A22, Q22
 
 
 @triton.jit
 def _row3(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-          BK: tl.constexpr, PREC: tl.constexpr, BOUNDED: tl.constexpr,
+          BK: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr,
           NUM_STAGES: tl.constexpr):
   """Blocks (3, 0) … (3, 3) of A and Aqk."""
   z = tl.full((16, 16), 0.0, tl.float32)
@@ -198,7 +242,7 @@ def _row3(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
     col = ik * BK
     q3, k3, G3, f3 = _row_operands(q, k, G, row0, r0 + 3, t0 + 48, col, Tp, H, K, BK)
     A33, Q33 = _diagonal_block(q3, k3, G3, k, G, row0, t0 + 48, col, A33, Q33, H, K,
-                               BK, PREC, BOUNDED)
+                               BK, PREC, DIAG)
     left = tl.exp(G3 - f3[None, :])
     kl, ql = k3 * left, q3 * left
     A30, Q30 = _below(kl, ql, f3, _rows(k, row0, r0, col, Tp, H, K, BK),
@@ -207,6 +251,8 @@ def _row3(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
                       _rows(G, row0, r0 + 1, col, Tp, H, K, BK), A31, Q31, PREC)
     A32, Q32 = _below(kl, ql, f3, _rows(k, row0, r0 + 2, col, Tp, H, K, BK),
                       _rows(G, row0, r0 + 2, col, Tp, H, K, BK), A32, Q32, PREC)
+  if DIAG == "products":
+    A33, Q33 = _diagonal_row(q, k, G, row0, r0 + 3, Tp, H, K, BK, NUM_STAGES)
   return A30, Q30, A31, Q31, A32, Q32, A33, Q33
 
 
@@ -293,24 +339,24 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
                        Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BW: tl.constexpr, SCALE: tl.constexpr,
                        PREC: tl.constexpr, SOLVE: tl.constexpr, LOW_DOTS: tl.constexpr,
-                       RESIDUALS: tl.constexpr, BOUNDED: tl.constexpr,
+                       RESIDUALS: tl.constexpr, DIAG: tl.constexpr,
                        NUM_STAGES: tl.constexpr):
   """One 64-row chunk (program id 0) of one (b, h) (id 1): the W/U kernel's outputs (W, U0,
   Qg, Kd in q's dtype, decay [B, N, H, K] fp32), Aqk (causal, scaled, q's dtype) and, with
   RESIDUALS, A (strictly causal, fp32, without β) and T (fp32), as triton_gpu.intra_triton
-  returns them. q, k, G [B, Tp, H, K]; v [B, Tp, H, V]; beta [B, Tp, H] fp32; seg [B, Tp]."""
+  returns them. DIAG: the diagonal blocks' form (_diagonal_block). q, k, G [B, Tp, H, K]; v [B, Tp, H, V]; beta [B, Tp, H] fp32; seg [B, Tp]."""
   n, b, h, row0, r0, t0, seg0, seg1, seg2, seg3, seg_end = _chunk(seg, Tp, H)
   i_L = tl.arange(0, 16)
 
   # 1. A and Aqk, one block row at a time (its blocks' accumulators alone are live), K in
   # BK-wide column blocks.
-  A00, Q00 = _row0(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, BOUNDED, NUM_STAGES)
-  A10, Q10, A11, Q11 = _row1(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, BOUNDED,
+  A00, Q00 = _row0(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, DIAG, NUM_STAGES)
+  A10, Q10, A11, Q11 = _row1(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, DIAG,
                               NUM_STAGES)
-  A20, Q20, A21, Q21, A22, Q22 = _row2(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, BOUNDED,
+  A20, Q20, A21, Q21, A22, Q22 = _row2(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC, DIAG,
                                         NUM_STAGES)
   A30, Q30, A31, Q31, A32, Q32, A33, Q33 = _row3(q, k, G, row0, r0, t0, Tp, H, K, BK, PREC,
-                                                 BOUNDED, NUM_STAGES)
+                                                 DIAG, NUM_STAGES)
 
   # Masks: one segment, strictly causal for A, causal for Aqk; then Aqk's blocks (zeros
   # above the diagonal) and A's.
@@ -451,6 +497,9 @@ def _wu(q, k, v, G, beta, W, U0, Qg, Kd, decay, b, h, n, row0, seg0, seg1, seg2,
 def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret, bounded=True):
   """(W, U0, Qg, Kd, decay, Aqk, A, T) of chunk 64; A and T are (1,) placeholders without
   residuals. Grid (N, B·H)."""
+  if UNBOUNDED_DIAGONAL not in ("columns", "products"):
+    raise ValueError("triton_gpu_stage1.UNBOUNDED_DIAGONAL must be 'columns' or 'products', "
+                     f"got {UNBOUNDED_DIAGONAL!r}")
   B, Tp, H, K = q.shape
   V = v.shape[-1]
   C, N, dt = CHUNK, Tp // CHUNK, q.dtype
@@ -461,7 +510,7 @@ def stage1_call(q, k, v, G, beta, seg, *, scale, residuals, interpret, bounded=T
   meta = dict(Tp=Tp, H=H, K=K, V=V, BK=min(K, STAGE1_BLOCK_K), BW=min(K, V, STAGE1_WU_BLOCK),
               SCALE=float(scale), PREC=triton_launch.fp32_dots(), SOLVE=STAGE1_SOLVE_PREC,
               LOW_DOTS=bool(triton_gpu.WU_LOW_DOTS and dt != F32), RESIDUALS=residuals,
-              BOUNDED=bounded)
+              DIAG="anchored" if bounded else UNBOUNDED_DIAGONAL)
   W, U0, Qg, Kd, decay, Aqk, A, T = triton_launch.launch(
       _kda_stage1_triton, (N, B * H), (q, k, v, G, beta, seg.astype(jnp.int32)), out_type,
       meta, name="kda_stage1_triton", interpret=interpret, warps=STAGE1_WARPS,
