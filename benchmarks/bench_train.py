@@ -541,6 +541,14 @@ def markdown(records: list[dict], extra) -> str:
   return "\n".join(lines) + "\n"
 
 
+def merge_records(old: list[dict], new: list[dict]) -> list[dict]:
+  """train.json's rows with `new` appended: earlier measurements of a row stay (its history,
+  and its other mode: a cold-only re-run keeps the row's warm launch), except one of the same
+  row, mode and commit, which a re-run of that code replaces."""
+  same = {(r["row"], r["mode"], r.get("commit")) for r in new}
+  return [r for r in old if (r["row"], r["mode"], r.get("commit")) not in same] + new
+
+
 def main(argv):
   del argv
   if _CHILD.value:
@@ -580,10 +588,8 @@ def main(argv):
   jax.config.update("jax_platforms", "cpu")
   records = [add_mfu(r, r["base_row"], _SET.value) if "step_ms" in r else r for r in records]
   old = json.load(open(json_path)) if os.path.exists(json_path) else []
-  measured = {r["row"] for r in records}
-  keep = [r for r in old if r["row"] not in measured]
   with open(json_path, "w") as f:
-    json.dump(keep + records, f, indent=1)
+    json.dump(merge_records(old, records), f, indent=1)
   md = markdown(records, _SET.value)
   with open(os.path.join(_OUT.value, "train.md"), "a") as f:
     f.write("\n" + md)

@@ -98,7 +98,8 @@ def get_config(arg=None):
   moe.grouped_matmul = ""       # "" = triton (GPU) / tokamax (TPU) for bf16, else xla; or xla | tokamax | mosaic | triton
   # On triton, one-device dropless: the down projection's dx kernel writes the SwiGLU's
   # gradient (pallas_kernels/moe/ops.swiglu_down): 3.8 ms less kernel time in the 1B's step,
-  # no faster a step while scanned layers copy h out of the stack for it (train.md), so off.
+  # no faster a step while scanned layers copy h out of the stack for it (train.md), so off
+  # here; on with unrolled layers (configs/long_context_1b.py).
   moe.swiglu_grad_in_kernel = False
   # One-device dropless: each assignment's weight scales its SwiGLU activation before the down
   # projection, (w·a)·down, and the combine sums; the backward then needs no expert output

@@ -33,4 +33,8 @@ def get_config(arg=None):
   # against 469 ms a step (benchmarks/train.md).
   c.data.seq_len = 8192
   c.data.batch_size = 2
+  # Scanned, as h200_dropless was timed (benchmarks/train.md): long_context_1b's unrolled
+  # layers and in-kernel SwiGLU gradient are not yet timed at this size.
+  m.scan_layers = True
+  m.moe.swiglu_grad_in_kernel = False
   return c

@@ -360,6 +360,18 @@ def test_bench_train_row_and_its_baseline_on_cpu(tmp_path):
   assert "commit abc1234" in md and "× baseline" in md and "tiny_cpu_short_baseline" in md
 
 
+def test_bench_train_keeps_a_rows_history_and_other_mode():
+  """A new cold measurement of a row is appended: the row's warm launch and its earlier
+  cold ones (other commits) stay; only the same row, mode and commit is replaced."""
+  old = [{"row": "a", "mode": "cold", "commit": "c1", "step_ms": 3.0},
+         {"row": "a", "mode": "warm", "commit": "c1", "launch_to_first_step_s": 7.0},
+         {"row": "a", "mode": "cold", "commit": "c2", "step_ms": 2.0},
+         {"row": "b", "mode": "cold", "commit": "c2", "step_ms": 5.0}]
+  new = [{"row": "a", "mode": "cold", "commit": "c2", "step_ms": 1.0}]
+  merged = bench_train.merge_records(old, new)
+  assert merged == [old[0], old[1], old[3], new[0]]
+
+
 def test_bench_train_rejects_a_label_that_is_not_a_name(tmp_path):
   """--label becomes part of a row's name: anything but letters, digits and _ is refused
   before a row runs, with the flag and the value in the message."""

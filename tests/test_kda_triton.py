@@ -257,10 +257,10 @@ def test_fwd16_matches_fp64_spec_and_keeps_the_training_path(monkeypatch):
   assert o.dtype == jnp.bfloat16 and rel_err(o, o_ref) <= 1e-2 and rel_err(S, S_ref) <= 1e-2
 
 
-# 8 s each; the default's first-tier case is the unbounded fp64 spec test below, the products
-# form's (an opt-in) this one
-@pytest.mark.parametrize("diagonal", [pytest.param("columns", marks=pytest.mark.slow),
-                                      "products"])
+# 8 s each; the default's (products) first-tier case is the unbounded fp64 spec test below,
+# the column form's (an opt-in) this one
+@pytest.mark.parametrize("diagonal", ["columns",
+                                      pytest.param("products", marks=pytest.mark.slow)])
 def test_fused_stage1_of_unbounded_gates_equals_pallas(diagonal, monkeypatch):
   """Kimi's unbounded gates (steps to -120, so a 16-row block's exponents overflow e^{88}
   from any one anchor): the fused kernel's diagonal blocks (column by column, or as
@@ -404,9 +404,9 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
       "fwd16_prepare": (triton_gpu_fwd16._kda16_prepare_triton, *prepare16),
       "fwd16_recurrence": (triton_gpu_fwd16._kda16_recurrence_triton, *recurrence16),
       "stage1_fused_bounded": (triton_gpu_stage1._kda_stage1_triton, *fused),
-      "stage1_fused_unbounded": (triton_gpu_stage1._kda_stage1_triton, *unbounded("columns")),
-      "stage1_fused_unbounded_products": (triton_gpu_stage1._kda_stage1_triton,
-                                          *unbounded("products")),
+      "stage1_fused_unbounded": (triton_gpu_stage1._kda_stage1_triton, *unbounded("products")),
+      "stage1_fused_unbounded_columns": (triton_gpu_stage1._kda_stage1_triton,
+                                         *unbounded("columns")),
       "tiles": (triton_gpu._kda_tiles_triton, *fwd_tiles),
       "wu": (triton_gpu._kda_wu_triton, *fwd_wu),
       "tiles_blocks": (triton_gpu._kda_tiles_blocks_triton, *by_tile),
@@ -434,14 +434,14 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
 
 
 # Optional forms the default path does not launch: the bounded fused stage 1
-# (STAGE1_FUSED = False), its unbounded diagonal as products (UNBOUNDED_DIAGONAL =
-# "columns") and the 16-row forward (FWD16 = False).
-_OPTIONAL_FORMS = ("stage1_fused_bounded", "stage1_fused_unbounded_products", "fwd16_prepare",
+# (STAGE1_FUSED = False), its unbounded diagonal column by column (UNBOUNDED_DIAGONAL =
+# "products") and the 16-row forward (FWD16 = False).
+_OPTIONAL_FORMS = ("stage1_fused_bounded", "stage1_fused_unbounded_columns", "fwd16_prepare",
                    "fwd16_recurrence")
-# Bytes a thread spilled that a form was adopted with: the unbounded fused stage 1 with its
-# diagonal column by column spills 56 at 4 warps and is still 1.28x the three kernels'
-# forward (triton_gpu_stage1's knobs, benchmarks/kda.md); its products form 4-8.
-_SPILLS = {"stage1_fused_unbounded": 56, "stage1_fused_unbounded_products": 8}
+# Bytes a thread spilled that a form was timed with: the unbounded fused stage 1 spills 4-8
+# at 4 warps and is 1.28x the three kernels' forward with the column form's 56
+# (triton_gpu_stage1's knobs, benchmarks/kda.md).
+_SPILLS = {"stage1_fused_unbounded": 8, "stage1_fused_unbounded_columns": 56}
 
 
 # make test builds the shipped kernels at the seeds' head dims (128); long_context_1b's 64

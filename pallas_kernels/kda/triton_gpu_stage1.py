@@ -42,8 +42,9 @@ CHUNK = 64            # the one chunk size this kernel is written for (4 sub-chu
 # Launch knobs (benchmarks/kda.md). Built for sm_90a in bf16 at K = V = 64 and 128, 4 warps
 # with 16-column tiles steps and 32-column W/U steps take 247-249 registers and spill
 # nothing; 32-column tiles steps spill 68-168 bytes a thread, 64-column W/U steps 8 at
-# K = 64, and one loop for all four block rows 300-1000. The unbounded gates' build (its
-# diagonal blocks column by column) spills 56 bytes a thread at 4 warps, 0-20 at 8.
+# K = 64, and one loop for all four block rows 300-1000. The unbounded gates' build spills
+# 4-8 bytes a thread at 4 warps (UNBOUNDED_DIAGONAL below; column by column 56), 52-64 at
+# 8 warps, whose forward is 1.55x slower.
 # Bounded gates: triton_gpu's three kernels, 1.35-1.52x faster forward on an H100 (this
 # kernel's long dependent chain of [16, 16] dots runs at 12.5% occupancy, 252 registers).
 # Unbounded gates: this kernel, 1.28x faster forward than pallas_gpu's three (its
@@ -54,11 +55,12 @@ UNBOUNDED_WU_BWD = True         # unbounded gates' backward: triton_gpu's W/U ba
                                 # factors are all ≤ 1, safe for any gate) before pallas_gpu's
                                 # unbounded tiles backward; else pallas_gpu's whole backward
                                 # (1x8192x32 fwd+bwd 9.79 against 10.05 ms on an H100, kda.md)
-UNBOUNDED_DIAGONAL = "columns"  # unbounded gates' diagonal blocks in the fused kernel: a
-                                # loop over their 16 columns inside each block row's K loop
-                                # ("columns"), or [16, 16, 8] products in a K loop of their
-                                # own after it ("products": 4-8 bytes a thread spilled, not
-                                # 56; untimed)
+UNBOUNDED_DIAGONAL = "products"  # unbounded gates' diagonal blocks in the fused kernel:
+                                 # [16, 16, 8] products in a K loop of their own after each
+                                 # block row's ("products": 4-8 bytes a thread spilled), or
+                                 # a loop over their 16 columns inside it ("columns": 56);
+                                 # 1x8192x32 fwd 2.34 against 2.48 ms, fwd+bwd 9.38 against
+                                 # 9.80 on an H100 (kda.md, 2026-12-08)
 STAGE1_BLOCK_K = 16       # K columns per step of the tiles loops
 STAGE1_WU_BLOCK = 32      # K / V columns per step of the W/U loops
 STAGE1_WARPS = 4
@@ -550,8 +552,8 @@ def intra_bwd_unbounded(q, k, v, G, beta, seg, A, T, d_st, *, scale, chunk_size,
 
 
 # Stage 1 of implementation="triton": this forward, triton_gpu's backward; for unbounded
-# gates (pallas_gpu.UNBOUNDED_STAGE1 "pallas"), this forward with its diagonal blocks column
-# by column and intra_bwd_unbounded.
+# gates (pallas_gpu.UNBOUNDED_STAGE1 "pallas"), this forward with its diagonal blocks summed
+# with every factor ≤ 1 (UNBOUNDED_DIAGONAL) and intra_bwd_unbounded.
 intra = pallas_gpu.intra_with_vjp(intra_fused, triton_gpu.intra_bwd_triton)
 intra_unbounded = pallas_gpu.intra_with_vjp(functools.partial(intra_fused, bounded=False),
                                             intra_bwd_unbounded)
