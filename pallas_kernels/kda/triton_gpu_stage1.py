@@ -140,7 +140,7 @@ def _diagonal_block(q_a, k_a, G_a, k, G, row0, t, col, A_aa, Aqk_aa, H: tl.const
 
 @triton.jit
 def _diagonal_row(q, k, G, row0, r, Tp: tl.constexpr, H: tl.constexpr, K: tl.constexpr,
-                  BK: tl.constexpr, NUM_STAGES: tl.constexpr):
+                  NUM_STAGES: tl.constexpr):
   """Block (r, r) of A and Aqk for unbounded gates ("products"), over all of K in a loop of
   its own, 8 columns a step: [16, 16, 16] products beside a block row's other accumulators
   spill registers (20-24 bytes a thread at 4 warps against 4-8 so)."""
@@ -179,7 +179,7 @@ def _row0(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
           NUM_STAGES: tl.constexpr):
   """Block (0, 0) of A and Aqk."""
   if DIAG == "products":
-    return _diagonal_row(q, k, G, row0, r0, Tp, H, K, BK, NUM_STAGES)
+    return _diagonal_row(q, k, G, row0, r0, Tp, H, K, NUM_STAGES)
   z = tl.full((16, 16), 0.0, tl.float32)
   A00, Q00 = z, z
   for ik in tl.range(0, K // BK, num_stages=NUM_STAGES):
@@ -206,7 +206,7 @@ def _row1(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
     A10, Q10 = _below(k1 * left, q1 * left, f1, _rows(k, row0, r0, col, Tp, H, K, BK),
                       _rows(G, row0, r0, col, Tp, H, K, BK), A10, Q10, PREC)
   if DIAG == "products":
-    A11, Q11 = _diagonal_row(q, k, G, row0, r0 + 1, Tp, H, K, BK, NUM_STAGES)
+    A11, Q11 = _diagonal_row(q, k, G, row0, r0 + 1, Tp, H, K, NUM_STAGES)
   return A10, Q10, A11, Q11
 
 
@@ -229,7 +229,7 @@ def _row2(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
     A21, Q21 = _below(kl, ql, f2, _rows(k, row0, r0 + 1, col, Tp, H, K, BK),
                       _rows(G, row0, r0 + 1, col, Tp, H, K, BK), A21, Q21, PREC)
   if DIAG == "products":
-    A22, Q22 = _diagonal_row(q, k, G, row0, r0 + 2, Tp, H, K, BK, NUM_STAGES)
+    A22, Q22 = _diagonal_row(q, k, G, row0, r0 + 2, Tp, H, K, NUM_STAGES)
   return A20, Q20, A21, Q21, A22, Q22
 
 
@@ -254,7 +254,7 @@ def _row3(q, k, G, row0, r0, t0, Tp: tl.constexpr, H: tl.constexpr, K: tl.conste
     A32, Q32 = _below(kl, ql, f3, _rows(k, row0, r0 + 2, col, Tp, H, K, BK),
                       _rows(G, row0, r0 + 2, col, Tp, H, K, BK), A32, Q32, PREC)
   if DIAG == "products":
-    A33, Q33 = _diagonal_row(q, k, G, row0, r0 + 3, Tp, H, K, BK, NUM_STAGES)
+    A33, Q33 = _diagonal_row(q, k, G, row0, r0 + 3, Tp, H, K, NUM_STAGES)
   return A30, Q30, A31, Q31, A32, Q32, A33, Q33
 
 
