@@ -100,6 +100,10 @@ def get_config(arg=None):
     c.model.n_layers = 8
     c.model.layer_pattern = "KKKA"
     c.model.remat = False
+    # Scanned, as grpo_gpu.json's runs were (long_context_1b unrolls its layers for the
+    # 8K step's speed).
+    c.model.scan_layers = True
+    c.model.moe.swiglu_grad_in_kernel = False
     # Dropless in the warm-up too: with capacity dispatch (factor 1.25) it dropped half the
     # routed tokens (dropped_fraction 0.43-0.61 per layer over 150 steps; routing on the
     # task formats settles on a few experts faster than bias_rate 1e-3 evens it out).
