@@ -29,7 +29,8 @@ ARGS = ("cpu", "tools", "h200")
 def get_config(arg=None):
   if arg not in ARGS:
     raise ValueError(f"configs/grpo.py arg must be one of {ARGS}; got {arg!r}")
-  c = tiny.get_config() if arg != "h200" else long_context_1b.get_config()
+  # h200: scanned layers, as grpo_gpu.json's runs were
+  c = tiny.get_config() if arg != "h200" else long_context_1b.get_config("scanned")
   # Two MLA layers (KAKA) instead of tiny's one: on the 2-core CPU MLA is cheaper per token
   # than KDA at these lengths, and the retrieval task needs attention.
   c.model.layer_pattern = "KAKA"
@@ -100,10 +101,6 @@ def get_config(arg=None):
     c.model.n_layers = 8
     c.model.layer_pattern = "KKKA"
     c.model.remat = False
-    # Scanned, as grpo_gpu.json's runs were (long_context_1b unrolls its layers for the
-    # 8K step's speed).
-    c.model.scan_layers = True
-    c.model.moe.swiglu_grad_in_kernel = False
     # Dropless in the warm-up too: with capacity dispatch (factor 1.25) it dropped half the
     # routed tokens (dropped_fraction 0.43-0.61 per layer over 150 steps; routing on the
     # task formats settles on a few experts faster than bias_rate 1e-3 evens it out).

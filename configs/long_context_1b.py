@@ -2,7 +2,9 @@
 
 16 layers at d_model 1024, 3:1 KDA:MLA, 16 heads of 64; MLA latent rank 256; layer 0 a
 dense SwiGLU, then MoE with 32 experts (hidden 704) top-4 + 1 shared. Variant `:all_mla`
-replaces every mixer by MLA (the full-attention baseline).
+replaces every mixer by MLA (the full-attention baseline); `:scanned` keeps its layers
+scanned and the SwiGLU gradient out of the dx kernel, the layout single_h200, stages.py:h200
+and grpo.py:h200 were timed and run with.
 
   python scripts/param_count.py --config=configs/long_context_1b.py
   python -m benchmarks.bench_long_context --out=$OUT
@@ -47,6 +49,10 @@ def get_config(arg=None):
   e.swiglu_grad_in_kernel = True
   if arg == "all_mla":
     m.layer_pattern = "A"
+  elif arg == "scanned":
+    m.scan_layers = True
+    e.swiglu_grad_in_kernel = False
   elif arg not in (None, ""):
-    raise ValueError(f"configs/long_context_1b.py arg must be '' or 'all_mla'; got {arg!r}")
+    raise ValueError("configs/long_context_1b.py arg must be '', 'all_mla' or 'scanned'; "
+                     f"got {arg!r}")
   return c

@@ -14,8 +14,15 @@ def test_configs_load_and_validate():
   for c in (base.get_config(), tiny.get_config(), tiny.get_config("mqar"),
             kimi_linear_48b.get_config(), kimi_linear_48b.get_config("h200_slice"),
             trillion.get_config(),
-            long_context_1b.get_config(), long_context_1b.get_config("all_mla")):
+            long_context_1b.get_config(), long_context_1b.get_config("all_mla"),
+            long_context_1b.get_config("scanned")):
     assert config_lib.validate(c) is c
+  # the trained default unrolls the layers; "scanned" is the layout single_h200 was timed with
+  assert not long_context_1b.get_config().model.scan_layers
+  assert long_context_1b.get_config("scanned").model.scan_layers
+  with pytest.raises(ValueError, match=r"long_context_1b.py arg must be '', 'all_mla' or "
+                     r"'scanned'; got 'scan'"):
+    long_context_1b.get_config("scan")
   assert tiny.get_config("mqar").data.source == "mqar"
   with pytest.raises(ValueError, match="configs/tiny.py arg"):
     tiny.get_config("nope")

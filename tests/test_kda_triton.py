@@ -400,7 +400,7 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
   recurrence16 = ([rows(D), rows(D), rows(D), tiles16, rows(16), rows(D), S, rows(D), S],
                   dict(Tp=Tp, H=H, K=D, V=D, BV=min(D, triton_gpu_fwd16.FWD16_BLOCK_V),
                        PREC="tf32"), triton_gpu_fwd16.FWD16_WARPS)
-  by_name = {
+  return {
       "fwd16_prepare": (triton_gpu_fwd16._kda16_prepare_triton, *prepare16),
       "fwd16_recurrence": (triton_gpu_fwd16._kda16_recurrence_triton, *recurrence16),
       "stage1_fused_bounded": (triton_gpu_stage1._kda_stage1_triton, *fused),
@@ -430,7 +430,6 @@ def _kernel_arrays(B, Tp, H, D, C, dtype):
       "gate_bwd": (prologue_triton._kda_gate_bwd_triton,
                    [rows(D), per_head, per_head, live, fp32, rows(D), partial, partial],
                    pro_meta, triton_gpu.PROLOGUE_BWD_WARPS)}
-  return by_name
 
 
 # Optional forms the default path does not launch: the bounded fused stage 1

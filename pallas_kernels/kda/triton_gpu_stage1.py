@@ -346,7 +346,8 @@ def _kda_stage1_triton(q, k, v, G, beta, seg, W, U0, Qg, Kd, decay, Aqk, A, T,
   """One 64-row chunk (program id 0) of one (b, h) (id 1): the W/U kernel's outputs (W, U0,
   Qg, Kd in q's dtype, decay [B, N, H, K] fp32), Aqk (causal, scaled, q's dtype) and, with
   RESIDUALS, A (strictly causal, fp32, without β) and T (fp32), as triton_gpu.intra_triton
-  returns them. DIAG: the diagonal blocks' form (_diagonal_block). q, k, G [B, Tp, H, K]; v [B, Tp, H, V]; beta [B, Tp, H] fp32; seg [B, Tp]."""
+  returns them. DIAG: the diagonal blocks' form (_diagonal_block). q, k, G [B, Tp, H, K];
+  v [B, Tp, H, V]; beta [B, Tp, H] fp32; seg [B, Tp]."""
   n, b, h, row0, r0, t0, seg0, seg1, seg2, seg3, seg_end = _chunk(seg, Tp, H)
   i_L = tl.arange(0, 16)
 
